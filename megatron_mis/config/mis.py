@@ -1,0 +1,259 @@
+"""``MISConfig``: what the importance-sampling / rejection-sampling engine does.
+
+The first eleven keys are the ones slime and Miles already read from ``mis.yaml`` (same names,
+same meaning); the rest are added by megatron-mis. See ``configs/mis.yaml`` for a commented file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from megatron_mis.config.base import ConfigBase, ConfigError, doc, load_yaml_mapping
+
+__all__ = ["MISConfig", "Level", "ISMode", "MAX_LOG_RATIO_BOUND", "HOST_KEYS"]
+
+Level = Literal["token", "sequence", "geometric"]
+ISMode = Literal["truncate", "clip", "mask"]
+
+#: exp(x) overflows float32 just above 88; keep every exponent well inside.
+MAX_LOG_RATIO_BOUND = 80.0
+
+#: Keys slime and Miles already use in ``mis.yaml``.
+HOST_KEYS = (
+    "use_tis",
+    "use_rs",
+    "tis_level",
+    "rs_level",
+    "tis_mode",
+    "tis_lower_bound",
+    "tis_upper_bound",
+    "rs_lower_bound",
+    "rs_upper_bound",
+    "rs_veto_threshold",
+    "tis_batch_normalize",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class MISConfig(ConfigBase):
+    """Importance sampling (IS), rejection sampling (RS), veto and self-normalisation settings.
+
+    With r_t = pi_train(y_t) / pi_rollout(y_t): token level uses r_t, sequence level prod r_t,
+    geometric level exp(mean log r_t) over the sequence's loss-mask tokens.
+    """
+
+    # ---- keys shared with slime / Miles -------------------------------------------------------
+    use_tis: bool = doc(
+        False,
+        "Apply importance-sampling weights pi_train/pi_rollout to the policy loss. Off: weights are 1 "
+        "(metrics, rejection and veto still work).",
+    )
+    use_rs: bool = doc(
+        False,
+        "Rejection sampling: drop tokens (rs_level=token) or whole sequences (sequence/geometric) "
+        "whose ratio at rs_level lies outside [rs_lower_bound, rs_upper_bound]. Independent of use_tis.",
+    )
+    tis_level: Level = doc(
+        "token",
+        "IS weight level: token (r_t), sequence (prod r_t) or geometric (exp(mean log r_t)).",
+    )
+    rs_level: Level = doc("token", "Level at which rejection sampling compares the ratio with its bounds.")
+    tis_mode: ISMode = doc(
+        "truncate",
+        "truncate: min(w, U) (TIS); clip: clamp(w, L, U); mask: keep w inside [L, U], reject the "
+        "token or sequence (by tis_level) outside (MIS / IcePop).",
+    )
+    tis_lower_bound: float | None = doc(
+        None, "L for clip and mask modes; null means 1/tis_upper_bound. Unused by truncate."
+    )
+    tis_upper_bound: float = doc(2.0, "U: the upper bound of the IS weight in every mode.")
+    rs_lower_bound: float | None = doc(None, "RS lower bound; null means the resolved tis_lower_bound.")
+    rs_upper_bound: float | None = doc(None, "RS upper bound; null means tis_upper_bound.")
+    rs_veto_threshold: float | None = doc(
+        None,
+        "Per-token ratio veto: reject the whole sequence if any kept token has r_t below this value "
+        "(e.g. 1.0e-4). Works with or without use_rs. null: off.",
+    )
+    tis_batch_normalize: bool = doc(
+        False,
+        "Self-normalise the IS weights so their mean over kept tokens (token level) or kept "
+        "sequences (sequence/geometric level) is 1. Needs use_tis.",
+    )
+
+    # ---- added by megatron-mis -----------------------------------------------------------------
+    tis_batch_normalize_scope: Literal["micro_batch", "global"] = doc(
+        "micro_batch",
+        "Where the self-normalisation mean is taken: micro_batch (this call's sequences, exact under "
+        "context parallelism) or global (the whole step's batch across data-parallel ranks; needs the "
+        "per-step statistics entry point, see README).",
+    )
+    log_ratio_bound: float = doc(
+        20.0,
+        "Every log-ratio (token, sequence sum or geometric mean) is clamped to [-bound, bound] before "
+        "exp, so nothing overflows (exp(20) ~ 4.9e8). At most 80.",
+    )
+    nonfinite_policy: Literal["neutralize", "reject", "error"] = doc(
+        "neutralize",
+        "NaN or +-inf train/rollout log-probs on loss-mask tokens: neutralize (ratio 1, counted in "
+        "mis_nonfinite_token_fraction, a warning gives the count), reject (drop the token from the "
+        "loss mask, counted) or error (raise).",
+    )
+    prob_veto_threshold: float | None = doc(
+        None,
+        "Probability veto: reject the whole sequence if any kept token's probability under "
+        "prob_veto_source is below this value (seed 000's 'near-zero probability' reading). null: off.",
+    )
+    prob_veto_source: Literal["rollout", "train"] = doc(
+        "rollout", "Which policy's token probability the probability veto looks at."
+    )
+
+    # ---------------------------------------------------------------------------- resolved bounds
+    @property
+    def tis_lower(self) -> float:
+        """Resolved IS lower bound (``1 / tis_upper_bound`` when unset)."""
+        return self.tis_lower_bound if self.tis_lower_bound is not None else 1.0 / self.tis_upper_bound
+
+    @property
+    def rs_lower(self) -> float:
+        """Resolved RS lower bound."""
+        return self.rs_lower_bound if self.rs_lower_bound is not None else self.tis_lower
+
+    @property
+    def rs_upper(self) -> float:
+        """Resolved RS upper bound."""
+        return self.rs_upper_bound if self.rs_upper_bound is not None else self.tis_upper_bound
+
+    @property
+    def normalizes(self) -> bool:
+        """Whether weights are self-normalised."""
+        return self.use_tis and self.tis_batch_normalize
+
+    @property
+    def rejects(self) -> bool:
+        """Whether this config can remove tokens or sequences from the loss mask."""
+        return (
+            self.use_rs
+            or (self.use_tis and self.tis_mode == "mask")
+            or self.rs_veto_threshold is not None
+            or self.prob_veto_threshold is not None
+            or self.nonfinite_policy == "reject"
+        )
+
+    @property
+    def token_rejects(self) -> bool:
+        """Whether single tokens (not only whole sequences) can be rejected."""
+        return (
+            (self.use_rs and self.rs_level == "token")
+            or (self.use_tis and self.tis_mode == "mask" and self.tis_level == "token")
+            or self.nonfinite_policy == "reject"
+        )
+
+    # --------------------------------------------------------------------------------- checks
+    def _check(self) -> list[str]:
+        problems = []
+
+        def positive(name: str, value: float | None) -> None:
+            if value is not None and not value > 0:
+                problems.append(f"{name}={value!r} must be > 0 (a ratio bound)")
+
+        for name in ("tis_lower_bound", "tis_upper_bound", "rs_lower_bound", "rs_upper_bound"):
+            positive(name, getattr(self, name))
+        if not problems:
+            if self.tis_mode != "truncate" and not self.tis_lower < self.tis_upper_bound:
+                problems.append(
+                    f"tis_lower_bound={self.tis_lower!r} must be < tis_upper_bound={self.tis_upper_bound!r}"
+                )
+            if not self.rs_lower < self.rs_upper:
+                problems.append(
+                    f"rs_lower_bound={self.rs_lower!r} must be < rs_upper_bound={self.rs_upper!r} "
+                    "(unset RS bounds default to the IS bounds)"
+                )
+        for name in ("rs_veto_threshold", "prob_veto_threshold"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value < 1.0:
+                problems.append(f"{name}={value!r} must lie in the open interval (0, 1), or be null")
+        if not 0.0 < self.log_ratio_bound <= MAX_LOG_RATIO_BOUND:
+            problems.append(
+                f"log_ratio_bound={self.log_ratio_bound!r} must lie in (0, {MAX_LOG_RATIO_BOUND:g}] "
+                "(exp overflows float32 near 88)"
+            )
+        if self.tis_batch_normalize and not self.use_tis:
+            problems.append(
+                "tis_batch_normalize=true has nothing to normalise: use_tis is false, so every weight is 1 "
+                "(set use_tis: true or tis_batch_normalize: false)"
+            )
+        if self.tis_batch_normalize_scope == "global" and not self.tis_batch_normalize:
+            problems.append(
+                "tis_batch_normalize_scope='global' needs tis_batch_normalize: true"
+            )
+        return problems
+
+    def _warnings(self) -> list[str]:
+        out = []
+        if self.use_tis and self.tis_mode == "truncate" and self.tis_lower_bound is not None:
+            out.append(
+                f"tis_lower_bound={self.tis_lower_bound!r} has no effect in tis_mode='truncate' "
+                "(truncate only caps at tis_upper_bound); it is still the default for rs_lower_bound"
+            )
+        if not self.use_rs:
+            for name in ("rs_lower_bound", "rs_upper_bound"):
+                if getattr(self, name) is not None:
+                    out.append(f"{name}={getattr(self, name)!r} has no effect because use_rs is false")
+        if not self.use_tis:
+            changed = [
+                n for n in ("tis_level", "tis_mode", "tis_lower_bound")
+                if getattr(self, n) != _DEFAULTS[n]
+            ]
+            if changed:
+                out.append(f"{', '.join(changed)} set but use_tis is false: IS weights are all 1")
+        return out
+
+    # ------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_host_args(cls, args: Any) -> "MISConfig":
+        """Build from a slime / Miles ``args`` namespace.
+
+        The host sets every key of ``--custom-config-path`` on ``args`` without checking it, so the
+        YAML file (when ``args.custom_config_path`` names one) is read again and any key that looks
+        like a misspelt MIS key is reported, together with every other problem.
+        """
+        problems: list[str] = []
+        path = getattr(args, "custom_config_path", None)
+        if path:
+            try:
+                data = load_yaml_mapping(path)
+            except (FileNotFoundError, ConfigError) as exc:
+                data = {}
+                problems.append(str(exc))
+            problems += unknown_mis_like_keys(data)
+        try:
+            cfg = cls.from_namespace(args, source=f"args{f' from {path}' if path else ''}")
+        except ConfigError as exc:
+            raise ConfigError(exc.config_name, problems + exc.problems) from None
+        if problems:
+            raise ConfigError(cls._label(f"args from {path}"), problems)
+        return cfg
+
+
+_DEFAULTS = {"tis_level": "token", "tis_mode": "truncate", "tis_lower_bound": None}
+
+#: Prefixes of keys that belong to this config; a YAML key with one of these prefixes (or within
+#: a small edit distance of a valid key) that is not a valid key is reported as a typo.
+_MIS_PREFIXES = ("tis_", "rs_", "mis_", "use_tis", "use_rs", "prob_veto", "log_ratio", "nonfinite")
+
+
+def unknown_mis_like_keys(data: dict[str, Any]) -> list[str]:
+    """Problems for keys of a shared host YAML that look like MIS keys but are not valid ones."""
+    import difflib
+
+    valid = MISConfig.field_names()
+    problems = []
+    for key in data:
+        if key in valid or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.8)
+        if close or key.startswith(_MIS_PREFIXES):
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"unknown MIS key {key!r}{hint}; valid keys: {', '.join(valid)}")
+    return problems

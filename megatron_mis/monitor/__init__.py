@@ -1,0 +1,1 @@
+"""Mismatch monitoring and the response-length-surge learning-rate scheduler."""

@@ -1,0 +1,1 @@
+"""Test and benchmark helpers shipped with the package (multi-process gloo pool)."""
