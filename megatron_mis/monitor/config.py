@@ -219,16 +219,22 @@ class LengthDecayConfig(ConfigBase):
 class MonitorConfig(ConfigBase):
     """The mismatch monitor: smoothed histories of per-step metrics and structured warnings when
     the mismatch grows (trend over a window), spikes, crosses a threshold, or the response length
-    surges. Metric names are those passed to ``MismatchMonitor.update`` (Miles / slime mismatch
-    names by default: ``k3_kl``, ``log_ppl_abs_diff``; plus ``grad_norm``, ``entropy``,
-    ``response_length``)."""
+    surges. Metric names are those passed to ``MismatchMonitor.update``; the defaults are the
+    megatron-mis engine's names (``mis_k3_kl``, ``mis_log_ppl_abs_diff``; the Miles example
+    function calls them ``k3_kl``, ``log_ppl_abs_diff``) plus ``grad_norm`` and
+    ``response_length``."""
 
+    monitor_enabled: bool = doc(
+        False,
+        "Host integrations (the slime / Miles patches): feed each training step's logged metrics to "
+        "a monitor on the logging rank. A MismatchMonitor you construct yourself always runs.",
+    )
     monitor_trend_metrics: list[str] = doc(
-        ["k3_kl", "log_ppl_abs_diff", "grad_norm"],
+        ["mis_k3_kl", "mis_log_ppl_abs_diff", "grad_norm"],
         "Metrics watched for a sustained rise over monitor_window observations.",
     )
     monitor_spike_metrics: list[str] = doc(
-        ["k3_kl"], "Metrics watched for single-step spikes (seed 001: K3 KL spikes come first)."
+        ["mis_k3_kl"], "Metrics watched for single-step spikes (seed 001: K3 KL spikes come first)."
     )
     monitor_length_metric: str | None = doc(
         "response_length",
@@ -237,7 +243,7 @@ class MonitorConfig(ConfigBase):
     )
     monitor_thresholds: dict = doc(
         {},
-        "Absolute upper bounds, metric name -> value, e.g. {log_ppl_abs_diff: 0.05}; a value above "
+        "Absolute upper bounds, metric name -> value, e.g. {mis_log_ppl_abs_diff: 0.05}; a value above "
         "its bound gives a 'threshold' warning. Empty: none.",
     )
     monitor_window: int = doc(

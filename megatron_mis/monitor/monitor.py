@@ -8,8 +8,9 @@ comes before it. The monitor watches exactly that::
     monitor = MismatchMonitor(MonitorConfig(...), SurgeConfig(...))
     for step in range(1, num_steps + 1):
         ...
-        for w in monitor.update(step, {"k3_kl": ..., "log_ppl_abs_diff": ..., "grad_norm": ...,
-                                        "entropy": ..., "response_length": ..., "lr": ...}):
+        for w in monitor.update(step, {"mis_k3_kl": ..., "mis_log_ppl_abs_diff": ...,
+                                        "grad_norm": ..., "entropy": ...,
+                                        "response_length": ..., "lr": ...}):
             ...  # w.kind, w.metric, w.value, w.threshold, w.trend, w.message
 
 Warning kinds (:class:`MonitorWarning`):
