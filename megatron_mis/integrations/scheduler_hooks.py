@@ -85,6 +85,16 @@ class HostState:
     last_response_length: float | None = None
     monitor: Any = None
 
+    def __reduce__(self) -> tuple:
+        # Megatron pickles `args` into every checkpoint, and hosts send it to other processes:
+        # the live scheduler / optimizer / open monitor files must not travel with it. A pickled
+        # or deep-copied args carries None here, and host_state() starts afresh from the keys.
+        return (_no_state, ())
+
+
+def _no_state() -> None:
+    return None
+
 
 def configs_from_args(args: Any) -> ScheduleConfigs:
     """The surge / decay / monitor configs from the keys the host set on ``args`` (absent keys
@@ -248,7 +258,7 @@ def monitor_train_step(args: Any, step: int, log_dict: dict[str, Any], *, strip_
     metrics = {}
     for key, value in log_dict.items():
         name = key[len(strip_prefix):] if strip_prefix and key.startswith(strip_prefix) else key
-        if isinstance(value, bool) or value is None:
+        if name == "step" or isinstance(value, bool) or value is None:
             continue
         try:
             metrics[name] = float(value)
