@@ -48,7 +48,7 @@ class SurgeConfig(ConfigBase):
         "Registered detector name. window_ratio: the smoothed length reached ratio x the smoothed "
         "length length_surge_window observations earlier (seed 002's 'triples within a few "
         "steps'). ema_jump: the smoothed length reached ratio x a slow exponential moving average "
-        "of the lengths before the smoothing window (frozen while the condition holds).",
+        "of the lengths before the smoothing window (frozen during a rise, see docs).",
     )
     length_surge_ratio: float = doc(
         2.0,
@@ -58,8 +58,8 @@ class SurgeConfig(ConfigBase):
     length_surge_window: int = doc(
         10,
         "window_ratio: the rise is measured over this many observations (>= 1; keep it >= "
-        "length_surge_smoothing + length_surge_patience so a jump is seen long enough). Unused by "
-        "ema_jump.",
+        "length_surge_smoothing + length_surge_patience so a jump is seen long enough). ema_jump: "
+        "the longest time the baseline stays frozen during a rise.",
     )
     length_surge_smoothing: int = doc(
         3, "Observations averaged into the smoothed length (>= 1; 1 = raw per-step means)."

@@ -19,8 +19,10 @@ Registered detectors (:data:`SURGE_DETECTORS`):
 
 ``ema_jump``
     ``R_n`` is an exponential moving average (``length_surge_ema_beta``) of the lengths observed
-    before the smoothing window, frozen while the surge condition holds: a relative jump against
-    a smoothed baseline. It tolerates noisier traces than ``window_ratio`` at the same smoothing.
+    before the smoothing window: a relative jump against a smoothed baseline. The average stops
+    following the lengths while the smoothed length is above ``sqrt(ratio)`` times it (for at most
+    ``length_surge_window`` observations), so a ramping surge cannot drag its own reference up. It
+    tolerates noisier traces than ``window_ratio`` at the same smoothing.
 
 Detection delay (noise-free): if the length jumps at observation ``s`` to at least
 ``length_surge_ratio`` times a flat level, ``window_ratio`` fires at the latest on observation
@@ -261,6 +263,7 @@ class EmaJumpDetector(SurgeDetector):
     def __init__(self, config: SurgeConfig) -> None:
         super().__init__(config)
         self._ema: float | None = None
+        self._frozen_for = 0
         # EMA after each of the last k = smoothing observations. At observation n, before it is
         # added, [0] is E_{n-k}: the EMA of L_1..L_{n-k}, i.e. of everything before the k values
         # that S_n averages.
@@ -272,19 +275,28 @@ class EmaJumpDetector(SurgeDetector):
         return self._ema_history[0]
 
     def _after(self, length: float, smoothed: float | None) -> None:
-        beta = self.config.length_surge_ema_beta
+        cfg = self.config
         if self._ema is None:
             self._ema = length
-        elif self._streak == 0:
-            self._ema = beta * self._ema + (1.0 - beta) * length
-        # While the surge condition holds the baseline is frozen: a surge must not become its own
-        # reference before the patience has run out.
+        elif (
+            smoothed is not None
+            and smoothed >= math.sqrt(cfg.length_surge_ratio) * self._ema
+            and self._frozen_for < cfg.length_surge_window
+        ):
+            # Half-way (in log scale) to a surge: stop following the lengths, so a rising surge
+            # does not become its own reference; for at most `window` observations, so a lasting
+            # moderate level shift is eventually adopted as the new baseline.
+            self._frozen_for += 1
+        else:
+            self._ema = cfg.length_surge_ema_beta * self._ema + (1.0 - cfg.length_surge_ema_beta) * length
+            self._frozen_for = 0
         self._ema_history.append(self._ema)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"ema": self._ema, "ema_history": list(self._ema_history)}
+        return {"ema": self._ema, "ema_history": list(self._ema_history), "frozen_for": self._frozen_for}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._frozen_for = int(state["frozen_for"])
         self._ema = state["ema"]
         self._ema_history = deque(state["ema_history"], maxlen=self.config.length_surge_smoothing)
 
