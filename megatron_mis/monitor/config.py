@@ -247,7 +247,9 @@ class MonitorConfig(ConfigBase):
         "its bound gives a 'threshold' warning. Empty: none.",
     )
     monitor_window: int = doc(
-        20, "Observations in the trend window and in the spike baseline (>= 4)."
+        30,
+        "Observations in the trend window and in the spike baseline (>= 4). A trend is seen once "
+        "the metric grows by monitor_trend_min_growth over half a window.",
     )
     monitor_trend_min_growth: float = doc(
         1.5,
@@ -257,10 +259,10 @@ class MonitorConfig(ConfigBase):
     monitor_trend_min_tau: float = doc(
         0.5,
         "Trend warning: Kendall's rank correlation between step and value over the window must be at "
-        "least this (in (0, 1]); stationary noise gives about 0 +- 0.16 for a 20-step window.",
+        "least this (in (0, 1]); stationary noise gives about 0 +- 0.13 for a 30-step window.",
     )
     monitor_spike_factor: float = doc(
-        5.0,
+        10.0,
         "Spike warning: value above this multiple of the median of the previous window (> 1).",
     )
     monitor_cooldown: int = doc(
