@@ -290,6 +290,30 @@ def test_load_schedule_configs_reports_all_problems_and_ignores_foreign_keys():
     assert "use_tis" in text and "length_surge_ratio=0.5" in text and "monitor_window=2" in text
     configs = load_schedule_configs({"use_tis": True, "length_decay_enabled": True}, ignore=("use_tis",))
     assert configs.decay.length_decay_enabled
-    # the key names never collide with the MIS keys' typo prefixes
-    for name in SurgeConfig.field_names() + LengthDecayConfig.field_names() + MonitorConfig.field_names():
+    # the key names never collide with the MIS keys' typo prefixes, nor with MISConfig's keys
+    from megatron_mis.config import MISConfig
+    from megatron_mis.monitor import SCHEDULE_KEYS
+
+    assert set(SCHEDULE_KEYS) == set(SurgeConfig.field_names() + LengthDecayConfig.field_names() + MonitorConfig.field_names())
+    assert not set(SCHEDULE_KEYS) & set(MISConfig.field_names())
+    for name in SCHEDULE_KEYS:
         assert not name.startswith(("tis_", "rs_", "mis_", "use_tis", "use_rs", "prob_veto", "log_ratio", "nonfinite"))
+
+
+def test_host_monitor_hook_reads_a_slime_log_dict(tmp_path):
+    # What the patched slime / Miles train() passes: its per-step log dict ("train/" keys, the
+    # host's own step counter, learning rates per group), on the logging rank only.
+    import argparse
+
+    from megatron_mis.integrations import scheduler_hooks as hooks
+
+    args = argparse.Namespace(monitor_enabled=True, monitor_jsonl_path=str(tmp_path / "host.jsonl"), monitor_emit="none")
+    hooks.host_state(args).last_response_length = 812.5  # as observe_rollout leaves it
+    log_dict = {"train/mis_k3_kl": 1e-3, "train/grad_norm": 0.4, "train/lr-pg_0": 1e-6, "train/step": 0,
+                "train/mis_log_ppl_abs_diff": 0.01, "train/note": "text"}
+    assert hooks.monitor_train_step(args, 1, log_dict) == []
+    hooks.host_state(args).monitor.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "host.jsonl").read_text().splitlines()]
+    assert record["step"] == 1
+    assert record["metrics"] == {"mis_k3_kl": 1e-3, "grad_norm": 0.4, "lr-pg_0": 1e-6,
+                                 "mis_log_ppl_abs_diff": 0.01, "response_length": 812.5}

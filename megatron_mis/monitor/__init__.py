@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_mis.monitor.config import (
+    SCHEDULE_KEYS,
     LengthDecayConfig,
     MonitorConfig,
     ScheduleConfigs,
@@ -53,6 +54,7 @@ __all__ = [
     "MismatchWarning",
     "MonitorConfig",
     "MonitorWarning",
+    "SCHEDULE_KEYS",
     "SURGE_DETECTORS",
     "ScheduleConfigs",
     "SurgeConfig",

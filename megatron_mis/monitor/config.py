@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple
 from megatron_mis.config.base import ConfigBase, ConfigError, doc, load_yaml_mapping
 
 __all__ = [
+    "SCHEDULE_KEYS",
     "LengthDecayConfig",
     "MonitorConfig",
     "ScheduleConfigs",
@@ -334,6 +335,13 @@ class MonitorConfig(ConfigBase):
         if self.monitor_wandb_project is not None and not self.monitor_wandb:
             out.append("monitor_wandb_project is set but monitor_wandb is false: nothing goes to W&B")
         return out
+
+
+#: Every key of the three configs: pass it as ``ignore=`` when validating a shared host YAML with
+#: another component's config (e.g. ``MISConfig.from_yaml(path, ignore=SCHEDULE_KEYS)``).
+SCHEDULE_KEYS: tuple[str, ...] = tuple(
+    SurgeConfig.field_names() + LengthDecayConfig.field_names() + MonitorConfig.field_names()
+)
 
 
 class ScheduleConfigs(NamedTuple):
