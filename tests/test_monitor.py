@@ -1,0 +1,319 @@
+"""The mismatch monitor: no warnings on stationary noise, structured warnings for trends, spikes,
+thresholds, surges, non-finite and missing metrics; cool-down; emission; the JSON-lines sink;
+TensorBoard / W&B through fake modules; exact save / restore; the configs and the YAML file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_mis.config import ConfigError
+from megatron_mis.monitor import (
+    LengthDecayConfig,
+    MismatchMonitor,
+    MismatchWarning,
+    MonitorConfig,
+    MonitorWarning,
+    SurgeConfig,
+    load_schedule_configs,
+)
+from megatron_mis.monitor.monitor import kendall_tau, trend_statistics
+
+REPO = Path(__file__).resolve().parent.parent
+QUIET = dict(monitor_emit="none")
+
+
+def monitor(tmp_path, **overrides):
+    cfg = MonitorConfig(monitor_jsonl_path=str(tmp_path / "m.jsonl"), **{**QUIET, **overrides})
+    return MismatchMonitor(cfg)
+
+
+def stationary_metrics(seed, num_steps=1000):
+    """What a healthy run logs: noisy but stationary (log-normal K3 KL and log-ppl gap, normal
+    gradient norm and entropy, response lengths with 10% noise)."""
+    rng = random.Random(seed)
+    for step in range(1, num_steps + 1):
+        yield step, {
+            "mis_k3_kl": 1.0e-3 * math.exp(rng.gauss(0.0, 0.3)),
+            "mis_log_ppl_abs_diff": 0.01 * math.exp(rng.gauss(0.0, 0.2)),
+            "grad_norm": 0.5 * (1.0 + 0.2 * rng.gauss(0.0, 1.0)),
+            "entropy": 0.8 + 0.05 * rng.gauss(0.0, 1.0),
+            "response_length": 1000.0 * math.exp(rng.gauss(0.0, 0.1)),
+        }
+
+
+# ------------------------------------------------------------------------- hand-derived
+def test_trend_statistics_hand_values():
+    assert kendall_tau([1.0, 2.0, 3.0, 4.0]) == 1.0
+    assert kendall_tau([4.0, 3.0, 2.0, 1.0]) == -1.0
+    assert kendall_tau([1.0, 1.0, 1.0]) == 0.0
+    # pairs of [1, 3, 2]: (1,3) +, (1,2) +, (3,2) -  -> 1/3
+    assert kendall_tau([1.0, 3.0, 2.0]) == pytest.approx(1 / 3, abs=1e-15)
+    assert trend_statistics([1.0, 1.0, 2.0, 2.0]) == (2.0, 4 / 6)
+    assert trend_statistics([0.0, 0.0, 1.0, 1.0])[0] == math.inf
+    assert trend_statistics([0.0, 0.0, 0.0, 0.0]) == (1.0, 0.0)
+
+
+# ------------------------------------------------------------------ no false alarms on noise
+def test_no_warnings_on_stationary_noise(tmp_path):
+    for seed in range(5):
+        mon = MismatchMonitor(MonitorConfig(**QUIET), sinks=[])
+        found = [w for step, metrics in stationary_metrics(seed) for w in mon.update(step, metrics)]
+        assert found == [], found[:3]
+
+
+# ------------------------------------------------------------------------------- warnings
+def test_growing_mismatch_gives_a_trend_warning(tmp_path):
+    # K3 KL flat, then growing 5% per step from step 100 (doubling every ~14 steps).
+    mon = monitor(tmp_path)
+    first = None
+    for step, metrics in stationary_metrics(11, 300):
+        if step >= 100:
+            metrics["mis_k3_kl"] *= math.exp(0.05 * (step - 100))
+        for w in mon.update(step, metrics):
+            assert w.metric == "mis_k3_kl" and w.kind in ("trend", "spike"), w
+            if w.kind == "trend" and first is None:
+                first = w
+    assert first is not None and 100 < first.step <= 100 + 30  # within one window
+    assert first.threshold == 1.5 and first.trend >= 1.5 and first.details["tau"] >= 0.5
+    assert first.details["window"] == 30 and first.value == mon.history("mis_k3_kl")[first.step - 1][1]
+    assert "mis_k3_kl is rising" in first.message
+
+
+def test_spike_threshold_and_cooldown(tmp_path):
+    mon = monitor(tmp_path, monitor_thresholds={"mis_log_ppl_abs_diff": 0.05}, monitor_cooldown=20)
+    kinds = {}
+    for step, metrics in stationary_metrics(5, 200):
+        if step == 60:
+            metrics["mis_k3_kl"] = 0.05  # ~50x the median
+        if step in (80, 90, 101, 120):
+            metrics["mis_log_ppl_abs_diff"] = 0.2
+        for w in mon.update(step, metrics):
+            kinds.setdefault((w.kind, w.metric), []).append(w)
+    spikes = kinds.pop(("spike", "mis_k3_kl"))
+    assert [w.step for w in spikes] == [60]
+    assert spikes[0].threshold == 10.0 and spikes[0].trend == pytest.approx(0.05 / spikes[0].details["baseline"])
+    crossings = kinds.pop(("threshold", "mis_log_ppl_abs_diff"))
+    # 90 falls within 20 steps of 80 (suppressed); 101 does not; 120 is within 20 of 101
+    assert [w.step for w in crossings] == [80, 101]
+    assert crossings[0].value == 0.2 and crossings[0].threshold == 0.05
+    assert kinds == {}  # one spike does not make a trend
+
+
+def test_length_surge_warnings_rearm(tmp_path):
+    mon = monitor(tmp_path)
+    surges = []
+    for step, metrics in stationary_metrics(2, 400):
+        metrics["response_length"] *= 1.0 if step < 108 else (3.0 if step < 250 else 9.0)
+        surges += [w for w in mon.update(step, metrics) if w.kind == "length_surge"]
+    assert [w.step for w in surges] == [pytest.approx(110, abs=3), pytest.approx(252, abs=3)]
+    assert surges[0].metric == "response_length" and surges[0].threshold == 2.0 and surges[0].trend >= 2.0
+    assert "length_decay_enabled" in surges[0].message
+
+
+def test_non_finite_and_missing_metrics(tmp_path):
+    mon = monitor(tmp_path)
+    w1 = mon.update(1, {"mis_k3_kl": 1e-3, "grad_norm": float("nan"), "response_length": 100})
+    assert [(w.kind, w.metric) for w in w1] == [("missing_metric", "mis_log_ppl_abs_diff"), ("non_finite", "grad_norm")]
+    assert mon.history("grad_norm") == []
+    w2 = mon.update(2, {"mis_k3_kl": torch.tensor(2e-3, dtype=torch.float64), "grad_norm": 1.0, "response_length": 100, "lr": 1e-6})
+    assert w2 == []  # a missing metric is reported once
+    assert mon.history("mis_k3_kl") == [(1, 1e-3, 1e-3), (2, 2e-3, pytest.approx(0.9 * 1e-3 + 0.1 * 2e-3))]
+    assert mon.smoothed("grad_norm") == 1.0 and mon.metrics() == ["grad_norm", "lr", "mis_k3_kl", "response_length"]
+    with pytest.raises(ValueError, match="steps must increase"):
+        mon.update(2, {})
+    with pytest.raises(ValueError, match="must be a scalar"):
+        mon.update(3, {"x": torch.ones(2)})
+    with pytest.raises(ValueError, match="must be a number"):
+        mon.update(3, {"x": "high"})
+    mon.close()
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["metrics"]["grad_norm"] is None and records[0]["non_finite"] == ["grad_norm"]
+    assert [w["kind"] for w in records[0]["warnings"]] == ["missing_metric", "non_finite"]
+    assert records[1]["metrics"]["mis_k3_kl"] == pytest.approx(2e-3) and records[1]["warnings"] == []
+    assert set(records[1]["smoothed"]) == {"mis_k3_kl", "grad_norm", "response_length", "lr"}
+
+
+def test_emission_modes(tmp_path, caplog):
+    metrics = {"mis_log_ppl_abs_diff": 1.0}
+    cfg = dict(monitor_thresholds={"mis_log_ppl_abs_diff": 0.5}, monitor_trend_metrics=[], monitor_spike_metrics=[],
+               monitor_length_metric=None)
+    mon = monitor(tmp_path, monitor_emit="warnings", **cfg)
+    with pytest.warns(MismatchWarning, match="threshold on mis_log_ppl_abs_diff"):
+        returned = mon.update(1, metrics)
+    assert len(returned) == 1 and isinstance(returned[0], MonitorWarning)
+    mon = monitor(tmp_path, monitor_emit="logging", **cfg)
+    with caplog.at_level(logging.WARNING, logger="megatron_mis.monitor"):
+        mon.update(1, metrics)
+    assert "exceeds its bound 0.5" in caplog.text
+
+
+# ---------------------------------------------------------------------------------- state
+def test_state_round_trip_continues_exactly(tmp_path):
+    def run(mon, steps):
+        out = []
+        for step, metrics in steps:
+            metrics = dict(metrics)  # the same trace feeds three monitors
+            if step >= 150:
+                metrics["mis_k3_kl"] *= math.exp(0.06 * (step - 150))
+            metrics["response_length"] *= 3.0 if step >= 120 else 1.0
+            out += [w.to_dict() for w in mon.update(step, metrics)]
+        return out
+
+    steps = list(stationary_metrics(9, 260))
+    cfg = MonitorConfig(**QUIET)
+    full = MismatchMonitor(cfg, sinks=[])
+    expected = run(full, steps)
+    first = MismatchMonitor(cfg, sinks=[])
+    got = run(first, steps[:140])
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = MismatchMonitor(cfg, sinks=[])
+    resumed.load_state_dict(state)
+    got += run(resumed, steps[140:])
+    assert got == expected and {w["kind"] for w in got} >= {"trend", "length_surge"}
+    assert resumed.state_dict() == full.state_dict()
+    other = MismatchMonitor(MonitorConfig(monitor_window=10, **QUIET), sinks=[])
+    with pytest.warns(UserWarning, match="different MonitorConfig"):
+        other.load_state_dict(state)
+    assert len(other._series["mis_k3_kl"].window) == 10
+
+
+# ---------------------------------------------------------------------------------- sinks
+class _FakeSummaryWriter:
+    instances: list = []
+
+    def __init__(self, log_dir):
+        self.log_dir, self.scalars, self.closed = log_dir, [], False
+        _FakeSummaryWriter.instances.append(self)
+
+    def add_scalar(self, tag, value, global_step):
+        self.scalars.append((tag, value, global_step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_sink_with_a_fake_module(tmp_path, monkeypatch):
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = _FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    _FakeSummaryWriter.instances.clear()
+    mon = monitor(tmp_path, monitor_tensorboard_dir=str(tmp_path / "tb"), monitor_length_metric=None)
+    mon.update(7, {"mis_k3_kl": 1e-3, "grad_norm": float("inf")})
+    mon.close()
+    (writer,) = _FakeSummaryWriter.instances
+    assert writer.log_dir == str(tmp_path / "tb") and writer.closed
+    tags = {tag: (value, step) for tag, value, step in writer.scalars}
+    assert tags["mis_monitor/mis_k3_kl"] == (1e-3, 7) and tags["mis_monitor/smoothed/mis_k3_kl"] == (1e-3, 7)
+    assert "mis_monitor/grad_norm" not in tags  # non-finite values are not written
+    assert tags["mis_monitor/num_warnings"][0] >= 1.0
+
+
+def test_tensorboard_or_wandb_configured_but_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"monitor_tensorboard_dir=.* is set but TensorBoard cannot be imported.*megatron-mis\[tensorboard\]"):
+        monitor(tmp_path, monitor_tensorboard_dir=str(tmp_path / "tb"))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"monitor_wandb is true but wandb cannot be imported.*monitor_wandb: false"):
+        monitor(tmp_path, monitor_wandb=True)
+
+
+@pytest.mark.parametrize("active_run", [False, True])
+def test_wandb_sink_with_a_fake_module(tmp_path, monkeypatch, active_run):
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.run = object() if active_run else None
+    fake.init = lambda project=None: calls.append(("init", project))
+    fake.define_metric = lambda name, step_metric=None: calls.append(("define_metric", name, step_metric))
+    fake.log = lambda data: calls.append(("log", data))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    mon = monitor(tmp_path, monitor_wandb=True, monitor_wandb_project="mis", monitor_length_metric=None)
+    mon.update(3, {"mis_k3_kl": 2e-3})
+    mon.close()
+    expected_start = [] if active_run else [("init", "mis")]
+    assert calls[: len(expected_start)] == expected_start
+    assert ("define_metric", "mis_monitor/*", "mis_monitor/step") in calls
+    logged = [c[1] for c in calls if c[0] == "log"]
+    assert logged and logged[0]["mis_monitor/step"] == 3 and logged[0]["mis_monitor/mis_k3_kl"] == 2e-3
+    assert (("finish",) in calls) == (not active_run)  # only a run the monitor started is finished
+
+
+# -------------------------------------------------------------------------------- configs
+def test_monitor_config_errors_all_at_once():
+    with pytest.raises(ConfigError) as info:
+        MonitorConfig(
+            monitor_window=3, monitor_trend_min_growth=1.0, monitor_trend_min_tau=0.0, monitor_spike_factor=0.5,
+            monitor_cooldown=-1, monitor_ema_beta=1.0, monitor_thresholds={"x": "high"}, monitor_emit="print",
+        )
+    assert len(info.value.problems) == 8
+    with pytest.warns(UserWarning, match="monitor_wandb is false"):
+        MonitorConfig(monitor_wandb_project="p")
+
+
+def test_shipped_yaml_documents_every_key_and_loads():
+    path = REPO / "configs" / "lr_schedule.yaml"
+    configs = load_schedule_configs(path)
+    assert configs.decay.length_decay_enabled and configs.monitor.monitor_enabled
+    text = path.read_text().splitlines()
+    keys = [line.split(":")[0] for line in text if line and not line.startswith(("#", " "))]
+    expected = SurgeConfig.field_names() + LengthDecayConfig.field_names() + MonitorConfig.field_names()
+    assert sorted(keys) == sorted(expected)  # every key present, nothing else
+    for i, line in enumerate(text):
+        if line and not line.startswith(("#", " ")):
+            assert text[i - 1].startswith("#"), f"{line!r} has no comment above it"
+    # every value other than the two switches is the default
+    for config in configs:
+        defaults = type(config)()
+        changed = {k for k in config.field_names() if getattr(config, k) != getattr(defaults, k)}
+        assert changed <= {"length_decay_enabled", "monitor_enabled"}
+
+
+def test_load_schedule_configs_reports_all_problems_and_ignores_foreign_keys():
+    data = {"length_decay_peroid": 3, "length_surge_ratio": 0.5, "monitor_window": 2, "use_tis": True}
+    with pytest.raises(ConfigError) as info:
+        load_schedule_configs(data)
+    text = str(info.value)
+    assert "length_decay_peroid" in text and "did you mean 'length_decay_period'" in text
+    assert "use_tis" in text and "length_surge_ratio=0.5" in text and "monitor_window=2" in text
+    configs = load_schedule_configs({"use_tis": True, "length_decay_enabled": True}, ignore=("use_tis",))
+    assert configs.decay.length_decay_enabled
+    # the key names never collide with the MIS keys' typo prefixes, nor with MISConfig's keys
+    from megatron_mis.config import MISConfig
+    from megatron_mis.monitor import SCHEDULE_KEYS
+
+    assert set(SCHEDULE_KEYS) == set(SurgeConfig.field_names() + LengthDecayConfig.field_names() + MonitorConfig.field_names())
+    assert not set(SCHEDULE_KEYS) & set(MISConfig.field_names())
+    for name in SCHEDULE_KEYS:
+        assert not name.startswith(("tis_", "rs_", "mis_", "use_tis", "use_rs", "prob_veto", "log_ratio", "nonfinite"))
+
+
+def test_host_monitor_hook_reads_a_slime_log_dict(tmp_path):
+    # What the patched slime / Miles train() passes: its per-step log dict ("train/" keys, the
+    # host's own step counter, learning rates per group), on the logging rank only.
+    import argparse
+
+    from megatron_mis.integrations import scheduler_hooks as hooks
+
+    args = argparse.Namespace(monitor_enabled=True, monitor_jsonl_path=str(tmp_path / "host.jsonl"), monitor_emit="none")
+    hooks.host_state(args).last_response_length = 812.5  # as observe_rollout leaves it
+    log_dict = {"train/mis_k3_kl": 1e-3, "train/grad_norm": 0.4, "train/lr-pg_0": 1e-6, "train/step": 0,
+                "train/mis_log_ppl_abs_diff": 0.01, "train/note": "text"}
+    assert hooks.monitor_train_step(args, 1, log_dict) == []
+    hooks.host_state(args).monitor.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "host.jsonl").read_text().splitlines()]
+    assert record["step"] == 1
+    assert record["metrics"] == {"mis_k3_kl": 1e-3, "grad_norm": 0.4, "lr-pg_0": 1e-6,
+                                 "mis_log_ppl_abs_diff": 0.01, "response_length": 812.5}
