@@ -354,3 +354,56 @@ def test_rejected_tokens_get_zero_loss_even_if_nan():
     )
     assert out.tolist() == [0.0, 1.0]
     assert masks[0].tolist() == [0, 1]
+
+
+# ----------------------------------------- global normalisation through the host hook (slime)
+def slime_global_norm(seed: int):
+    """CP=2 x DP=2 on real Megatron parallel state: the rollout-data hook computes the global mean
+    once, then two micro-batches call the drop-in; returns the weights of each micro-batch."""
+    from megatron.core import parallel_state as mpu
+
+    import megatron_mis
+    from megatron_mis.integrations.hosts import prepare_global_normalizer
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    with megatron_parallel(cp=2):
+        cp_rank = mpu.get_context_parallel_rank()
+        dp_rank = mpu.get_data_parallel_rank()
+        totals, resps, train, rollout, masks = make_batch(seed + dp_rank, 2)
+        lay = local_response_layout(totals, resps, 2, cp_rank)
+        args = Namespace(use_tis=True, tis_level="geometric", tis_upper_bound=1.3, tis_batch_normalize=True,
+                         tis_batch_normalize_scope="global", custom_config_path=None, qkv_format="thd")
+        rollout_data = dict(
+            log_probs=[_slice(train, lay, i) for i in range(len(resps))],
+            rollout_log_probs=[_slice(rollout, lay, i) for i in range(len(resps))],
+            loss_masks=masks, total_lengths=totals, response_lengths=resps,
+        )
+        prepare_global_normalizer(args, 7, rollout_data)
+        out = []
+        for part in (slice(0, 4), slice(4, None)):  # two micro-batches
+            idx = list(range(len(resps)))[part]
+            local_n = int(sum(int(lay.local_lengths[i]) for i in idx))
+            pg, _, _ = megatron_mis.compute_mis_weights_with_cp(
+                args, pg_loss=torch.ones(local_n),
+                train_log_probs=[rollout_data["log_probs"][i] for i in idx],
+                rollout_log_probs=[rollout_data["rollout_log_probs"][i] for i in idx],
+                loss_masks=[masks[i] for i in idx], total_lengths=[totals[i] for i in idx],
+                response_lengths=[resps[i] for i in idx],
+            )
+            out.append((idx, pg))
+        return dict(cp_rank=cp_rank, dp_rank=dp_rank, index=lay, out=out)
+
+
+def test_global_normalizer_hook_matches_concatenated_global_batch(pool4):
+    results = pool4.run(slime_global_norm, 21)
+    batches = [make_batch(21 + d, 2) for d in range(2)]
+    cfg = MISConfig(use_tis=True, tis_level="geometric", tis_upper_bound=1.3, tis_batch_normalize=True)
+    global_mean = float(compute_mis_from_lists(*[sum((b[k] for b in batches), []) for k in (2, 3, 4)], cfg).normalizer)
+    unnormalised = cfg.replace(tis_batch_normalize=False)
+    for r in results:
+        totals, resps, train, rollout, masks = batches[r["dp_rank"]]
+        for idx, pg in r["out"]:
+            ref = compute_mis_from_lists([train[i] for i in idx], [rollout[i] for i in idx], [masks[i] for i in idx], unnormalised)
+            lay = local_response_layout([totals[i] for i in idx], [resps[i] for i in idx], 2, r["cp_rank"])
+            expected = ref.weights.index_select(0, lay.local_to_full_index()) / global_mean
+            torch.testing.assert_close(pg, expected, rtol=1e-6, atol=1e-7)

@@ -108,7 +108,7 @@ def _apply(
                 "megatron-mis: tis_batch_normalize_scope='global' needs the step's global mean, computed once per "
                 "step before the micro-batches: slime: --rollout-data-postprocess-path "
                 "megatron_mis.integrations.hosts.prepare_global_normalizer; Miles: apply "
-                "patches/miles_global_mis_normalizer.patch; plain Megatron-Core: "
+                "patches/miles-31f1ca96-global-mis-normalizer.patch; plain Megatron-Core: "
                 "megatron_mis.parallel.global_norm.compute_global_normalizer"
             )
         normalizer = normalizer[1]
