@@ -63,3 +63,18 @@ def test_analyze_bad_files(tmp_path, capsys):
     path.write_text('{"rollout_log_probs": [-1.0, -2.0], "train_log_probs": [-1.0]}\n')
     assert main(["analyze", str(path)]) == 2
     assert "sample 0" in capsys.readouterr().err
+
+
+def test_validate_combined_host_yaml(tmp_path, capsys):
+    """A slime / Miles --custom-config-path file holds MIS and LR-schedule keys together."""
+    both = tmp_path / "host.yaml"
+    both.write_text(open("configs/mis.yaml").read() + "\n" + open("configs/lr_schedule.yaml").read())
+    assert main(["validate", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("# ---- mis") < out.index("# ---- lr_schedule")
+    both.write_text("use_tis: true\nlength_decay_enabld: true\ntis_mode: x\nlength_decay_factor: 2.0\n")
+    assert main(["validate", str(both)]) == 2
+    err = capsys.readouterr().err
+    assert "3 problem(s)" in err
+    assert "'length_decay_enabld' (did you mean 'length_decay_enabled'?)" in err
+    assert "[mis] tis_mode='x'" in err and "[lr_schedule] length_decay_factor" in err
