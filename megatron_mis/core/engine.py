@@ -256,6 +256,9 @@ class _Tokens:
     rs_high: torch.Tensor | None
     ratio_veto: torch.Tensor | None
     prob_veto: torch.Tensor | None
+    #: float32 copies of the 0/1 flags, made once and shared by the per-sequence counts and the
+    #: indicator metrics (each conversion is a full pass over the tokens)
+    flags: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -401,6 +404,9 @@ def _token_stage(
             SumCol.SUM_W_AFTER: torch.where(mask, w_tok, zero),
         })
     columns.update({c: v for c, v in optional.items() if v is not None})
+    for c, values in columns.items():
+        if values.dtype == torch.bool:
+            columns[c] = tokens.flags[c] = values.to(torch.float32)
     sums = torch.zeros(num_seqs, len(SumCol), dtype=f64, device=train.device)
     for c, values in columns.items():
         sums[:, int(c)] = segment_sum(values, lengths).to(f64)

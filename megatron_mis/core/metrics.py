@@ -142,7 +142,7 @@ def build_metrics(
         summary[name] = value
 
     def indicator(name: str, flags: torch.Tensor, count: SumCol) -> None:
-        tok(name, flags, col(count).sum())
+        tok(name, tokens.flags.get(count, flags), col(count).sum())
 
     # ---- mismatch metrics (always) -------------------------------------------------------
     train_mean = _safe_div(col(SumCol.SUM_TRAIN_LP), n_valid)
@@ -154,7 +154,8 @@ def build_metrics(
     log_r_f = tokens.log_r  # clamped, 0 where invalid
     raw_log_r = tokens.train - tokens.rollout  # 0 where invalid
     tok("mis_kl", -raw_log_r, -col(SumCol.SUM_LOG_R).sum())
-    tok("mis_k3_kl", (tokens.r - 1.0 - log_r_f) * tokens.valid, col(SumCol.SUM_K3).sum())
+    validf = tokens.flags.get(SumCol.N_VALID, tokens.valid)
+    tok("mis_k3_kl", (tokens.r - 1.0 - log_r_f) * validf, col(SumCol.SUM_K3).sum())
     diff = rollout_mean - train_mean
     seq("mis_log_ppl_diff", diff)
     seq("mis_log_ppl_abs_diff", diff.abs())
@@ -162,7 +163,7 @@ def build_metrics(
     seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SumCol.SUM_R2), n_valid) - 1.0, torch.zeros_like(n_valid)))
     seq_log = seqs.level_log_r["sequence"]
     seq("mis_chi2_seq", torch.where(n_valid > 0, _exp(2.0 * seq_log) - 1.0, torch.zeros_like(n_valid)))
-    tok("mis_tv", 0.5 * (tokens.r - 1.0).abs() * tokens.valid, 0.5 * col(SumCol.SUM_ABS_R1).sum())
+    tok("mis_tv", 0.5 * (tokens.r - 1.0).abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
     sum_r, sum_r2, nv = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum(), n_valid.sum()
     batch("mis_ess_token", torch.where(nv > 0, _safe_div(sum_r.square(), nv * sum_r2), torch.ones_like(nv)))
     has_valid = (n_valid > 0).to(f64)
@@ -182,7 +183,7 @@ def build_metrics(
             "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
         }[cfg.tis_mode]
         if cfg.tis_level == "token":
-            tok("mis_tis_weight_before_bound", tokens.w_tok_unbounded * tokens.valid, col(SumCol.SUM_W_BEFORE).sum())
+            tok("mis_tis_weight_before_bound", tokens.w_tok_unbounded * validf, col(SumCol.SUM_W_BEFORE).sum())
             tok("mis_tis_weight_after_bound", torch.where(tokens.mask, tokens.w_tok, torch.zeros_like(tokens.w_tok)), col(SumCol.SUM_W_AFTER).sum())
             if frac_names[0]:
                 indicator(frac_names[0], tokens.is_low, SumCol.N_IS_LOW)
