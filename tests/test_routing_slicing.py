@@ -152,7 +152,7 @@ def _replayed_vs_reference(tp, sp, cp, pp, vpp, layout, moe_layer_freq, check_sc
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_mis.models.gpt import GPTSpec
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt, cpu_rng_fork
+    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt, cpu_rng_shims
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.routing.slicing import scatter_route_shards, shard_spec_from_megatron
     from megatron_mis.testing.distributed import megatron_parallel
@@ -207,7 +207,7 @@ def _replayed_vs_reference(tp, sp, cp, pp, vpp, layout, moe_layer_freq, check_sc
             for _, m in c.named_modules():
                 if isinstance(m, TopKRouter):
                     m.register_forward_hook(lambda mod, i, o: seen.append((mod.layer_number - 1, o[1].detach().clone())))
-        with cpu_rng_fork(), RoutingReplay(chunks if vpp else chunks[0], routing_replay_mode="r3") as replay:
+        with cpu_rng_shims(), RoutingReplay(chunks if vpp else chunks[0], routing_replay_mode="r3") as replay:
             num_mb = 2 if vpp else 1  # the interleaved schedule needs >= pp micro-batches
             replay.load_routes([shard] * num_mb)
             replay.begin_pass()

@@ -15,8 +15,10 @@ megatron-core 0.16.1, torch CPU, gloo):
   values unmixed (no attention across positions). Only for tests of token/route layout, where
   attention math does not matter; never for numerics.
 - ``add_bias_linear=False``: MoE biases need expert-tensor-parallel size 1;
-- with sequence parallelism the embedding forks Megatron's CUDA RNG tracker around its dropout;
-  :func:`cpu_rng_fork` makes that fork a no-op (dropout is 0 in these models) while active.
+- with sequence parallelism the embedding forks Megatron's CUDA RNG tracker around its dropout,
+  and activation recomputation saves and restores the CUDA RNG state: :func:`cpu_rng_shims`
+  makes the fork a no-op (dropout is 0 in these models) and reads the CPU RNG state instead of
+  the CUDA one while active.
 """
 
 from __future__ import annotations
@@ -30,30 +32,36 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_mis.models.gpt import GPTSpec, transformer_config
 
-__all__ = ["SequenceParallelRMSNorm", "RoutingOnlyAttention", "cpu_moe_config", "build_cpu_moe_gpt", "cpu_rng_fork"]
+__all__ = ["SequenceParallelRMSNorm", "RoutingOnlyAttention", "cpu_moe_config", "build_cpu_moe_gpt", "cpu_rng_shims"]
 
 
 @contextlib.contextmanager
-def cpu_rng_fork() -> Iterator[None]:
-    """While active (and only without CUDA), ``CudaRNGStatesTracker.fork`` yields without
-    touching CUDA RNG states; restored on exit."""
+def cpu_rng_shims() -> Iterator[None]:
+    """While active (and only without CUDA): ``CudaRNGStatesTracker.fork`` yields without
+    touching CUDA RNG states, and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+    (used by activation recomputation) read / leave the CPU generator (recomputation restores the
+    CPU state itself). Everything is restored on exit."""
     if torch.cuda.is_available():
         yield
         return
     from megatron.core.tensor_parallel import random as mrandom
 
     cls = mrandom.CudaRNGStatesTracker
-    original = cls.fork
+    saved = [(cls, "fork", cls.fork)]
+    saved += [(mrandom, n, getattr(mrandom, n)) for n in ("_get_cuda_rng_state", "_set_cuda_rng_state")]
 
     @contextlib.contextmanager
     def fork(self, name=None):
         yield
 
     cls.fork = fork
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        cls.fork = original
+        for obj, name, value in saved:
+            setattr(obj, name, value)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
