@@ -69,7 +69,7 @@ from megatron_mis.routing.agreement import agreement_counts, agreement_fractions
 from megatron_mis.routing.sglang import compact_route_dtype
 from megatron_mis.routing.slicing import RouteShard
 
-__all__ = ["RoutingReplayConfig", "RoutingReplay", "native_replay_available", "LegacyTopkPatch"]
+__all__ = ["RoutingReplayConfig", "RoutingReplay", "native_replay_available", "LegacyTopkPatch", "legacy_routing_call"]
 
 _RECORD = "record"
 _REPLAY = "replay"
@@ -268,15 +268,13 @@ def _apply_capacity(
     drop_policy: str,
 ):
     """Megatron-Core 0.13's token dropping after top-k (``topk_softmax_with_capacity``)."""
-    from megatron.core.transformer.moe import moe_utils
+    import math
 
     tokens_per_expert = routing_map.sum(dim=0)
     if capacity_factor is None:
         return probs, routing_map, tokens_per_expert
     num_tokens, num_experts = probs.shape
-    capacity = moe_utils.get_capacity(
-        num_tokens=num_tokens * topk, num_experts=num_experts, capacity_factor=capacity_factor
-    )
+    capacity = math.ceil(num_tokens * topk / num_experts * capacity_factor)  # 0.13's get_capacity
     if drop_policy == "probs":
         _, keep = torch.topk(probs, k=capacity, dim=0, sorted=False)
     elif drop_policy == "position":
@@ -348,32 +346,42 @@ class LegacyTopkPatch:
         hook = self.active
         if hook is None or hook.action is None:
             return self._original(*args, **kwargs)
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        if a.get("fused"):
-            raise RuntimeError("routing replay cannot run through the fused (TE) top-k; set moe_router_fusion=False")
-        probs, routing_map, _ = _routing_with_hook(
-            hook,
-            a["logits"],
-            a["topk"],
-            use_pre_softmax=a.get("use_pre_softmax", False),
-            num_groups=a.get("num_groups"),
-            group_topk=a.get("group_topk"),
-            scaling_factor=a.get("scaling_factor"),
-            score_function=a.get("score_function", "softmax"),
-            expert_bias=a.get("expert_bias"),
+        return legacy_routing_call(self._name, self._signature, hook, args, kwargs)
+
+
+def legacy_routing_call(name: str, signature: inspect.Signature, hook: _ReplayHook, args: tuple, kwargs: dict):
+    """Run Megatron-Core's routing function ``name`` (``topk_routing_with_score_function`` of
+    0.14 - 0.16 or ``topk_softmax_with_capacity`` of 0.13), called with ``args`` / ``kwargs``
+    against its ``signature``, with the expert choice going through ``hook``. Returns what the
+    original returns: ``(probs, routing_map)``, plus ``tokens_per_expert`` for 0.13."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("fused"):
+        raise RuntimeError("routing replay cannot run through the fused (TE) top-k; set moe_router_fusion=False")
+    probs, routing_map, _ = _routing_with_hook(
+        hook,
+        a["logits"],
+        a["topk"],
+        use_pre_softmax=a.get("use_pre_softmax", False),
+        num_groups=a.get("num_groups"),
+        group_topk=a.get("group_topk"),
+        scaling_factor=a.get("scaling_factor"),
+        score_function=a.get("score_function", "softmax"),
+        expert_bias=a.get("expert_bias"),
+    )
+    if name == "topk_softmax_with_capacity":
+        return _apply_capacity(
+            probs,
+            routing_map,
+            topk=a["topk"],
+            capacity_factor=a.get("capacity_factor"),
+            pad_to_capacity=a.get("pad_to_capacity", False),
+            drop_policy=a.get("drop_policy", "probs"),
         )
-        if self._name == "topk_softmax_with_capacity":
-            return _apply_capacity(
-                probs,
-                routing_map,
-                topk=a["topk"],
-                capacity_factor=a.get("capacity_factor"),
-                pad_to_capacity=a.get("pad_to_capacity", False),
-                drop_policy=a.get("drop_policy", "probs"),
-            )
-        return probs, routing_map
+    if name != "topk_routing_with_score_function":
+        raise ValueError(f"unknown routing function {name!r}")
+    return probs, routing_map
 
 
 LEGACY_PATCH = LegacyTopkPatch()
