@@ -1,0 +1,743 @@
+"""Replay MoE routing decisions inside Megatron-Core's routers (R3 / R2).
+
+:class:`RoutingReplay` is an object that installs itself on a model (a module or the list of
+virtual-pipeline chunks) and removes itself again; it is re-entrant and leaves nothing behind.
+
+Modes (``routing_replay_mode``):
+
+``r3``
+    every router uses the experts the rollout engine chose (per micro-batch
+    :class:`~megatron_mis.routing.slicing.RouteShard`, given with :meth:`RoutingReplay.set_routes`
+    or :meth:`RoutingReplay.load_routes`).
+``r2``
+    the first forward of a micro-batch records the trainer's own choices; every later forward of
+    that micro-batch (and every backward recomputation) replays them.
+``off``
+    nothing is installed.
+
+Replay gathers the router's scores at the given experts, so the router weights still receive
+gradients through the gathered probabilities; only the discrete choice is fixed.
+
+Backends (``routing_replay_backend``):
+
+``native`` (megatron-core >= 0.16, or an older core patched with ``patches/``)
+    Megatron's top-k routing consults ``router.router_replay`` (the hook behind
+    ``moe_enable_routing_replay``). The manager puts a per-router replay object of its own there
+    — a :class:`megatron.core.transformer.moe.router_replay.RouterReplay` subclass that runs the
+    native record / replay code but is not added to ``RouterReplay``'s global instance list and
+    does not pop backward routes first-in-first-out — and restores the original on removal.
+``legacy`` (megatron-core 0.13 - 0.15)
+    A runtime patch of the router's top-k: the name ``topk_routing_with_score_function``
+    (0.14, 0.15) or ``topk_softmax_with_capacity`` (0.13) in ``megatron.core.transformer.moe.router``
+    is replaced by a wrapper that runs the same routing with the replayed top-k while a router
+    is being replayed, and calls the original otherwise. Installed with the first legacy manager,
+    removed with the last. ``patches/`` holds the same change as a source patch.
+``auto``
+    native when the installed core has the hook, else legacy.
+
+Micro-batch keys, not first-in-first-out: every forward of a model chunk belongs to a micro-batch
+key (the chunk's forward count since :meth:`RoutingReplay.begin_pass`, or an explicit
+:meth:`RoutingReplay.set_micro_batch`). The key is attached to the chunk's output autograd node;
+when a micro-batch's backward starts there, the key becomes current again, so activation
+recomputation inside that backward replays that micro-batch's routes under any pipeline schedule
+(1F1B, interleaved, no pipelining) and any order of backward passes.
+
+Layers are matched by global layer number (``router.layer_number``), so dense layers, pipeline
+and virtual-pipeline offsets need no bookkeeping; MTP routers (inside ``mtp.``, layer numbers
+beyond ``num_layers``) route naturally unless ``routing_replay_exclude_mtp`` is False.
+
+Limits: routers with ``moe_router_fusion`` (TE fused top-k ignores the hook) or
+``moe_router_load_balancing_type='sinkhorn'`` cannot be replayed and raise at install; the
+combined-1F1B schedule (``build_schedule_plan``) bypasses the model's forward hooks and is not
+supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+
+from megatron_mis.config.base import ConfigBase, doc
+from megatron_mis.routing.agreement import agreement_counts, agreement_fractions, reduce_agreement
+from megatron_mis.routing.sglang import compact_route_dtype
+from megatron_mis.routing.slicing import RouteShard
+
+__all__ = ["RoutingReplayConfig", "RoutingReplay", "native_replay_available", "LegacyTopkPatch", "legacy_routing_call"]
+
+_RECORD = "record"
+_REPLAY = "replay"
+
+
+@dataclass(kw_only=True, slots=True)
+class RoutingReplayConfig(ConfigBase):
+    """Settings of :class:`RoutingReplay` (YAML / argparse keys)."""
+
+    routing_replay_mode: Literal["off", "r3", "r2"] = doc(
+        "off",
+        "r3: routers use the rollout engine's experts; r2: the first forward of a micro-batch "
+        "records the trainer's experts and later passes replay them; off: nothing is installed.",
+    )
+    routing_replay_backend: Literal["auto", "native", "legacy"] = doc(
+        "auto",
+        "native: Megatron-Core's router_replay hook (core >= 0.16 or patched); legacy: runtime "
+        "patch of the router top-k (core 0.13-0.15); auto: native where available.",
+    )
+    routing_replay_exclude_mtp: bool = doc(
+        True, "Leave multi-token-prediction routers on natural routing (the rollout engine returns no MTP routes)."
+    )
+    routing_replay_agreement: bool = doc(
+        True,
+        "Compute, in the same forward, the fraction of replayed experts the trainer's own "
+        "router would have chosen, per layer (one extra top-k per router call).",
+    )
+
+    def _warnings(self) -> list[str]:
+        out = []
+        if self.routing_replay_mode == "off":
+            for name, default in (("routing_replay_backend", "auto"), ("routing_replay_agreement", True)):
+                if getattr(self, name) != default:
+                    out.append(f"{name}={getattr(self, name)!r} has no effect with routing_replay_mode='off'")
+        return out
+
+
+# ----------------------------------------------------------------------------- version probes
+def _router_module():
+    from megatron.core.transformer.moe import router
+
+    return router
+
+
+def native_replay_available() -> bool:
+    """Whether the installed Megatron-Core routes top-k through ``router.router_replay``
+    (core >= 0.16, or an older core with ``patches/`` applied)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # pragma: no cover - megatron-core is a hard requirement
+        return False
+    fn = getattr(moe_utils, "topk_routing_with_score_function", None)
+    return fn is not None and "router_replay" in inspect.signature(fn).parameters
+
+
+def _replay_base():
+    try:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        return RouterReplay, RouterReplayAction
+    except ImportError:
+        return None, None
+
+
+_NativeRouterReplay, _NativeAction = _replay_base()
+
+
+class _ReplayHook(_NativeRouterReplay or object):  # type: ignore[misc]
+    """One router's replay object; speaks the ``router_replay.get_replay_topk`` protocol.
+
+    ``action`` is set by the manager before each router call: ``None`` (natural routing),
+    ``"record"`` or ``"replay"`` (with ``target``: ``[N, k]`` int64 on the router's device).
+    """
+
+    def __init__(self, layer_id: int) -> None:  # no super().__init__(): it registers globally
+        self.layer_id = layer_id
+        self.action: str | None = None
+        self.target: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.recorded: torch.Tensor | None = None
+        self.collect_agreement = False
+        self.agreement = None  # [2] float64 accumulated on the device
+        self.used = False  # set when the router consulted the hook during the current call
+        # attributes the native RouterReplay code reads
+        self.target_topk_idx = None
+        self.recorded_topk_idx = None
+        self.router_replay_action = None
+        self.replay_backward_list = []
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        self.used = True
+        if self.action is None:
+            return default_compute_topk(scores, topk, num_groups, group_topk)
+        if self.action == _RECORD:
+            if _NativeAction is not None:
+                self.router_replay_action = _NativeAction.RECORD
+                probs, idx = _NativeRouterReplay.get_replay_topk(
+                    self, scores, topk, num_groups, group_topk, default_compute_topk
+                )
+            else:
+                probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            self.recorded = idx.detach()
+            return probs, idx
+        target = self.target
+        if target.shape != (scores.shape[0], topk):
+            raise RuntimeError(
+                f"layer {self.layer_id}: replay routes have shape {tuple(target.shape)} but the router "
+                f"scores {scores.shape[0]} tokens with topk={topk}"
+            )
+        if self.collect_agreement:
+            with torch.no_grad():
+                _, natural = default_compute_topk(scores.detach(), topk, num_groups, group_topk)
+                stats = agreement_counts(target, natural, self.valid)
+            self.agreement = stats if self.agreement is None else self.agreement + stats
+        if _NativeAction is not None:
+            self.router_replay_action = _NativeAction.REPLAY_FORWARD
+            self.target_topk_idx = target
+            probs, idx = _NativeRouterReplay.get_replay_topk(
+                self, scores, topk, num_groups, group_topk, default_compute_topk
+            )
+            self.target_topk_idx = None
+            return probs, idx
+        return scores.gather(1, target), target
+
+
+# ------------------------------------------------------------------------------ legacy patch
+def _routing_with_hook(
+    hook: _ReplayHook,
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    score_function: str = "softmax",
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing whose expert choice goes through ``hook`` (the math of Megatron-Core's
+    score-function routing; only the top-k call differs).
+
+    Returns ``(routing_probs [N, E], routing_map [N, E] bool, top_indices [N, k])``.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if logits.dim() != 2:
+        raise ValueError(f"expected [num_tokens, num_experts] logits, got {tuple(logits.shape)}")
+    num_tokens, num_experts = logits.shape
+
+    def natural_topk(scores, k, num_groups=None, group_topk=None):
+        if group_topk:
+            return moe_utils.group_limited_topk(
+                scores=scores, topk=k, num_tokens=num_tokens, num_experts=num_experts,
+                num_groups=num_groups, group_topk=group_topk,
+            )
+        return torch.topk(scores, k=k, dim=1)
+
+    def choose(scores):
+        return hook.get_replay_topk(scores, topk, num_groups, group_topk, natural_topk)
+
+    if score_function == "softmax":
+        if use_pre_softmax:
+            probs, idx = choose(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
+        else:
+            chosen_logits, idx = choose(logits)
+            probs = torch.softmax(chosen_logits, dim=-1, dtype=torch.float32).type_as(logits)
+    elif score_function == "sigmoid":
+        sig = torch.sigmoid(logits.float()).type_as(logits)
+        if expert_bias is None:
+            chosen, idx = choose(sig)
+        else:  # the bias steers the choice; the weights come from the unbiased scores
+            _, idx = choose(sig + expert_bias)
+            chosen = torch.gather(sig, 1, idx).type_as(logits)
+        probs = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else chosen
+    else:
+        raise ValueError(f"unknown score_function {score_function!r}; valid: softmax, sigmoid")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    if torch.are_deterministic_algorithms_enabled():
+        rows = torch.arange(num_tokens, device=logits.device).unsqueeze(1)
+        routing_probs = torch.zeros_like(logits).index_put((rows, idx), probs, accumulate=False)
+        routing_map = torch.zeros_like(logits).index_put((rows, idx), torch.ones_like(probs), accumulate=False).bool()
+    else:
+        routing_probs = torch.zeros_like(logits).scatter(1, idx, probs)
+        routing_map = torch.zeros_like(logits).int().scatter(1, idx, 1).bool()
+    return routing_probs, routing_map, idx
+
+
+def _apply_capacity(
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    topk: int,
+    capacity_factor: float | None,
+    pad_to_capacity: bool,
+    drop_policy: str,
+):
+    """Megatron-Core 0.13's token dropping after top-k (``topk_softmax_with_capacity``)."""
+    import math
+
+    tokens_per_expert = routing_map.sum(dim=0)
+    if capacity_factor is None:
+        return probs, routing_map, tokens_per_expert
+    num_tokens, num_experts = probs.shape
+    capacity = math.ceil(num_tokens * topk / num_experts * capacity_factor)  # 0.13's get_capacity
+    if drop_policy == "probs":
+        _, keep = torch.topk(probs, k=capacity, dim=0, sorted=False)
+    elif drop_policy == "position":
+        _, keep = torch.topk(routing_map.int(), k=capacity, dim=0, sorted=False)
+    else:
+        raise ValueError(f"unknown drop_policy {drop_policy!r}; valid: probs, position")
+    capacity_mask = torch.zeros_like(probs).scatter(0, keep, 1).bool()
+    final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
+    return probs * final_map, final_map, tokens_per_expert
+
+
+class LegacyTopkPatch:
+    """The runtime patch of the router's top-k for megatron-core 0.13 - 0.15 (module docstring).
+
+    One instance per process (:data:`LEGACY_PATCH`); :meth:`acquire` / :meth:`release` count
+    users, the wrapper is installed with the first and the original restored with the last.
+    ``active`` is the hook of the router being called right now (set by the manager's router
+    pre-hook, cleared after the call); with no active hook the original function runs.
+    """
+
+    _NAMES = ("topk_routing_with_score_function", "topk_softmax_with_capacity")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._name: str | None = None
+        self._original = None
+        self._signature = None
+        self._installed = None
+        self.active: _ReplayHook | None = None
+
+    @property
+    def installed(self) -> bool:
+        return self._users > 0
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                module = _router_module()
+                name = next((n for n in self._NAMES if hasattr(module, n)), None)
+                if name is None:
+                    raise RuntimeError(
+                        "megatron.core.transformer.moe.router has neither topk_routing_with_score_function "
+                        "nor topk_softmax_with_capacity: this megatron-core version is not supported"
+                    )
+                self._name, self._original = name, getattr(module, name)
+                self._signature = inspect.signature(self._original)
+                self._installed = self._wrapper  # one bound-method object, compared by identity
+                setattr(module, name, self._installed)
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                return
+            self._users -= 1
+            if self._users == 0:
+                module = _router_module()
+                if getattr(module, self._name) is not self._installed:
+                    raise RuntimeError(
+                        f"megatron.core.transformer.moe.router.{self._name} was replaced by someone else "
+                        "while the routing-replay patch was installed; not restoring over it"
+                    )
+                setattr(module, self._name, self._original)
+                self._name = self._original = self._signature = self._installed = None
+                self.active = None
+
+    def _wrapper(self, *args: Any, **kwargs: Any):
+        hook = self.active
+        if hook is None or hook.action is None:
+            return self._original(*args, **kwargs)
+        return legacy_routing_call(self._name, self._signature, hook, args, kwargs)
+
+
+def legacy_routing_call(name: str, signature: inspect.Signature, hook: _ReplayHook, args: tuple, kwargs: dict):
+    """Run Megatron-Core's routing function ``name`` (``topk_routing_with_score_function`` of
+    0.14 - 0.16 or ``topk_softmax_with_capacity`` of 0.13), called with ``args`` / ``kwargs``
+    against its ``signature``, with the expert choice going through ``hook``. Returns what the
+    original returns: ``(probs, routing_map)``, plus ``tokens_per_expert`` for 0.13."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("fused"):
+        raise RuntimeError("routing replay cannot run through the fused (TE) top-k; set moe_router_fusion=False")
+    probs, routing_map, _ = _routing_with_hook(
+        hook,
+        a["logits"],
+        a["topk"],
+        use_pre_softmax=a.get("use_pre_softmax", False),
+        num_groups=a.get("num_groups"),
+        group_topk=a.get("group_topk"),
+        scaling_factor=a.get("scaling_factor"),
+        score_function=a.get("score_function", "softmax"),
+        expert_bias=a.get("expert_bias"),
+    )
+    if name == "topk_softmax_with_capacity":
+        return _apply_capacity(
+            probs,
+            routing_map,
+            topk=a["topk"],
+            capacity_factor=a.get("capacity_factor"),
+            pad_to_capacity=a.get("pad_to_capacity", False),
+            drop_policy=a.get("drop_policy", "probs"),
+        )
+    if name != "topk_routing_with_score_function":
+        raise ValueError(f"unknown routing function {name!r}")
+    return probs, routing_map
+
+
+LEGACY_PATCH = LegacyTopkPatch()
+
+
+# ------------------------------------------------------------------------------------ manager
+@dataclass
+class _RouterEntry:
+    name: str
+    layer_id: int  # global 0-based
+    router: Any
+    hook: _ReplayHook
+    original_replay: Any = None
+
+
+class RoutingReplay:
+    """Routing replay for one model (see the module docstring).
+
+    Args:
+        model: a module or a list of modules (virtual-pipeline chunks). Each is one "chunk":
+            micro-batch keys are counted per chunk.
+        config: :class:`RoutingReplayConfig`; keyword ``overrides`` replace its fields.
+
+    Typical use (plain Megatron-Core loop)::
+
+        replay = RoutingReplay(model_chunks, RoutingReplayConfig(routing_replay_mode="r3"))
+        with replay:
+            replay.load_routes(shards)          # one RouteShard per micro-batch (this rank's)
+            replay.begin_pass()                 # before each forward_backward_func call
+            forward_backward_func(...)          # forwards, backwards, recomputation all replay
+            metrics = replay.agreement(group=dp_cp_group)
+            replay.clear()
+    """
+
+    def __init__(self, model: Any, config: RoutingReplayConfig | None = None, **overrides: Any) -> None:
+        config = config if config is not None else RoutingReplayConfig()
+        if overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._depth = 0
+        self._handles: list[Any] = []
+        self._entries: dict[int, _RouterEntry] = {}
+        self._backend: str | None = None
+        self._routes: dict[Any, RouteShard] = {}
+        self._recorded: dict[tuple[Any, int], torch.Tensor] = {}
+        self._counters = [0] * len(self.chunks)
+        self._explicit_key: Any = None
+        self._current_key: Any = None
+        self._in_backward = False
+        self._agreement: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------------ install / remove
+    @property
+    def mode(self) -> str:
+        return self.config.routing_replay_mode
+
+    @property
+    def installed(self) -> bool:
+        return self._depth > 0
+
+    @property
+    def backend(self) -> str | None:
+        """``"native"`` or ``"legacy"`` while installed (``None`` otherwise or in mode off)."""
+        return self._backend
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Global 0-based layer ids of the routers this manager replays on this rank."""
+        return sorted(self._entries)
+
+    def __enter__(self) -> "RoutingReplay":
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def install(self) -> "RoutingReplay":
+        """Install hooks (re-entrant: a second call only counts)."""
+        self._depth += 1
+        if self._depth > 1 or self.mode == "off":
+            return self
+        try:
+            self._install()
+        except BaseException:
+            self._depth -= 1
+            self._uninstall()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Undo one :meth:`install`; the last one removes every hook and patch."""
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            self._uninstall()
+
+    def _resolve_backend(self) -> str:
+        want = self.config.routing_replay_backend
+        native = native_replay_available()
+        if want == "native" and not native:
+            raise RuntimeError(
+                "routing_replay_backend='native' needs megatron-core >= 0.16 (or a core patched with "
+                "patches/megatron-core-*-router-replay-hook.patch); use 'legacy' or 'auto'"
+            )
+        if want == "auto":
+            return "native" if native else "legacy"
+        return want
+
+    def _find_routers(self) -> list[_RouterEntry]:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        found: list[_RouterEntry] = []
+        for chunk in self.chunks:
+            for name, module in chunk.named_modules():
+                if not isinstance(module, TopKRouter):
+                    continue
+                cfg = module.config
+                if module.layer_number is None:
+                    raise RuntimeError(f"router {name!r} has no layer_number; cannot match it to a route column")
+                is_mtp = name.startswith("mtp.") or ".mtp." in name or module.layer_number > cfg.num_layers
+                if is_mtp and self.config.routing_replay_exclude_mtp:
+                    continue
+                if getattr(cfg, "moe_router_fusion", False):
+                    raise ValueError(
+                        f"router {name!r}: moe_router_fusion=True runs Transformer Engine's fused top-k, "
+                        "which ignores the replay hook; set moe_router_fusion=False for routing replay"
+                    )
+                if getattr(module, "routing_type", None) == "sinkhorn":
+                    raise ValueError(f"router {name!r}: sinkhorn routing has no top-k to replay")
+                if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
+                    warnings.warn(
+                        f"router {name!r}: moe_expert_capacity_factor={cfg.moe_expert_capacity_factor} drops "
+                        "tokens after replay, so some replayed experts are not used",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                layer_id = module.layer_number - 1
+                found.append(_RouterEntry(name, layer_id, module, _ReplayHook(layer_id)))
+        return found
+
+    def _install(self) -> None:
+        entries = self._find_routers()
+        seen: dict[int, str] = {}
+        for e in entries:
+            if e.layer_id in seen:
+                raise RuntimeError(f"routers {seen[e.layer_id]!r} and {e.name!r} share layer number {e.layer_id + 1}")
+            if getattr(e.router, "_mis_routing_replay", None) is not None:
+                raise RuntimeError(f"router {e.name!r} is already managed by another RoutingReplay")
+            seen[e.layer_id] = e.name
+        self._backend = self._resolve_backend()
+        for e in entries:
+            self._entries[e.layer_id] = e
+            e.router._mis_routing_replay = self
+            if self._backend == "native":
+                e.original_replay = getattr(e.router, "router_replay", None)
+                e.router.router_replay = e.hook
+            self._handles.append(e.router.register_forward_pre_hook(partial(self._router_pre, e), with_kwargs=True))
+            self._handles.append(e.router.register_forward_hook(partial(self._router_post, e)))
+        if self._backend == "legacy":
+            LEGACY_PATCH.acquire()
+        for i, chunk in enumerate(self.chunks):
+            self._handles.append(chunk.register_forward_pre_hook(partial(self._chunk_pre, i)))
+            self._handles.append(chunk.register_forward_hook(self._chunk_post))
+
+    def _uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for e in self._entries.values():
+            if self._backend == "native":
+                e.router.router_replay = e.original_replay
+            if getattr(e.router, "_mis_routing_replay", None) is self:
+                del e.router._mis_routing_replay
+        if self._backend == "legacy":
+            LEGACY_PATCH.release()
+        self._entries = {}
+        self._backend = None
+        self._current_key = None
+
+    # ------------------------------------------------------------------------------- routes
+    def begin_pass(self) -> None:
+        """Start a pass over the micro-batches (before each ``forward_backward_func`` call):
+        chunk forwards are counted from 0 again, so the i-th forward of a chunk is key ``i``."""
+        self._counters = [0] * len(self.chunks)
+        self._explicit_key = None
+
+    def set_micro_batch(self, key: Any) -> None:
+        """Use ``key`` (any hashable) for the next forward of a chunk instead of the count."""
+        self._explicit_key = key
+
+    def set_routes(self, key: Any, shard: RouteShard) -> None:
+        """Give the routes (this rank's :class:`RouteShard`) of micro-batch ``key`` (r3)."""
+        if not isinstance(shard, RouteShard):
+            raise TypeError(f"expected a RouteShard, got {type(shard).__name__}")
+        missing = [i for i in self._entries if i not in shard.layer_ids]
+        if missing:
+            raise ValueError(
+                f"micro-batch {key!r}: the shard has layers {shard.layer_ids} but this rank replays "
+                f"routers of layers {missing} too (slice with local_moe_layer_ids / shard_spec_from_megatron)"
+            )
+        if self._entries:
+            device = next(iter(self._entries.values())).router.weight.device
+            shard = RouteShard(shard.routes.to(device, non_blocking=True), shard.layer_ids, shard.valid.to(device))
+        self._routes[key] = shard
+
+    def load_routes(self, shards: Sequence[RouteShard], *, first_key: int = 0) -> None:
+        """:meth:`set_routes` for keys ``first_key, first_key + 1, ...`` (one shard per micro-batch)."""
+        for i, shard in enumerate(shards):
+            self.set_routes(first_key + i, shard)
+
+    def clear(self) -> None:
+        """Forget routes and recordings (end of a step). Agreement statistics are kept."""
+        self._routes.clear()
+        self._recorded.clear()
+        self.begin_pass()
+        self._current_key = None
+
+    def recorded_routes(self, key: Any) -> dict[int, torch.Tensor]:
+        """R2: ``{layer_id: [N, k]}`` (compact dtype) recorded for micro-batch ``key``."""
+        return {layer: idx for (k, layer), idx in self._recorded.items() if k == key}
+
+    # ---------------------------------------------------------------------------- metrics
+    def agreement_stats(self) -> tuple[list[int], torch.Tensor]:
+        """``(layer_ids, [num_layers, 2] float64)`` local agreement sums and token counts."""
+        ids = sorted(self._agreement)
+        if not ids:
+            return [], torch.zeros(0, 2, dtype=torch.float64)
+        return ids, torch.stack([self._agreement[i].detach().to("cpu") for i in ids])
+
+    def agreement(self, group: Any = None, *, num_layers: int | None = None) -> dict[int, float]:
+        """Per-layer routing agreement ``{layer_id: fraction}`` (forward passes only).
+
+        Without ``group`` the figures are this rank's. With a process group the statistics are
+        summed over it first (one all-reduce of a ``[num_layers, 2]`` tensor; every rank of the
+        group must call, with the same ``num_layers`` — the model's layer count, needed because
+        pipeline stages hold different layers).
+        """
+        ids, stats = self.agreement_stats()
+        if group is None:
+            return agreement_fractions(stats, ids)
+        if num_layers is None:
+            raise ValueError("agreement(group=...) needs num_layers (the model's layer count)")
+        full = torch.zeros(num_layers, 2, dtype=torch.float64)
+        for i, row in zip(ids, stats):
+            full[i] = row
+        device = next(iter(self._entries.values())).router.weight.device if self._entries else "cpu"
+        return agreement_fractions(reduce_agreement(full.to(device), group))
+
+    def reset_agreement(self) -> None:
+        self._agreement.clear()
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Routes, R2 recordings and agreement statistics (CPU tensors)."""
+        return {
+            "mode": self.mode,
+            "routes": {k: (s.routes.cpu(), s.layer_ids, s.valid.cpu()) for k, s in self._routes.items()},
+            "recorded": {k: v.cpu() for k, v in self._recorded.items()},
+            "agreement": {k: v.cpu() for k, v in self._agreement.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["mode"] != self.mode:
+            raise ValueError(f"state was saved in mode {state['mode']!r}, this replay runs {self.mode!r}")
+        self._routes = {k: RouteShard(r, tuple(ids), v) for k, (r, ids, v) in state["routes"].items()}
+        self._recorded = dict(state["recorded"])
+        self._agreement = dict(state["agreement"])
+
+    # ------------------------------------------------------------------------------ hooks
+    def _chunk_pre(self, index: int, module: Any, args: Any) -> None:
+        if self._explicit_key is not None:
+            key, self._explicit_key = self._explicit_key, None
+        else:
+            key = self._counters[index]
+            self._counters[index] += 1
+        self._current_key = key
+        self._in_backward = False
+
+    def _chunk_post(self, module: Any, args: Any, output: Any) -> None:
+        key = self._current_key
+        for t in _tensors(output):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(partial(self._enter_backward, key))
+
+    def _enter_backward(self, key: Any, grad_outputs: Any) -> None:
+        # first node of this micro-batch's backward: recomputation below replays `key`
+        self._current_key = key
+        self._in_backward = True
+
+    def _router_pre(self, entry: _RouterEntry, module: Any, args: Any, kwargs: Any) -> None:
+        hook = entry.hook
+        key = self._current_key
+        if key is None:
+            raise RuntimeError(
+                f"router of layer {entry.layer_id} ran outside a model chunk forward known to this "
+                "RoutingReplay (pass the model chunks you call to RoutingReplay)"
+            )
+        hidden = args[0] if args else kwargs.get("input")
+        num_tokens = hidden.numel() // hidden.shape[-1]
+        if self.mode == "r3" or (key, entry.layer_id) in self._recorded:
+            if self.mode == "r3":
+                shard = self._routes.get(key)
+                if shard is None:
+                    raise KeyError(
+                        f"no routes for micro-batch {key!r} (routes loaded for {sorted(map(repr, self._routes))}); "
+                        "call set_routes / load_routes before the forward"
+                    )
+                target = shard.routes[:, shard.column(entry.layer_id)].long()
+                valid = shard.valid
+            else:
+                target, valid = self._recorded[(key, entry.layer_id)].long(), None
+            if target.shape[0] != num_tokens:
+                raise ValueError(
+                    f"micro-batch {key!r}, layer {entry.layer_id}: {target.shape[0]} route rows for a router "
+                    f"input of {num_tokens} tokens; slice routes exactly like the tokens (CP layout, packing, "
+                    "sequence parallel, padding)"
+                )
+            hook.action, hook.target, hook.valid = _REPLAY, target.to(hidden.device, non_blocking=True), valid
+            hook.collect_agreement = self.config.routing_replay_agreement and not self._in_backward
+        else:  # r2, first forward of this micro-batch
+            hook.action, hook.target, hook.valid = _RECORD, None, None
+            hook.collect_agreement = False
+        hook.agreement = None
+        hook.recorded = None
+        hook.used = False
+        if self._backend == "legacy":
+            LEGACY_PATCH.active = hook
+
+    def _router_post(self, entry: _RouterEntry, module: Any, args: Any, output: Any) -> None:
+        hook = entry.hook
+        if self._backend == "legacy":
+            LEGACY_PATCH.active = None
+        if not hook.used:
+            hook.action = None
+            raise RuntimeError(
+                f"layer {entry.layer_id}: the router's top-k never consulted the replay hook "
+                f"(backend {self._backend!r}); its routes would be silently ignored"
+            )
+        if hook.action == _RECORD:
+            num_experts = entry.router.config.num_moe_experts
+            self._recorded[(self._current_key, entry.layer_id)] = hook.recorded.to(compact_route_dtype(num_experts))
+        if hook.agreement is not None:
+            prev = self._agreement.get(entry.layer_id)
+            self._agreement[entry.layer_id] = hook.agreement if prev is None else prev + hook.agreement
+        hook.action = hook.target = hook.valid = hook.recorded = hook.agreement = None
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            yield from _tensors(o)

@@ -1,0 +1,145 @@
+"""Rollout side of R3: SGLang request fields, decoding both wire formats, validation errors,
+compact storage, multi-turn append and spread padding (hand-derived values)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_mis.routing.routes import SampleRoutes, complete_sample_routes, spread_padding_routes
+from megatron_mis.routing.sglang import (
+    SGLANG_SERVER_FLAG,
+    compact_route_dtype,
+    decode_routed_experts,
+    request_routed_experts,
+)
+
+
+def _b64(arr: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
+
+
+ROUTES = np.array(  # 3 rows (4 tokens), 2 layers, top-2, 8 experts
+    [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[7, 0], [1, 2]]], dtype=np.int64
+)
+
+
+def test_request_fields():
+    payload = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}
+    out = request_routed_experts(payload)
+    assert out["return_routed_experts"] is True and "routed_experts_start_len" not in out
+    assert "return_routed_experts" not in payload  # not modified
+    assert request_routed_experts(payload, start_len=5)["routed_experts_start_len"] == 5
+    assert SGLANG_SERVER_FLAG == "--enable-return-routed-experts"
+    with pytest.raises(ValueError, match="start_len"):
+        request_routed_experts(payload, start_len=-1)
+
+
+@pytest.mark.parametrize("wire", [None, "int32", "uint16", "uint8"])
+def test_decode_both_formats(wire):
+    meta = {"routed_experts": _b64(ROUTES.astype({None: "<i4", "int32": "<i4", "uint16": "<u2", "uint8": "u1"}[wire]))}
+    if wire is not None:
+        meta["routed_experts_dtype"] = wire
+    out = decode_routed_experts(meta, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    assert out.dtype == torch.uint8 and out.shape == (3, 2, 2)
+    assert torch.equal(out.long(), torch.from_numpy(ROUTES))
+
+
+def test_decode_start_len_and_arrays():
+    meta = {"routed_experts": _b64(ROUTES[1:].astype("<i4"))}
+    out = decode_routed_experts(meta, num_tokens=4, num_layers=2, topk=2, num_experts=8, start_len=1)
+    assert torch.equal(out.long(), torch.from_numpy(ROUTES[1:]))
+    # an in-process engine may hand over an array
+    out = decode_routed_experts({"routed_experts": ROUTES.tolist()}, num_tokens=4, num_layers=2, topk=2, num_experts=300)
+    assert out.dtype == torch.int16 and torch.equal(out.long(), torch.from_numpy(ROUTES))
+
+
+def test_decode_errors_are_clear():
+    good = {"routed_experts": _b64(ROUTES.astype("<i4"))}
+    with pytest.raises(ValueError, match=r"has 12 elements but shape \[num_tokens-1-start_len=4, num_layers=2, topk=2\] needs 16"):
+        decode_routed_experts(good, num_tokens=5, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="needs 18"):  # layers counted without the dense ones
+        decode_routed_experts(good, num_tokens=4, num_layers=3, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match=r"expert id 7 at index \(1, 1, 1\) is outside \[0, num_experts=7\)"):
+        decode_routed_experts(good, num_tokens=4, num_layers=2, topk=2, num_experts=7)
+    neg = ROUTES.copy()
+    neg[2, 0, 1] = -1
+    with pytest.raises(ValueError, match="expert id -1 .* sentinel"):
+        decode_routed_experts({"routed_experts": _b64(neg.astype("<i4"))}, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="'int8' is not a known wire dtype; valid: int32, uint16, uint8"):
+        decode_routed_experts({**good, "routed_experts_dtype": "int8"}, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="not a whole number of int32"):
+        decode_routed_experts({"routed_experts": _b64(np.zeros(5, "u1"))}, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="not valid base64"):
+        decode_routed_experts({"routed_experts": "@@@"}, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(KeyError, match="return_routed_experts.*--enable-return-routed-experts"):
+        decode_routed_experts({}, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="topk=9 exceeds num_experts=8"):
+        decode_routed_experts(good, num_tokens=4, num_layers=2, topk=9, num_experts=8)
+
+
+def test_compact_dtype():
+    assert compact_route_dtype(256) == torch.uint8
+    assert compact_route_dtype(257) == torch.int16
+    assert compact_route_dtype(32768) == torch.int16
+    assert compact_route_dtype(40000) == torch.int32
+
+
+def test_spread_padding_hand_values():
+    pad = spread_padding_routes(3, 2, 2, 4)
+    # [r, l, j] = (r*k + l + j) mod E
+    want = torch.tensor([[[0, 1], [1, 2]], [[2, 3], [3, 0]], [[0, 1], [1, 2]]])
+    assert torch.equal(pad.long(), want)
+    big = spread_padding_routes(64, 3, 8, 16).long()
+    assert all(len(set(row.tolist())) == 8 for row in big.reshape(-1, 8))  # distinct within a token
+    counts = torch.bincount(big[:, 0].reshape(-1), minlength=16)
+    assert int(counts.max() - counts.min()) == 0  # 64 tokens x 8 / 16 experts: every expert 32
+
+
+def test_complete_sample_routes():
+    full = complete_sample_routes(torch.from_numpy(ROUTES), 4, 8)
+    assert full.shape == (4, 2, 2) and torch.equal(full[:3].long(), torch.from_numpy(ROUTES))
+    assert torch.equal(full[3], spread_padding_routes(1, 2, 2, 8, start=3)[0])
+    assert torch.equal(complete_sample_routes(full, 4, 8), full)
+    with pytest.raises(ValueError, match="3 rows for a sample of 6 tokens; expected 5"):
+        complete_sample_routes(torch.from_numpy(ROUTES), 6, 8)
+
+
+def test_multi_turn_append_gives_last_token_its_real_route():
+    """Turn 1: prompt 2 + 2 generated = 4 tokens -> rows 0..2. Turn 2: + 1 tool token + 2
+    generated = 7 tokens, requested from row 3: row 3 is turn 1's last token, routed in turn 2's
+    prefill, and must be its real route, not padding."""
+    rng = np.random.default_rng(0)
+    truth = np.stack([rng.permutation(8)[:2] for _ in range(6 * 2)]).reshape(6, 2, 2)
+    s = SampleRoutes(num_layers=2, topk=2, num_experts=8)
+    s.extend_from_response({"routed_experts": _b64(truth[:3].astype("<i4"))}, num_tokens=4, start_len=0)
+    assert s.num_rows == 3
+    start = s.num_rows
+    s.extend_from_response(
+        {"routed_experts": _b64(truth[start:].astype("u1")), "routed_experts_dtype": "uint8"}, num_tokens=7, start_len=start
+    )
+    assert torch.equal(s.routes.long(), torch.from_numpy(truth))
+    final = s.finalize(7)
+    assert final.shape == (7, 2, 2) and torch.equal(final[:6].long(), torch.from_numpy(truth))
+
+    # a server that ignores start_len returns every row: rows held are kept, new ones appended
+    t = SampleRoutes(num_layers=2, topk=2, num_experts=8)
+    t.append(torch.from_numpy(truth[:3]), start_len=0)
+    changed = truth.copy()
+    changed[:3] = (changed[:3] + 1) % 8  # a recomputed prefix may differ; the held rows win
+    t.append(torch.from_numpy(changed), start_len=0)
+    assert torch.equal(t.routes.long(), torch.from_numpy(np.concatenate([truth[:3], changed[3:]])))
+
+    gap = SampleRoutes(num_layers=2, topk=2, num_experts=8)
+    gap.append(torch.from_numpy(truth[:3]), start_len=0)
+    with pytest.raises(ValueError, match="rows 3..4 would be missing"):
+        gap.append(torch.from_numpy(truth[:1]), start_len=5)
+    with pytest.raises(ValueError, match="fewer than the 6 route rows"):
+        s.finalize(5)
+    state = s.state_dict()
+    u = SampleRoutes(num_layers=2, topk=2, num_experts=8)
+    u.load_state_dict(state)
+    assert torch.equal(u.routes, s.routes)
