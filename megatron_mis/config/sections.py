@@ -82,7 +82,20 @@ def _schedule_describe(cfgs: Any) -> dict[str, Any]:
     return out
 
 
+def _routing_keys() -> list[str]:
+    from megatron_mis.routing.config import RoutingReplayConfig
+
+    return RoutingReplayConfig.field_names()
+
+
+def _routing_build(data: dict[str, Any], source: str | None) -> Any:
+    from megatron_mis.routing.config import RoutingReplayConfig
+
+    return RoutingReplayConfig.from_dict(data, source=source)
+
+
 CONFIG_SECTIONS.register("mis", ConfigSection(_mis_keys, _mis_build, _mis_describe))
+CONFIG_SECTIONS.register("routing_replay", ConfigSection(_routing_keys, _routing_build, lambda c: c.to_dict()))
 CONFIG_SECTIONS.register("lr_schedule", ConfigSection(_schedule_keys, _schedule_build, _schedule_describe))
 
 

@@ -109,7 +109,8 @@ def transformer_config(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float
         kwargs.update(
             num_moe_experts=spec.num_moe_experts,
             moe_router_topk=spec.moe_router_topk,
-            moe_token_dispatcher_type="alltoall",
+            # alltoall builds a torch.cuda.Stream in its constructor; allgather runs on CPU (and EP over gloo)
+            moe_token_dispatcher_type="allgather",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,

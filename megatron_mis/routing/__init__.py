@@ -28,7 +28,7 @@ _EXPORTS = {
     "shard_spec_from_megatron": "slicing",
     "scatter_route_shards": "slicing",
     "RoutingReplay": "replay",
-    "RoutingReplayConfig": "replay",
+    "RoutingReplayConfig": "config",
     "native_replay_available": "replay",
     "agreement_counts": "agreement",
     "reduce_agreement": "agreement",

@@ -64,7 +64,8 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_mis.config.base import ConfigBase, doc
+from megatron_mis.config.base import ConfigBase, doc  # noqa: F401  (re-exported config lives in routing.config)
+from megatron_mis.routing.config import RoutingReplayConfig  # noqa: F401
 from megatron_mis.routing.agreement import agreement_counts, agreement_fractions, reduce_agreement
 from megatron_mis.routing.sglang import compact_route_dtype
 from megatron_mis.routing.slicing import RouteShard
@@ -73,38 +74,6 @@ __all__ = ["RoutingReplayConfig", "RoutingReplay", "native_replay_available", "L
 
 _RECORD = "record"
 _REPLAY = "replay"
-
-
-@dataclass(kw_only=True, slots=True)
-class RoutingReplayConfig(ConfigBase):
-    """Settings of :class:`RoutingReplay` (YAML / argparse keys)."""
-
-    routing_replay_mode: Literal["off", "r3", "r2"] = doc(
-        "off",
-        "r3: routers use the rollout engine's experts; r2: the first forward of a micro-batch "
-        "records the trainer's experts and later passes replay them; off: nothing is installed.",
-    )
-    routing_replay_backend: Literal["auto", "native", "legacy"] = doc(
-        "auto",
-        "native: Megatron-Core's router_replay hook (core >= 0.16 or patched); legacy: runtime "
-        "patch of the router top-k (core 0.13-0.15); auto: native where available.",
-    )
-    routing_replay_exclude_mtp: bool = doc(
-        True, "Leave multi-token-prediction routers on natural routing (the rollout engine returns no MTP routes)."
-    )
-    routing_replay_agreement: bool = doc(
-        True,
-        "Compute, in the same forward, the fraction of replayed experts the trainer's own "
-        "router would have chosen, per layer (one extra top-k per router call).",
-    )
-
-    def _warnings(self) -> list[str]:
-        out = []
-        if self.routing_replay_mode == "off":
-            for name, default in (("routing_replay_backend", "auto"), ("routing_replay_agreement", True)):
-                if getattr(self, name) != default:
-                    out.append(f"{name}={getattr(self, name)!r} has no effect with routing_replay_mode='off'")
-        return out
 
 
 # ----------------------------------------------------------------------------- version probes
