@@ -1,0 +1,6 @@
+"""`python -m megatron_mis` runs the command line."""
+import sys
+
+from megatron_mis.cli import main
+
+sys.exit(main())

@@ -1,0 +1,230 @@
+"""Drop-in TIS functions for slime and Miles (``--custom-tis-function-path``).
+
+    --use-tis --custom-config-path mis.yaml \
+    --custom-tis-function-path megatron_mis.compute_mis_weights_with_cp
+
+The host calls the function once per micro-batch from its loss (DESIGN section 2) with keyword
+arguments ``args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+response_lengths`` (Miles adds ``parallel_state`` and ``max_seq_lens``) and expects
+``(pg_loss, modified_masks, metrics)``:
+
+- ``pg_loss``: this rank's flat per-token loss multiplied by the IS weights (exactly 0 where a
+  token is rejected, even if the host's loss was not finite there);
+- ``modified_masks``: one FULL-length mask per sample, correct on every CP rank (the hosts build
+  numerators from each rank's chunk and, in Miles without ``rollout_mask_sums``, denominators
+  from the whole masks);
+- ``metrics``: ``mis_*`` per-token tensors aligned with ``pg_loss``; hosts reduce them over the
+  ORIGINAL loss mask.
+
+The configuration is read from the keys the host set on ``args`` (from the YAML), validated once
+per ``args`` object (re-validated only if those keys change), with every error raised on the
+first call.
+
+``tis_batch_normalize_scope: global`` needs the mean over the step's whole batch, computed once
+per step by :func:`prepare_global_normalizer` (slime: ``--rollout-data-postprocess-path
+megatron_mis.integrations.hosts.prepare_global_normalizer``; Miles: the patch in ``patches/``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_mis.config.mis import MISConfig
+from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp
+from megatron_mis.parallel.global_norm import compute_global_normalizer
+from megatron_mis.parallel.state import GroupView, HostGroups, host_groups
+
+__all__ = [
+    "compute_mis_weights_with_cp",
+    "compute_mis_weights_fsdp",
+    "prepare_global_normalizer",
+    "config_from_args",
+]
+
+_CACHE_ATTR = "_megatron_mis_config_cache"
+_NORM_ATTR = "_megatron_mis_global_normalizer"
+_BYPASS_WARNED_ATTR = "_megatron_mis_bypass_warned"
+
+
+def config_from_args(args: Any) -> MISConfig:
+    """The validated :class:`MISConfig` for a host's ``args`` (cached on the object; validated
+    again only when one of the MIS keys or ``custom_config_path`` changes)."""
+    names = MISConfig.field_names()
+    snapshot = tuple(getattr(args, n, None) for n in names) + (getattr(args, "custom_config_path", None),)
+    cached = getattr(args, _CACHE_ATTR, None)
+    if cached is not None and cached[0] == snapshot:
+        return cached[1]
+    cfg = MISConfig.from_host_args(args)
+    try:
+        setattr(args, _CACHE_ATTR, (snapshot, cfg))
+    except AttributeError:  # an immutable args object: validate every call instead
+        pass
+    return cfg
+
+
+def _layout_of(args: Any, max_seq_lens: Sequence[int] | None, cp_layout: str | None) -> tuple[str, Any]:
+    if cp_layout is not None:
+        return cp_layout, max_seq_lens
+    qkv = getattr(args, "qkv_format", "thd") or "thd"
+    if qkv == "bshd":
+        if max_seq_lens is None:
+            raise ValueError("args.qkv_format='bshd' needs max_seq_lens (Miles passes it; pass max_seq_lens=...)")
+        return "bshd", max_seq_lens
+    if qkv != "thd":
+        raise ValueError(f"args.qkv_format={qkv!r} is not supported; valid: 'thd', 'bshd'")
+    # slime / Miles redistribute allgather-CP log-probs into the zigzag layout before the loss,
+    # so the function always sees thd / bshd pieces.
+    return "thd", None
+
+
+def _apply(
+    args: Any,
+    pg_loss: torch.Tensor,
+    inputs: CPInputs,
+    groups: HostGroups,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    cfg = config_from_args(args)
+    if inputs.train_log_probs is None and cfg.use_tis and not getattr(args, _BYPASS_WARNED_ATTR, False):
+        warnings.warn(
+            "megatron-mis: train_log_probs is None (rollout log-probs used as the old policy and nothing "
+            "recomputed), so every IS ratio is 1 and the mismatch metrics are 0; only the probability veto "
+            "can act. Recompute pi_old (drop --use-rollout-logprobs or set --get-mismatch-metrics) to correct.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        try:
+            setattr(args, _BYPASS_WARNED_ATTR, True)
+        except AttributeError:
+            pass
+    normalizer = None
+    if cfg.normalizes and cfg.tis_batch_normalize_scope == "global":
+        normalizer = getattr(args, _NORM_ATTR, None)
+        if normalizer is None:
+            raise RuntimeError(
+                "megatron-mis: tis_batch_normalize_scope='global' needs the step's global mean, computed once per "
+                "step before the micro-batches: slime: --rollout-data-postprocess-path "
+                "megatron_mis.integrations.hosts.prepare_global_normalizer; Miles: apply "
+                "patches/miles_global_mis_normalizer.patch; plain Megatron-Core: "
+                "megatron_mis.parallel.global_norm.compute_global_normalizer"
+            )
+        normalizer = normalizer[1]
+    out = compute_mis_cp(inputs, cfg, groups.cp, global_normalizer=normalizer)
+    res = out.result
+    if pg_loss.shape != res.weights.shape:
+        raise ValueError(
+            f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {res.weights.numel()} response tokens "
+            "(pg_loss must be the flat local per-token loss, sequences concatenated)"
+        )
+    res.check_nonfinite()
+    weights = res.weights.to(device=pg_loss.device, dtype=pg_loss.dtype)
+    keep = res.keep_mask.to(pg_loss.device)
+    new_loss = torch.where(keep, pg_loss * weights, torch.zeros_like(pg_loss))
+    metrics = {k: v.contiguous() for k, v in res.token_metrics.items()}
+    return new_loss, out.modified_masks, metrics
+
+
+def compute_mis_weights_with_cp(
+    args: Any,
+    *,
+    pg_loss: torch.Tensor,
+    train_log_probs: Sequence[torch.Tensor] | None,
+    rollout_log_probs: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    parallel_state: Any | None = None,
+    max_seq_lens: Sequence[int] | None = None,
+    cp_group: Any | None = None,
+    cp_layout: str | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """slime / Miles custom TIS function with context parallelism (see module docstring).
+
+    Args:
+        args: the host's argument namespace carrying the ``mis.yaml`` keys.
+        pg_loss: ``[T_local]`` per-token policy loss of this CP rank's response tokens.
+        train_log_probs: per sample, this rank's piece of log pi_old (or ``None``).
+        rollout_log_probs: per sample, this rank's piece of log pi_rollout.
+        loss_masks: per sample, the FULL response-length mask.
+        total_lengths, response_lengths: ``[N]`` per sample.
+        parallel_state: Miles' ``ParallelState`` (else Megatron-Core's parallel state is read).
+        max_seq_lens: bshd padded lengths (Miles).
+        cp_group: an explicit CP process group (overrides both).
+        cp_layout: ``"thd"`` / ``"bshd"`` / ``"allgather"`` to override ``args.qkv_format``.
+
+    Collectives: over the CP group only — one all-gather of per-sample statistics, plus one
+    ``uint8`` all-reduce when token-level rejection is configured; none when CP = 1.
+    """
+    layout, msl = _layout_of(args, max_seq_lens, cp_layout)
+    groups = host_groups(parallel_state, cp_group=cp_group)
+    inputs = CPInputs(
+        train_log_probs=train_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        loss_masks=loss_masks,
+        total_lengths=total_lengths,
+        response_lengths=response_lengths,
+        layout=layout,
+        max_seq_lens=msl,
+        local_length=kwargs.get("local_length"),
+    )
+    return _apply(args, pg_loss, inputs, groups)
+
+
+def compute_mis_weights_fsdp(
+    args: Any,
+    *,
+    pg_loss: torch.Tensor,
+    train_log_probs: Sequence[torch.Tensor] | None,
+    rollout_log_probs: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The same for hosts without context parallelism (FSDP backends): whole sequences on every
+    rank, no collectives."""
+    lengths = [int(r.numel()) for r in rollout_log_probs]
+    inputs = CPInputs(
+        train_log_probs=train_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        loss_masks=loss_masks,
+        total_lengths=[n + 1 for n in lengths],  # one prompt token: only the response matters here
+        response_lengths=lengths,
+    )
+    groups = HostGroups(cp=GroupView.trivial(), dp=GroupView.trivial(), tp=GroupView.trivial())
+    return _apply(args, pg_loss, inputs, groups)
+
+
+def prepare_global_normalizer(args: Any, rollout_id: int, rollout_data: dict, *, parallel_state: Any | None = None) -> None:
+    """Compute the global self-normalisation mean once per step and keep it on ``args`` for the
+    micro-batch calls. Signature of slime's ``--rollout-data-postprocess-path`` hook (called on
+    every training rank after log-probs are recomputed, before training).
+
+    Uses ``rollout_data["log_probs"]`` (this rank's CP pieces of pi_old; absent on pipeline
+    stages other than the last, which do nothing), ``rollout_log_probs``, ``loss_masks``,
+    ``total_lengths``, ``response_lengths`` and optionally ``max_seq_lens``. The mean covers every
+    sample this rollout trains on across all data-parallel ranks; with several optimizer steps
+    per rollout it is the rollout's mean (the weights do not depend on the parameters trained).
+    Does nothing unless ``tis_batch_normalize_scope: global``.
+    """
+    cfg = config_from_args(args)
+    if not (cfg.normalizes and cfg.tis_batch_normalize_scope == "global"):
+        return
+    groups = host_groups(parallel_state)
+    if not groups.is_last_pp_stage or "rollout_log_probs" not in rollout_data:
+        return
+    layout, msl = _layout_of(args, rollout_data.get("max_seq_lens"), None)
+    train = rollout_data.get("log_probs")
+    inputs = CPInputs(
+        train_log_probs=list(train) if train is not None and len(train) else None,
+        rollout_log_probs=list(rollout_data["rollout_log_probs"]),
+        loss_masks=list(rollout_data["loss_masks"]),
+        total_lengths=list(rollout_data["total_lengths"]),
+        response_lengths=list(rollout_data["response_lengths"]),
+        layout=layout,
+        max_seq_lens=msl,
+    )
+    mean = compute_global_normalizer([inputs], cfg, cp=groups.cp, dp=groups.dp)
+    setattr(args, _NORM_ATTR, (rollout_id, mean))

@@ -1,0 +1,175 @@
+"""A deliberately naive, per-sequence, per-token reference of the MIS semantics (plain Python
+loops over floats). It shares no code with ``megatron_mis.core`` — only the specification:
+
+- valid token: in the loss mask with finite train and rollout log-probs;
+- log r = train - rollout on valid tokens (0 elsewhere), clamped to +-bound before exp;
+- token IS / RS decisions use the clamped per-token ratio; the ratio veto compares the raw
+  log r with log(threshold); the probability veto compares the raw log-prob of the chosen source;
+- sequence / geometric IS and RS use exp(clamp(sum)) / exp(clamp(sum / n_valid)) of raw log r;
+- self-normalisation divides by the mean bounded weight over kept tokens (token level) or kept
+  sequences (sequence / geometric level).
+
+Per-token ratios are evaluated in float32 exactly like an fp32 implementation would (via torch on
+single values), so accept / reject decisions never differ by rounding; every sum is a Python
+float (double) sum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _f32_exp(x: float) -> float:
+    return float(torch.exp(torch.tensor(x, dtype=torch.float32)))
+
+
+def _f32_sub(a: float, b: float) -> float:
+    return float(torch.tensor(a, dtype=torch.float32) - torch.tensor(b, dtype=torch.float32))
+
+
+def reference_mis(train, rollout, masks, cfg):
+    """Returns a dict with per-sequence lists ``weights``, ``keep`` and batch ``metrics``."""
+    B = cfg.log_ratio_bound
+    L, U = cfg.tis_lower, cfg.tis_upper_bound
+    rl, ru = cfg.rs_lower, cfg.rs_upper
+    seqs = []
+    for a_seq, b_seq, m_seq in zip(train, rollout, masks):
+        toks = []
+        for a, b, m in zip(a_seq.tolist(), b_seq.tolist(), m_seq.tolist()):
+            m = m != 0
+            finite = math.isfinite(a) and math.isfinite(b)
+            valid = m and finite
+            raw = _f32_sub(a, b) if valid else 0.0
+            lrc = max(-B, min(B, raw))
+            r = _f32_exp(lrc)
+            toks.append(dict(m=m, valid=valid, nonfinite=m and not finite, raw=raw, lrc=lrc, r=r, a=a, b=b))
+        seqs.append(toks)
+
+    out_weights, out_keep = [], []
+    seq_info = []
+    for toks in seqs:
+        n_valid = sum(t["valid"] for t in toks)
+        s = sum(t["raw"] for t in toks if t["valid"])
+        seq_log = max(-B, min(B, s))
+        geo_log = max(-B, min(B, s / n_valid if n_valid else 0.0))
+        level_log = {"sequence": seq_log, "geometric": geo_log}
+        seq_rej = False
+        w_seq_unb = w_seq = None
+        if cfg.use_tis and cfg.tis_level != "token":
+            w_seq_unb = math.exp(level_log[cfg.tis_level])
+            if cfg.tis_mode == "truncate":
+                w_seq = min(w_seq_unb, U)
+            elif cfg.tis_mode == "clip":
+                w_seq = min(max(w_seq_unb, L), U)
+            else:
+                inside = L <= w_seq_unb <= U
+                w_seq = w_seq_unb if inside else 0.0
+                if n_valid and not inside:
+                    seq_rej = True
+        if cfg.use_rs and cfg.rs_level != "token" and n_valid:
+            ratio = math.exp(level_log[cfg.rs_level])
+            if ratio < rl or ratio > ru:
+                seq_rej = True
+        if cfg.rs_veto_threshold is not None:
+            if any(t["valid"] and t["raw"] < math.log(cfg.rs_veto_threshold) for t in toks):
+                seq_rej = True
+        if cfg.prob_veto_threshold is not None:
+            key = "b" if cfg.prob_veto_source == "rollout" else "a"
+            if any(t["m"] and t[key] < math.log(cfg.prob_veto_threshold) for t in toks):
+                seq_rej = True
+        for t in toks:
+            tok_rej = False
+            if cfg.nonfinite_policy == "reject" and t["nonfinite"]:
+                tok_rej = True
+            t["w"] = None
+            if cfg.use_tis and cfg.tis_level == "token":
+                w = t["r"]
+                if cfg.tis_mode == "truncate":
+                    t["w"] = min(w, U)
+                elif cfg.tis_mode == "clip":
+                    t["w"] = min(max(w, L), U)
+                else:
+                    inside = L <= w <= U
+                    t["w"] = w if inside else 0.0
+                    if t["valid"] and not inside:
+                        tok_rej = True
+            if cfg.use_rs and cfg.rs_level == "token" and t["valid"] and (t["r"] < rl or t["r"] > ru):
+                tok_rej = True
+            t["tok_kept"] = t["m"] and not tok_rej
+            t["keep"] = t["tok_kept"] and not seq_rej
+        kept_seq = (not seq_rej) and any(t["tok_kept"] for t in toks)
+        seq_info.append(dict(n_valid=n_valid, s=s, seq_log=seq_log, geo_log=geo_log, rej=seq_rej, kept=kept_seq,
+                             w_seq=w_seq, w_seq_unb=w_seq_unb))
+
+    # normalisation
+    mean = 1.0
+    if cfg.use_tis and cfg.tis_batch_normalize:
+        if cfg.tis_level == "token":
+            ws = [t["w"] for toks in seqs for t in toks if t["keep"]]
+        else:
+            ws = [info["w_seq"] for info in seq_info if info["kept"]]
+        mean = sum(ws) / len(ws) if ws else 1.0
+
+    for toks, info in zip(seqs, seq_info):
+        w_list, k_list = [], []
+        for t in toks:
+            if not t["keep"]:
+                w_list.append(0.0)
+            elif not cfg.use_tis:
+                w_list.append(1.0)
+            elif cfg.tis_level == "token":
+                w_list.append(t["w"] / mean)
+            else:
+                w_list.append(info["w_seq"] / mean)
+            k_list.append(t["keep"])
+        out_weights.append(w_list)
+        out_keep.append(k_list)
+
+    # metrics (summary semantics: token metrics over loss-mask tokens, sequence metrics over
+    # sequences with loss-mask tokens)
+    all_t = [t for toks in seqs for t in toks]
+    n_mask = sum(t["m"] for t in all_t)
+    seq_with_mask = [(toks, info) for toks, info in zip(seqs, seq_info) if any(t["m"] for t in toks)]
+
+    def tok_mean(f):
+        return sum(f(t) for t in all_t if t["m"]) / n_mask if n_mask else 0.0
+
+    def seq_mean(f):
+        return sum(f(toks, info) for toks, info in seq_with_mask) / len(seq_with_mask) if seq_with_mask else 0.0
+
+    def mean_lp(toks, key):
+        vals = [t[key] for t in toks if t["valid"]]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    metrics = {
+        "mis_k3_kl": tok_mean(lambda t: (t["r"] - 1 - t["lrc"]) if t["valid"] else 0.0),
+        "mis_kl": tok_mean(lambda t: -t["raw"]),
+        "mis_tv": tok_mean(lambda t: 0.5 * abs(t["r"] - 1) if t["valid"] else 0.0),
+        "mis_nonfinite_token_fraction": tok_mean(lambda t: float(t["nonfinite"])),
+        "mis_rejected_token_fraction": tok_mean(lambda t: float(not t["keep"])),
+        "mis_rejected_seq_fraction": seq_mean(lambda toks, info: float(not info["kept"])),
+        "mis_training_log_ppl": seq_mean(lambda toks, info: -mean_lp(toks, "a")),
+        "mis_rollout_log_ppl": seq_mean(lambda toks, info: -mean_lp(toks, "b")),
+        "mis_log_ppl_abs_diff": seq_mean(lambda toks, info: abs(mean_lp(toks, "b") - mean_lp(toks, "a"))),
+        "mis_chi2_token": seq_mean(
+            lambda toks, info: (sum(t["r"] ** 2 for t in toks if t["valid"]) / info["n_valid"] - 1) if info["n_valid"] else 0.0
+        ),
+        "mis_chi2_seq": seq_mean(lambda toks, info: (math.exp(2 * info["seq_log"]) - 1) if info["n_valid"] else 0.0),
+    }
+    rs = [t["r"] for t in all_t if t["valid"]]
+    metrics["mis_ess_token"] = (sum(rs) ** 2 / (len(rs) * sum(x * x for x in rs))) if rs else 1.0
+    sw = [math.exp(info["seq_log"]) for info in seq_info if info["n_valid"]]
+    metrics["mis_ess_seq"] = (sum(sw) ** 2 / (len(sw) * sum(x * x for x in sw))) if sw else 1.0
+    if cfg.use_tis and cfg.tis_batch_normalize:
+        metrics["mis_batch_norm_factor"] = mean
+    if cfg.use_tis:
+        if cfg.tis_level == "token":
+            hi = tok_mean(lambda t: float(t["valid"] and t["r"] > U))
+        else:
+            hi = seq_mean(lambda toks, info: float(info["n_valid"] > 0 and info["w_seq_unb"] > U))
+        key = {"truncate": "mis_tis_truncate_fraction", "clip": "mis_tis_clip_fraction_high",
+               "mask": "mis_tis_mask_fraction_high"}[cfg.tis_mode]
+        metrics[key] = hi
+    return {"weights": out_weights, "keep": out_keep, "metrics": metrics, "normalizer": mean}
