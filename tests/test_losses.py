@@ -352,3 +352,57 @@ def test_empty_micro_batch_keeps_the_graph():
     lp = torch.zeros(0, requires_grad=True)
     out = compute_rl_loss(lp, torch.zeros(0), torch.zeros(0), torch.tensor([0]), CFG, Denominators(3, 1))
     assert out.loss.item() == 0.0 and out.loss.requires_grad
+
+
+# ------------------------------------------------------------------- with the MIS engine (main)
+ENGINE_CONFIGS = [
+    dict(use_tis=True),
+    dict(use_tis=True, tis_mode="clip", tis_batch_normalize=True),
+    dict(use_tis=True, tis_level="sequence", tis_mode="mask", use_rs=True),
+    dict(use_tis=True, tis_level="geometric", tis_batch_normalize=True, rs_veto_threshold=1e-4),
+]
+
+
+@pytest.mark.parametrize("mis", ENGINE_CONFIGS)
+def test_engine_weights_are_one_when_rollout_equals_old_and_losses_coincide(mis):
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.core.engine import compute_mis
+
+    g = torch.Generator().manual_seed(7)
+    cu = torch.tensor([0, 4, 9, 12])
+    old = -torch.rand(12, generator=g, dtype=torch.float64) * 3
+    lp = old + 0.5 * torch.randn(12, generator=g, dtype=torch.float64)
+    adv = torch.randn(12, generator=g, dtype=torch.float64)
+    mask = torch.ones(12, dtype=torch.bool)
+    mask[[2, 7]] = False
+    res = compute_mis(old, old, mask, cu, MISConfig(**mis))
+    assert torch.equal(res.weights[mask], torch.ones(10)) and torch.equal(res.keep_mask, mask)
+    den = local_denominators(mask, cu)
+    base = LossConfig(eps_clip_high=0.28, eps_clip_c=3.0, loss_aggregation="seq_mean_token_mean")
+
+    def run(cfg, **kw):
+        x = lp.clone().requires_grad_()
+        out = compute_rl_loss(x, adv, mask, cu, cfg, den, **kw)
+        return out.loss, torch.autograd.grad(out.loss, x)[0]
+
+    w = res.weights.to(torch.float64)
+    l_ppo, g_ppo = run(base.replace(policy_loss="ppo"), old_log_probs=old, keep_mask=res.keep_mask)
+    l_dec, g_dec = run(base.replace(policy_loss="decoupled_ppo"), old_log_probs=old, is_weights=w, keep_mask=res.keep_mask)
+    l_byp, g_byp = run(base.replace(policy_loss="bypass_ppo"), rollout_log_probs=old, keep_mask=res.keep_mask)
+    # weights exactly 1 -> identical arithmetic -> exact equality
+    assert l_dec.item() == l_ppo.item() == l_byp.item()
+    assert torch.equal(g_dec, g_ppo) and torch.equal(g_byp, g_ppo)
+
+
+def test_decoupled_with_engine_weights_hand_check():
+    """decoupled = w_t x PPO_t with w from the engine (truncated token TIS, U = 1.5)."""
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.core.engine import compute_mis
+
+    rollout = OLD - torch.log(torch.tensor([0.5, 1.0, 2.0, 1.25, 4.0], dtype=torch.float64))  # pi_old/pi_rollout
+    res = compute_mis(OLD, rollout, ONES, CU, MISConfig(use_tis=True, tis_upper_bound=1.5))
+    torch.testing.assert_close(res.weights, torch.tensor([0.5, 1.0, 1.5, 1.25, 1.5]))
+    out, grad = _loss(CFG.replace(policy_loss="decoupled_ppo"), is_weights=res.weights.double(), keep_mask=res.keep_mask)
+    w = [0.5, 1.0, 1.5, 1.25, 1.5]
+    assert out.loss.item() == pytest.approx(sum(a * b for a, b in zip(w, PPO_LOSS)) / 5, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([a * b for a, b in zip(w, PPO_GRAD)], dtype=torch.float64) / 5)

@@ -142,20 +142,35 @@ def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_n
 
 
 LOSS_CASES = {
-    "ppo_token_mean": dict(policy_loss="ppo", loss_aggregation="token_mean"),
-    "ppo_seq_mean_kl_entropy_opsm": dict(
-        policy_loss="ppo",
-        loss_aggregation="seq_mean_token_mean",
-        eps_clip_high=0.28,
-        eps_clip_c=3.0,
-        use_kl_loss=True,
-        kl_loss_coef=0.05,
-        use_unbiased_kl=True,
-        entropy_coef=0.01,
-        use_opsm=True,
-        opsm_delta=0.0,
+    # name: (LossConfig keys, MISConfig keys or None)
+    "ppo_token_mean": (dict(policy_loss="ppo", loss_aggregation="token_mean"), None),
+    "ppo_seq_mean_kl_entropy_opsm": (
+        dict(
+            policy_loss="ppo",
+            loss_aggregation="seq_mean_token_mean",
+            eps_clip_high=0.28,
+            eps_clip_c=3.0,
+            use_kl_loss=True,
+            kl_loss_coef=0.05,
+            use_unbiased_kl=True,
+            entropy_coef=0.01,
+            use_opsm=True,
+            opsm_delta=0.0,
+        ),
+        None,
     ),
-    "bypass_seq_sum_rs": dict(policy_loss="bypass_ppo", loss_aggregation="seq_mean_token_sum", rollout_temperature=0.9),
+    "decoupled_token_tis_rs_rejected_out": (
+        dict(policy_loss="decoupled_ppo", loss_aggregation="seq_mean_token_mean", rejected_in_denominator=False),
+        dict(use_tis=True, tis_upper_bound=1.5, use_rs=True, rs_lower_bound=0.7, rs_upper_bound=1.4),
+    ),
+    "reinforce_geometric_mis_normalised": (
+        dict(policy_loss="reinforce", loss_aggregation="token_mean"),
+        dict(use_tis=True, tis_level="geometric", tis_mode="mask", tis_upper_bound=1.2, tis_batch_normalize=True),
+    ),
+    "bypass_seq_sum_geometric_rs_veto": (
+        dict(policy_loss="bypass_ppo", loss_aggregation="seq_mean_token_sum", rollout_temperature=0.9),
+        dict(use_rs=True, rs_level="geometric", rs_upper_bound=1.15, rs_lower_bound=0.87, rs_veto_threshold=0.5),
+    ),
 }
 
 
@@ -186,14 +201,18 @@ def _compare(run, ref, what):
 
 @pytest.mark.parametrize("case", sorted(LOSS_CASES))
 def test_tp2_and_dp2_match_single_process(pool1, pool2, case):
-    cfg = LOSS_CASES[case]
+    cfg, mis = LOSS_CASES[case]
     batches = make_micro_batches(4)
-    ref = pool1.run(train, 1, batches, cfg, None)[0]
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
     assert all(math.isfinite(h["loss"]) for h in ref["history"])
     # the parameters really moved and the loss changed between steps
     assert ref["history"][0]["loss"] != ref["history"][-1]["loss"]
-    tp2 = pool2.run(train, 2, batches, cfg, None)
-    dp2 = pool2.run(train, 1, batches, cfg, None)
+    if mis is not None and (mis.get("use_rs") or mis.get("tis_mode") == "mask"):
+        first = ref["history"][0]
+        # the engine really rejected something, and its metrics came through
+        assert first["num_rejected_tokens"] > 0 and "mis_rejected_token_fraction" in first
+    tp2 = pool2.run(train, 2, batches, cfg, mis)
+    dp2 = pool2.run(train, 1, batches, cfg, mis)
     for r, run in enumerate(tp2):
         _compare(run, ref, f"TP=2 rank {r}")
     for r, run in enumerate(dp2):
@@ -201,11 +220,11 @@ def test_tp2_and_dp2_match_single_process(pool1, pool2, case):
 
 
 def test_legacy_two_tuple_and_per_token_mode_give_the_same_step(pool1, pool2):
-    cfg = LOSS_CASES["ppo_seq_mean_kl_entropy_opsm"]
+    cfg, mis = LOSS_CASES["decoupled_token_tis_rs_rejected_out"]
     batches = make_micro_batches(4)
-    ref = pool1.run(train, 1, batches, cfg, None)[0]
-    legacy = pool2.run(train, 1, batches, cfg, None, False)
-    per_token = pool2.run(train, 1, batches, cfg, None, True, True)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    legacy = pool2.run(train, 1, batches, cfg, mis, False)
+    per_token = pool2.run(train, 1, batches, cfg, mis, True, True)
     for r in range(2):
         _compare(legacy[r], ref, f"2-tuple DP=2 rank {r}")
         _compare(per_token[r], ref, f"calculate_per_token_loss DP=2 rank {r}")
@@ -213,7 +232,7 @@ def test_legacy_two_tuple_and_per_token_mode_give_the_same_step(pool1, pool2):
 
 def test_loss_value_equals_direct_computation(pool1):
     """The metric 'loss' of the first step equals compute_rl_loss on the whole batch at once."""
-    cfg = LOSS_CASES["ppo_seq_mean_kl_entropy_opsm"]
+    cfg, _ = LOSS_CASES["ppo_seq_mean_kl_entropy_opsm"]
     batches = make_micro_batches(4)
     got = pool1.run(_first_step_loss_direct, batches, cfg)[0]
     assert got["schedule"] == pytest.approx(got["direct"], rel=1e-6)

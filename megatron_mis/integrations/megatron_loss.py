@@ -325,6 +325,7 @@ class MegatronRLLoss:
         if self._runs_engine(mb):
             train = mb.old_log_probs.to(dev) if mb.old_log_probs is not None else log_probs.detach()
             res = self._engine(train, mb)
+            res.check_nonfinite()  # warns once about NaN / inf train or rollout log-probs
             keep_mask = res.keep_mask.to(dev)
             if self.policy.uses_is_weights:
                 is_weights = res.weights.to(dev)
