@@ -358,3 +358,69 @@ def _mismatched_denominators(batches):
 def test_denominators_not_from_this_data_are_reported(pool1):
     msg = pool1.run(_mismatched_denominators, make_micro_batches(2))[0]
     assert "were not computed from this step's micro-batches" in msg
+
+
+# --------------------------------------------------------------------------- pipeline parallel
+def train_pp2_one_step(micro_batches, loss_cfg: dict, mis_cfg: dict | None):
+    """One forward-backward with PP=2 (the 1F1B schedule, p2p over gloo) from the same full weights
+    as the single-process model; returns per-stage metrics and gradients under global names."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    with megatron_parallel(tp=1, seed=21):
+        full = {n: p.detach().clone() for n, p in build_gpt(SPEC).named_parameters()}
+    with megatron_parallel(tp=1, pp=2, seed=21):
+        # packed micro-batches differ in length: the p2p exchange must send shapes first
+        model = build_gpt(SPEC, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        offset = ps.get_pipeline_model_parallel_rank() * (SPEC.num_layers // 2)
+
+        def global_name(name: str) -> str:
+            if name.startswith("decoder.layers."):
+                i, rest = name[len("decoder.layers.") :].split(".", 1)
+                return f"decoder.layers.{int(i) + offset}.{rest}"
+            return name
+
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(full[global_name(name)])
+        rl = MegatronRLLoss(LossConfig.from_dict(loss_cfg), MISConfig.from_dict(mis_cfg) if mis_cfg else None)
+        den = rl.count_denominators(micro_batches)
+        store = get_forward_backward_func()(
+            forward_step_func=rl.forward_step(den, num_microbatches=len(micro_batches)),
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(int(mb.tokens.numel()) for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        return {
+            "last_stage": ps.is_pipeline_last_stage(),
+            "store_size": len(store),
+            "metrics": rl.reduce_metrics(store, den),
+            "grads": {global_name(n): p.grad.detach().clone() for n, p in model.named_parameters()},
+        }
+
+
+def test_pp2_loss_only_on_last_stage_and_equal_to_single_process(pool1, pool2):
+    cfg, mis = LOSS_CASES["decoupled_token_tis_rs_rejected_out"]
+    batches = make_micro_batches(4)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    first, last = pool2.run(train_pp2_one_step, batches, cfg, mis)
+    assert not first["last_stage"] and last["last_stage"]
+    # the schedule calls loss_func on the last stage only; metrics exist only there
+    assert first["store_size"] == 0 and first["metrics"] == {}
+    assert last["store_size"] == len(batches)
+    for key in ("loss", "pg_loss", "pg_clipfrac", "num_valid_tokens", "num_rejected_tokens"):
+        assert last["metrics"][key] == pytest.approx(ref["history"][0][key], rel=1e-5, abs=1e-6)
+    grads = {**first["grads"], **last["grads"]}
+    assert set(grads) == set(ref["grads"])
+    for name, g_ref in ref["grads"].items():
+        # same weights, same arithmetic split over two processes: float32 rounding only
+        torch.testing.assert_close(grads[name], g_ref, rtol=0, atol=1e-5 * float(g_ref.abs().max()) + 1e-12)
