@@ -124,6 +124,9 @@ def test_k3_without_ratio_is_biased_even_on_policy(seed):
     (reverse,) = torch.autograd.grad((log_ref.exp() * (log_ref - log_pi_g)).sum(), theta)
     torch.testing.assert_close(plain, reverse, rtol=1e-10, atol=1e-12)
     assert (plain - true).norm() > 0.05 * true.norm()
+    # plain k1 on-policy: E_pi[grad log pi] = 0, no gradient at all (why slime's k1 default needs care)
+    k1_plain = _expected_estimator_grad(theta, log_pi, log_ref, "k1", unbiased=False)
+    torch.testing.assert_close(k1_plain, torch.zeros_like(k1_plain), rtol=0, atol=1e-12)
 
 
 def test_unbiased_k2_is_not_the_kl_gradient():

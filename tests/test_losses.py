@@ -406,3 +406,16 @@ def test_decoupled_with_engine_weights_hand_check():
     w = [0.5, 1.0, 1.5, 1.25, 1.5]
     assert out.loss.item() == pytest.approx(sum(a * b for a, b in zip(w, PPO_LOSS)) / 5, rel=1e-6)
     torch.testing.assert_close(grad, torch.tensor([a * b for a, b in zip(w, PPO_GRAD)], dtype=torch.float64) / 5)
+
+
+def test_config_from_slime_like_namespace():
+    import argparse
+
+    ns = argparse.Namespace(
+        eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None, kl_loss_type="k1", use_kl_loss=True, kl_loss_coef=0.01,
+        use_unbiased_kl=True, entropy_coef=0.0, use_opsm=True, opsm_delta=1e-4, advantage_estimator="grpo",
+        grpo_std_normalization=False, rollout_temperature=0.7, log_probs_chunk_size=-1, lr=1e-6, use_tis=True,
+    )
+    cfg = LossConfig.from_namespace(ns)
+    assert (cfg.eps_high, cfg.kl_loss_type, cfg.use_opsm, cfg.rollout_temperature) == (0.28, "k1", True, 0.7)
+    assert cfg.log_probs_chunk_size == -1 and cfg.grpo_std_normalization is False
