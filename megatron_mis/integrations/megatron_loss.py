@@ -279,7 +279,8 @@ class MegatronRLLoss:
             cu = mb.cu_seqlens.to(torch.int32)
             lengths = (cu[1:] - cu[:-1]).long()
             max_len = int(lengths.max()) if lengths.numel() else 0
-            position_ids = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0)
+            starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+            position_ids = (torch.arange(int(cu[-1])) - starts).unsqueeze(0)  # restarts at every sequence
             device = _module_device(model)
             params = PackedSeqParams(
                 qkv_format="thd",
