@@ -66,13 +66,16 @@ def test_cpu_compat_installs_and_removes():
     from megatron_mis.models.cpu import cpu_compat, cpu_compat_active
 
     original = torch.cuda.current_device
+    original_sync = torch.cuda.synchronize
     original_torch = schedules.torch
     with cpu_compat():
         with cpu_compat():  # re-entrant
             assert cpu_compat_active()
             assert torch.cuda.current_device() == "cpu"
+            torch.cuda.synchronize()  # no CUDA needed
             assert schedules.torch.zeros([], device="cuda").device.type == "cpu"
         assert cpu_compat_active()
     assert not cpu_compat_active()
     assert torch.cuda.current_device is original
+    assert torch.cuda.synchronize is original_sync
     assert schedules.torch is original_torch

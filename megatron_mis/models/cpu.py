@@ -1,7 +1,8 @@
 """Run Megatron-Core models on a CPU-only PyTorch build.
 
 Megatron-Core assumes CUDA in a handful of places that matter for small CPU runs (tests, the
-demo): ``torch.cuda.current_device()`` when placing buffers and router weights, a hard-coded
+demo): ``torch.cuda.current_device()`` when placing buffers and router weights,
+``torch.cuda.synchronize()`` in the pipeline-parallel p2p shape exchange, a hard-coded
 ``device="cuda"`` token counter in the pipeline schedules, and (without Transformer Engine) an
 undefined ``te_general_gemm`` name in the MoE router gating path. :func:`cpu_compat` installs
 small, explicit shims for exactly these, and removes them again on exit. It is re-entrant (safe
@@ -66,6 +67,8 @@ def cpu_compat() -> Iterator[None]:
     Shims (only when ``torch.cuda.is_available()`` is false):
 
     - ``torch.cuda.current_device()`` returns ``"cpu"``;
+    - ``torch.cuda.synchronize()`` does nothing (the pipeline-parallel p2p shape exchange calls
+      it; CPU work is synchronous);
     - ``megatron.core.pipeline_parallel.schedules`` sees a ``torch`` whose ``zeros/empty/tensor``
       map ``device="cuda"`` to the CPU;
     - ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None`` when
@@ -79,6 +82,7 @@ def cpu_compat() -> Iterator[None]:
         _depth += 1
         if _depth == 1:
             _patch(torch.cuda, "current_device", lambda: "cpu")
+            _patch(torch.cuda, "synchronize", lambda device=None: None)
             try:
                 from megatron.core.pipeline_parallel import schedules
 

@@ -1,0 +1,545 @@
+"""Policy losses with training-inference mismatch correction, and the assembly of the full RL
+loss (policy term, OPSM, KL to a reference, entropy bonus) for one micro-batch.
+
+Three policies meet in the loss (seed 000): the target pi_theta (being trained, with grad), the
+proximal pi_old (the trainer's recomputed log-probs at the start of the step) and the behaviour
+pi_rollout (the rollout engine's log-probs). The registered policy losses (all per token, with
+``r = pi_theta / pi_old``, ``A`` the advantage, ``eps_low = eps_clip``, ``eps_high =
+eps_clip_high``):
+
+- ``ppo``: standard PPO, ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``; pi_old is the trainer's
+  policy and the mismatch to pi_rollout is silently ignored (the uncorrected baseline).
+- ``decoupled_ppo``: 3-policy PPO, ``-w * min(r A, clip(r) A)`` with ``w = pi_old / pi_rollout``
+  from the MIS engine (detached, after truncation / rejection / self-normalisation).
+- ``bypass_ppo``: pi_old := pi_rollout, so ``r = pi_theta / pi_rollout`` and there is *no* extra
+  IS factor (multiplying by ``w`` as well would count the correction twice). The engine's
+  ``keep_mask`` still applies: rejection sampling, mask-mode IS, the veto and non-finite
+  rejection remove tokens / sequences exactly as in the decoupled loss, so RS works in bypass
+  mode too; the engine's weights are not used.
+- ``reinforce``: policy gradient ``-w * A * log pi_theta`` with ``w`` from the engine against the
+  rollout policy (no clipping).
+
+Dual-clip (``eps_clip_c = c > 1``): for ``A < 0`` the per-token PPO loss is capped at ``-c A``.
+
+Each policy loss is a :class:`PolicyLoss` in the :data:`POLICY_LOSSES` registry; the IS weights
+and keep mask are *inputs* (``MISResult.weights`` / ``.keep_mask`` of
+:func:`megatron_mis.core.engine.compute_mis`), so nothing here depends on the engine's internals.
+
+:func:`compute_rl_loss` assembles one micro-batch's share of the step loss with global
+denominators (:mod:`megatron_mis.core.aggregation`), and returns metrics as shares, token sums
+and counts that add up over micro-batches and ranks (:func:`finalize_metrics`).
+
+Pure torch; nothing here imports Megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from megatron_mis.config.loss import LossConfig
+from megatron_mis.core.aggregation import Denominators, aggregate, denominator_mask, segment_ids, segment_sum
+from megatron_mis.core.kl import kl_estimate
+from megatron_mis.registry import Registry
+
+__all__ = [
+    "POLICY_LOSSES",
+    "PolicyLoss",
+    "PolicyLossTerms",
+    "RLLossOutput",
+    "compute_rl_loss",
+    "finalize_metrics",
+    "opsm_keep_mask",
+    "opsm_sequence_stats",
+    "ppo_clip_terms",
+]
+
+
+@dataclass(slots=True)
+class PolicyLossTerms:
+    """Per-token outputs of a policy loss (all ``[T]``).
+
+    Attributes:
+        loss: per-token loss (differentiable in pi_theta), before any mask.
+        ratio: detached ``pi_theta / pi_old`` of this loss's old policy.
+        clipped_low: the clipped branch was taken with ``r < 1 - eps_low``.
+        clipped_high: the clipped branch was taken with ``r > 1 + eps_high``.
+        dual_clipped: the dual-clip cap ``-c A`` was taken.
+    """
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    dual_clipped: torch.Tensor
+
+    @property
+    def clipped(self) -> torch.Tensor:
+        """``[T]`` bool: the PPO clip was active."""
+        return self.clipped_low | self.clipped_high
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLoss:
+    """A registered policy loss.
+
+    Attributes:
+        name: registry name.
+        old_policy: which log-probs play pi_old in the ratio: ``"old"`` (the trainer's pi_old,
+            or pi_theta detached when none is given), ``"rollout"`` (bypass) or ``"none"``.
+        uses_is_weights: multiplies by the engine's IS weights (which must then be given).
+        fn: ``fn(log_probs, old_log_probs, advantages, is_weights, config) -> PolicyLossTerms``
+            with ``old_log_probs`` already resolved per ``old_policy``.
+        description: one line for docs and error messages.
+    """
+
+    name: str
+    old_policy: Literal["old", "rollout", "none"]
+    uses_is_weights: bool
+    fn: Callable[..., PolicyLossTerms]
+    description: str
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def ppo_clip_terms(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    eps_c: float | None = None,
+) -> PolicyLossTerms:
+    """PPO clipped surrogate loss per token, with asymmetric clipping and optional dual-clip.
+
+    ``loss = max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``; with ``eps_c = c``:
+    ``loss = min(loss, -c A)`` where ``A < 0``.
+
+    Args:
+        log_ratio: ``[T]`` ``log pi_theta - log pi_old`` (with grad; already clamped).
+        advantages: ``[T]``.
+        eps_low, eps_high: clip ranges.
+        eps_c: dual-clip constant (> 1) or ``None``.
+    """
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(ratio.dtype)
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = torch.maximum(unclipped, clipped)
+    took_clip = clipped > unclipped
+    r = ratio.detach()
+    clipped_low = took_clip & (r < 1.0 - eps_low)
+    clipped_high = took_clip & (r > 1.0 + eps_high)
+    dual = torch.zeros_like(took_clip)
+    if eps_c is not None:
+        cap = -eps_c * adv
+        negative = adv < 0
+        dual = negative & (loss > cap)
+        loss = torch.where(negative, torch.minimum(loss, cap), loss)
+    return PolicyLossTerms(loss=loss, ratio=r, clipped_low=clipped_low, clipped_high=clipped_high, dual_clipped=dual)
+
+
+def _log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, bound: float) -> torch.Tensor:
+    return (log_probs - old_log_probs.detach()).clamp(-bound, bound)
+
+
+def _ppo(log_probs, old_log_probs, advantages, is_weights, config: LossConfig) -> PolicyLossTerms:
+    return ppo_clip_terms(
+        _log_ratio(log_probs, old_log_probs, config.ratio_log_bound),
+        advantages,
+        config.eps_clip,
+        config.eps_high,
+        config.eps_clip_c,
+    )
+
+
+def _decoupled_ppo(log_probs, old_log_probs, advantages, is_weights, config: LossConfig) -> PolicyLossTerms:
+    terms = _ppo(log_probs, old_log_probs, advantages, None, config)
+    terms.loss = is_weights.detach().to(terms.loss.dtype) * terms.loss
+    return terms
+
+
+def _reinforce(log_probs, old_log_probs, advantages, is_weights, config: LossConfig) -> PolicyLossTerms:
+    w = is_weights.detach().to(log_probs.dtype)
+    loss = -w * advantages.to(log_probs.dtype) * log_probs
+    no = torch.zeros_like(log_probs, dtype=torch.bool)
+    ratio = torch.exp(_log_ratio(log_probs, old_log_probs, config.ratio_log_bound)).detach()
+    return PolicyLossTerms(loss=loss, ratio=ratio, clipped_low=no, clipped_high=no, dual_clipped=no)
+
+
+for _entry in (
+    PolicyLoss("ppo", "old", False, _ppo, "standard PPO against pi_old; no mismatch correction"),
+    PolicyLoss(
+        "decoupled_ppo", "old", True, _decoupled_ppo,
+        "3-policy PPO: (pi_old/pi_rollout) x clipped objective in pi_theta/pi_old",
+    ),
+    PolicyLoss("bypass_ppo", "rollout", False, _ppo, "PPO with pi_rollout as pi_old; no extra IS factor"),
+    PolicyLoss("reinforce", "none", True, _reinforce, "-w x A x log pi_theta with w = pi_old/pi_rollout"),
+):
+    POLICY_LOSSES.register(_entry.name, _entry)
+del _entry
+
+
+# ------------------------------------------------------------------------------------------ OPSM
+def opsm_sequence_stats(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of ``log pi_old - log pi_theta`` over ``mask`` and the token counts.
+
+    Under context parallelism sum both outputs over the CP group before
+    :func:`opsm_keep_mask` (a sequence's mean needs all its tokens).
+
+    Args:
+        log_probs: ``[T]`` log pi_theta (detached here).
+        old_log_probs: ``[T]`` log pi_old.
+        mask: ``[T]`` tokens that enter the mean.
+        cu_seqlens: ``[N+1]``.
+
+    Returns:
+        ``(sums [N], counts [N])`` float32.
+    """
+    m = mask.bool()
+    diff = (old_log_probs.detach().float() - log_probs.detach().float())
+    diff = torch.where(m, diff, torch.zeros_like(diff))
+    return segment_sum(diff, cu_seqlens), segment_sum(m.float(), cu_seqlens)
+
+
+def opsm_keep_mask(
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_log_ratio_sums: torch.Tensor,
+    seq_token_counts: torch.Tensor,
+    delta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy sequence masking (DeepSeek-V3.2).
+
+    A sequence is *off-policy* when ``mean_t log(pi_old/pi_theta) > delta`` over its tokens; the
+    decision is taken once per sequence from the (CP-reduced) sums and counts. In an off-policy
+    sequence the tokens with a negative advantage are dropped (``M_{i,t} = 0`` iff ``A_{i,t} < 0``
+    and the sequence is off-policy); with one advantage per sequence (GRPO, RLOO) that drops the
+    whole sequence.
+
+    Args:
+        advantages: ``[T]``.
+        cu_seqlens: ``[N+1]``.
+        seq_log_ratio_sums: ``[N]`` sums of ``log pi_old - log pi_theta`` (from
+            :func:`opsm_sequence_stats`, summed over CP ranks).
+        seq_token_counts: ``[N]`` the matching token counts.
+        delta: threshold.
+
+    Returns:
+        ``(keep [T] bool, off_policy [N] bool)``.
+    """
+    n = cu_seqlens.numel() - 1
+    if seq_log_ratio_sums.shape != (n,) or seq_token_counts.shape != (n,):
+        raise ValueError(
+            f"OPSM statistics must have shape [{n}] (one per sequence), got "
+            f"{tuple(seq_log_ratio_sums.shape)} and {tuple(seq_token_counts.shape)}"
+        )
+    counts = seq_token_counts.float()
+    mean = torch.where(counts > 0, seq_log_ratio_sums.float() / counts.clamp_min(1), torch.zeros_like(counts))
+    off_policy = (counts > 0) & (mean > delta)
+    seq = segment_ids(cu_seqlens, advantages.device)
+    drop = off_policy.to(advantages.device)[seq] & (advantages < 0)
+    return ~drop, off_policy
+
+
+# ------------------------------------------------------------------------------- full RL loss
+@dataclass(slots=True)
+class RLLossOutput:
+    """One micro-batch's share of the RL loss and its metrics.
+
+    Attributes:
+        loss: 0-dim, differentiable: this micro-batch's share of the step loss (shares of all
+            micro-batches and ranks sum to the step loss).
+        shares: detached 0-dim shares of ``loss``, ``pg_loss``, ``kl_loss``, ``entropy_loss``
+            (sum over micro-batches and ranks = global value).
+        token_sums: detached sums over this micro-batch's valid tokens (``pg_clipfrac``,
+            ``pg_clipfrac_low``, ``pg_clipfrac_high``, ``pg_dualclip_frac``, ``ppo_kl``,
+            ``ratio``, ``is_weight``, ``entropy``, ``kl``); the global mean is the global sum
+            over ``counts["num_valid_tokens"]`` (see :func:`finalize_metrics`).
+        counts: local counts (float 0-dim tensors): ``num_loss_tokens``, ``num_valid_tokens``,
+            ``num_rejected_tokens``, ``num_nonfinite_inputs``, ``num_opsm_tokens``,
+            ``num_opsm_sequences``, ``num_denominator_tokens``, ``num_denominator_sequences``.
+        pg_mask: ``[T]`` bool, the tokens in the policy-gradient numerator.
+        valid_mask: ``[T]`` bool, loss tokens that were kept and finite (KL / entropy numerator).
+    """
+
+    loss: torch.Tensor
+    shares: dict[str, torch.Tensor]
+    token_sums: dict[str, torch.Tensor]
+    counts: dict[str, torch.Tensor]
+    pg_mask: torch.Tensor
+    valid_mask: torch.Tensor
+    terms: PolicyLossTerms | None = field(default=None, repr=False)
+
+    def flat_metrics(self) -> dict[str, torch.Tensor]:
+        """``{"share/NAME" | "sum/NAME" | "count/NAME": 0-dim}``: what a loss function hands back
+        per micro-batch; add these up over micro-batches and ranks, then :func:`finalize_metrics`."""
+        out = {f"share/{k}": v for k, v in self.shares.items()}
+        out.update({f"sum/{k}": v for k, v in self.token_sums.items()})
+        out.update({f"count/{k}": v for k, v in self.counts.items()})
+        return out
+
+
+def finalize_metrics(summed: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+    """Turn summed :meth:`RLLossOutput.flat_metrics` (over every micro-batch and rank) into the
+    step's metrics: shares as they are, token sums divided by the global ``num_valid_tokens``
+    (0 when there is none), counts as they are."""
+    out: dict[str, float] = {}
+    valid = float(summed.get("count/num_valid_tokens", 0.0))
+    for key, value in summed.items():
+        kind, _, name = key.partition("/")
+        v = float(value)
+        if kind == "sum":
+            out[name] = v / valid if valid > 0 else 0.0
+        elif kind in ("share", "count"):
+            out[name] = v
+        else:
+            raise ValueError(f"metric key {key!r} has no 'share/', 'sum/' or 'count/' prefix")
+    return out
+
+
+def _check_1d(name: str, t: torch.Tensor | None, n: int) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{n}] (one value per token, like log_probs)")
+
+
+def compute_rl_loss(
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: LossConfig,
+    denominators: Denominators,
+    *,
+    old_log_probs: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    keep_mask: torch.Tensor | None = None,
+    seq_token_counts: torch.Tensor | None = None,
+    opsm_seq_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> RLLossOutput:
+    """One micro-batch's share of the RL loss:
+    ``pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy_loss``, each term aggregated by
+    ``config.loss_aggregation`` with the global ``denominators``.
+
+    Token masks: ``valid = loss_mask & keep_mask & finite inputs`` is the numerator of every term;
+    OPSM (``use_opsm``) further removes tokens from the policy-gradient term only (as in slime and
+    DeepSeek-V3.2; KL and entropy keep them). The denominators count ``loss_mask`` tokens
+    (``rejected_in_denominator``) or ``valid`` tokens (otherwise); OPSM-masked tokens always stay
+    in the denominators (the decision depends on pi_theta and cannot be known before the step).
+
+    Args:
+        log_probs: ``[T]`` log pi_theta of this rank's response tokens (with grad).
+        advantages: ``[T]``.
+        loss_mask: ``[T]`` original loss mask (nonzero = in the loss).
+        cu_seqlens: ``[N+1]`` sequence boundaries in the ``[T]`` tensors.
+        config: loss settings.
+        denominators: global counts of the step (see
+            :func:`megatron_mis.core.aggregation.local_denominators`).
+        old_log_probs: ``[T]`` pi_old (recomputed by the trainer); ``None``: pi_theta detached
+            (one optimizer step per rollout batch).
+        rollout_log_probs: ``[T]`` pi_rollout (needed by ``bypass_ppo``).
+        ref_log_probs: ``[T]`` pi_ref (needed when the KL term is on).
+        entropy: ``[T]`` per-token entropy (with grad; needed when ``entropy_coef > 0``, else
+            only reported).
+        is_weights: ``[T]`` detached IS weights ``pi_old/pi_rollout`` (needed by losses that use
+            them: ``decoupled_ppo``, ``reinforce``).
+        keep_mask: ``[T]`` bool, loss mask minus rejected tokens; ``None``: nothing rejected.
+        seq_token_counts: ``[N]`` full per-sequence denominator counts (context parallelism).
+        opsm_seq_stats: ``(sums [N], counts [N])`` CP-reduced :func:`opsm_sequence_stats`.
+
+    Raises:
+        ValueError: shape mismatches, a missing required input, IS weights given to a loss
+            that must not use them, or a non-finite input with
+            ``nonfinite_input_policy="error"``.
+        KeyError: unknown loss / KL names (listing the valid ones).
+    """
+    policy = POLICY_LOSSES.get(config.policy_loss)
+    if log_probs.dim() != 1:
+        raise ValueError(f"log_probs must be 1-D [T], got shape {tuple(log_probs.shape)}")
+    n = log_probs.shape[0]
+    for name, t in (
+        ("advantages", advantages),
+        ("loss_mask", loss_mask),
+        ("old_log_probs", old_log_probs),
+        ("rollout_log_probs", rollout_log_probs),
+        ("ref_log_probs", ref_log_probs),
+        ("entropy", entropy),
+        ("is_weights", is_weights),
+        ("keep_mask", keep_mask),
+    ):
+        _check_1d(name, t, n)
+    if cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0:
+        raise ValueError(
+            f"cu_seqlens must be [N+1] from 0 to the number of tokens ({n}), got {cu_seqlens.tolist()[:8]}"
+        )
+    if policy.old_policy == "rollout" and rollout_log_probs is None:
+        raise ValueError(f"policy_loss={policy.name!r} needs rollout_log_probs (they play pi_old)")
+    if policy.uses_is_weights and is_weights is None:
+        raise ValueError(
+            f"policy_loss={policy.name!r} needs is_weights (pi_old/pi_rollout, MISResult.weights); "
+            "pass torch.ones_like(log_probs) to train without IS"
+        )
+    if not policy.uses_is_weights and is_weights is not None:
+        why = (
+            "its ratio pi_theta/pi_rollout already is the IS ratio (weights would count it twice)"
+            if policy.old_policy == "rollout"
+            else "it is the uncorrected baseline (use decoupled_ppo to apply IS weights)"
+        )
+        raise ValueError(f"policy_loss={policy.name!r} takes no is_weights: {why}")
+    if config.kl_active and ref_log_probs is None:
+        raise ValueError("the KL term is on (use_kl_loss, kl_loss_coef > 0) but ref_log_probs is None")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef!r} > 0 but entropy is None")
+
+    lmask = loss_mask.bool()
+    dtype = torch.float32 if log_probs.dtype in (torch.float16, torch.bfloat16) else log_probs.dtype
+    lp = log_probs.to(dtype)
+    old_src = rollout_log_probs if policy.old_policy == "rollout" else old_log_probs
+
+    # ---- non-finite inputs on loss tokens: error, or drop the token (counted), then sanitise
+    inputs = {"log_probs": lp.detach(), "advantages": advantages}
+    if old_src is not None:
+        inputs["rollout_log_probs" if policy.old_policy == "rollout" else "old_log_probs"] = old_src
+    if config.kl_active:
+        inputs["ref_log_probs"] = ref_log_probs
+    if entropy is not None:
+        inputs["entropy"] = entropy.detach()
+    if is_weights is not None:
+        inputs["is_weights"] = is_weights
+    finite = torch.ones_like(lmask)
+    for t in inputs.values():
+        finite &= torch.isfinite(t)
+    bad = lmask & ~finite
+    num_bad = int(bad.sum())
+    if num_bad:
+        detail = ", ".join(
+            f"{k}: {int((lmask & ~torch.isfinite(t)).sum())}" for k, t in inputs.items() if bool((lmask & ~torch.isfinite(t)).any())
+        )
+        if config.nonfinite_input_policy == "error":
+            raise ValueError(
+                f"{num_bad} loss token(s) with a non-finite input ({detail}); "
+                "set nonfinite_input_policy='neutralize' to drop them"
+            )
+        warnings.warn(
+            f"{num_bad} loss token(s) with a non-finite input ({detail}) dropped from the loss "
+            "(counted in num_nonfinite_inputs)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def clean(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.to(dtype)
+        return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype, device=t.device))
+
+    lp = torch.where(torch.isfinite(lp.detach()), lp, torch.zeros((), dtype=dtype, device=lp.device))
+    adv = clean(advantages)
+    if policy.old_policy == "none":
+        old = clean(old_log_probs) if old_log_probs is not None else lp.detach()
+    else:
+        old = clean(old_src) if old_src is not None else lp.detach()
+    weights = clean(is_weights)
+    ent = clean(entropy)  # torch.where keeps entropy's gradient on the finite entries
+
+    keep = lmask if keep_mask is None else lmask & keep_mask.bool()
+    valid = keep & finite
+    den_mask = denominator_mask(lmask, valid, config.rejected_in_denominator)
+
+    # ---- policy term
+    terms = policy.fn(lp, old, adv, weights, config)
+    pg_mask = valid
+    num_opsm_tokens = torch.zeros((), dtype=torch.float32)
+    num_opsm_sequences = torch.zeros((), dtype=torch.float32)
+    if config.use_opsm:
+        if opsm_seq_stats is None:
+            opsm_seq_stats = opsm_sequence_stats(lp, old, lmask & finite, cu_seqlens)
+        opsm_keep, off_policy = opsm_keep_mask(adv, cu_seqlens, *opsm_seq_stats, delta=config.opsm_delta)
+        num_opsm_tokens = (valid & ~opsm_keep).sum().float()
+        seq = segment_ids(cu_seqlens, lp.device)
+        dropped_seq = torch.zeros(cu_seqlens.numel() - 1, dtype=torch.bool, device=lp.device)
+        dropped_seq[seq[valid & ~opsm_keep]] = True
+        num_opsm_sequences = dropped_seq.sum().float()
+        pg_mask = valid & opsm_keep
+
+    mode = config.loss_aggregation
+    agg = dict(seq_token_counts=seq_token_counts, count_mask=den_mask)
+    pg_loss = aggregate(terms.loss, pg_mask, cu_seqlens, mode, denominators, **agg)
+    loss = pg_loss
+    zero = pg_loss.detach() * 0.0
+    kl_loss = zero
+    entropy_loss = zero
+    kl_values = None
+    if config.kl_active:
+        kl_values = kl_estimate(
+            lp,
+            clean(ref_log_probs),
+            config.kl_loss_type,
+            old_log_probs=old,
+            unbiased=config.use_unbiased_kl,
+            log_ratio_bound=config.ratio_log_bound,
+        )
+        kl_loss = aggregate(kl_values, valid, cu_seqlens, mode, denominators, **agg)
+        loss = loss + config.kl_loss_coef * kl_loss
+    if ent is not None:
+        entropy_loss = aggregate(ent, valid, cu_seqlens, mode, denominators, **agg)
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * entropy_loss
+
+    def tsum(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float()
+        return torch.where(valid, x, torch.zeros_like(x)).sum()
+
+    token_sums = {
+        "pg_clipfrac": tsum(terms.clipped.float()),
+        "pg_clipfrac_low": tsum(terms.clipped_low.float()),
+        "pg_clipfrac_high": tsum(terms.clipped_high.float()),
+        "pg_dualclip_frac": tsum(terms.dual_clipped.float()),
+        "ppo_kl": tsum(old - lp.detach()),
+        "ratio": tsum(terms.ratio),
+    }
+    if weights is not None:
+        token_sums["is_weight"] = tsum(weights)
+    if ent is not None:
+        token_sums["entropy"] = tsum(ent)
+    if kl_values is not None:
+        token_sums["kl"] = tsum(kl_values)
+    den_counts = segment_sum(den_mask.float(), cu_seqlens) if seq_token_counts is None else seq_token_counts
+    counts = {
+        "num_loss_tokens": lmask.sum().float(),
+        "num_valid_tokens": valid.sum().float(),
+        "num_rejected_tokens": (lmask & finite & ~keep).sum().float(),
+        "num_nonfinite_inputs": bad.sum().float(),
+        "num_opsm_tokens": num_opsm_tokens.to(lp.device),
+        "num_opsm_sequences": num_opsm_sequences.to(lp.device),
+        "num_denominator_tokens": den_mask.sum().float(),
+        "num_denominator_sequences": (den_counts > 0).sum().float(),
+    }
+    shares = {
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "kl_loss": kl_loss.detach(),
+        "entropy_loss": entropy_loss.detach(),
+    }
+    return RLLossOutput(
+        loss=loss,
+        shares=shares,
+        token_sums=token_sums,
+        counts=counts,
+        pg_mask=pg_mask,
+        valid_mask=valid,
+        terms=terms,
+    )

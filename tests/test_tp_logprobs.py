@@ -1,0 +1,159 @@
+"""Vocab-parallel log-probs and entropy: equal to a full log-softmax (forward and gradient) on one
+process, and on a real Megatron-Core GPT with TP=2 equal to the unsharded log-softmax and to
+Megatron's ``vocab_parallel_cross_entropy``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
+
+
+def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    lp = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+@pytest.mark.parametrize("chunk_size", [-1, 1, 3, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_single_rank_matches_log_softmax(chunk_size, temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 5, 13, generator=g)).requires_grad_()
+    targets = torch.randint(0, 13, (2, 5), generator=g)
+    lp, ent = vocab_parallel_log_probs(logits, targets, temperature=temperature, with_entropy=True, chunk_size=chunk_size)
+    assert lp.shape == ent.shape == (2, 5) and lp.dtype == torch.float32
+    ref_lp, ref_ent = _reference(logits.detach(), targets, temperature)
+    # float32 log-softmax of logits of size ~10: rounding ~1e-6.
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=2e-6)
+
+    w1, w2 = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    (grad,) = torch.autograd.grad((w1 * lp).sum() + (w2 * ent).sum(), logits)
+    x = logits.detach().double().requires_grad_()
+    r_lp, r_ent = _reference(x, targets, temperature)
+    (ref_grad,) = torch.autograd.grad((w1.double() * r_lp).sum() + (w2.double() * r_ent).sum(), x)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=2e-6)
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 9, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 9, (6,), generator=g)
+    fn = lambda z: vocab_parallel_log_probs(z, t, temperature=0.7, with_entropy=True, chunk_size=4)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+def test_bf16_logits_are_computed_in_float32():
+    g = torch.Generator().manual_seed(2)
+    logits = (4 * torch.randn(64, 50, generator=g)).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 50, (64,), generator=g)
+    lp, ent = vocab_parallel_log_probs(logits, t, with_entropy=True, chunk_size=16)
+    assert lp.dtype == torch.float32
+    ref_lp, ref_ent = _reference(logits.detach().float(), t)
+    # Same bf16 inputs, float32 arithmetic in both: only float32 rounding differs.
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-5)
+    lp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_empty_and_bad_inputs():
+    lp, ent = vocab_parallel_log_probs(torch.zeros(0, 7, requires_grad=True), torch.zeros(0, dtype=torch.long))
+    assert lp.shape == (0,) and ent is None
+    with pytest.raises(ValueError, match=r"target ids must lie in \[0, 7\)"):
+        vocab_parallel_log_probs(torch.zeros(3, 7), torch.tensor([0, 7, 1]))
+    with pytest.raises(ValueError, match="same shape|shape of logits"):
+        vocab_parallel_log_probs(torch.zeros(3, 7), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_log_probs(torch.zeros(3, 7), torch.tensor([0, 1, 2]), temperature=0.0)
+    with pytest.raises(ValueError, match="integer"):
+        vocab_parallel_log_probs(torch.zeros(3, 7), torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        vocab_parallel_log_probs(torch.zeros(3, 7), torch.tensor([0, 1, 2]), chunk_size=0)
+
+
+# ----------------------------------------------------------------------------- TP=2 on GPTModel
+SPEC = GPTSpec(vocab_size=48, hidden_size=32, num_layers=2, num_attention_heads=4, max_sequence_length=64)
+
+
+def _gpt_logprobs(tp: int, tokens: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, temperature: float):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    with megatron_parallel(tp=tp, seed=11):
+        model = build_gpt(SPEC)
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        out = model(tokens, pos, None)  # [b, s, V/tp]
+        shard = out.detach().requires_grad_()
+        group = ps.get_tensor_model_parallel_group()
+        lp, ent = vocab_parallel_log_probs(
+            shard, targets, group=group, temperature=temperature, with_entropy=True, chunk_size=5
+        )
+        (lp_grad,) = torch.autograd.grad((weights * lp).sum(), shard, retain_graph=True)
+        objective = (weights * lp).sum() + 0.5 * (weights * ent).sum()
+        (shard_grad,) = torch.autograd.grad(objective, shard)
+        # Megatron's own vocab-parallel cross entropy ([s, b, V/tp] layout) on the same shard.
+        x = (shard.detach() / temperature).transpose(0, 1).contiguous().requires_grad_()
+        ce = vocab_parallel_cross_entropy(x, targets.transpose(0, 1).contiguous()).transpose(0, 1)
+        (ce_grad,) = torch.autograd.grad((weights * -ce).sum(), x)
+        # Gradient into the model: parameters see the same full-vocabulary objective at any TP size.
+        model.zero_grad()
+        lp2, _ = vocab_parallel_log_probs(out, targets, group=group, temperature=temperature)
+        (weights * lp2).sum().backward()
+        emb_grad = model.embedding.word_embeddings.weight.grad
+        full_emb_grad = gather_from_tensor_model_parallel_region(emb_grad.t().contiguous()).t()
+        result = {
+            "rank": dist.get_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "full_logits": gather_from_tensor_model_parallel_region(out.detach()),
+            "lp": lp.detach(),
+            "ent": ent.detach(),
+            "shard_grad": shard_grad,
+            "ce": ce.detach(),
+            "lp_grad": lp_grad,
+            "ce_grad": ce_grad.transpose(0, 1) / temperature,  # d/d(shard) = d/d(shard / T) / T
+            "full_emb_grad": full_emb_grad,
+        }
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_gpt_tp2_log_probs_equal_unsharded_log_softmax(pool2, temperature):
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, SPEC.vocab_size, (2, 12), generator=g)
+    targets = torch.roll(tokens, -1, dims=1)
+    weights = torch.randn(2, 12, generator=g)
+    ref = pool2.run(_gpt_logprobs, 1, tokens, targets, weights, temperature)[0]
+    tp2 = pool2.run(_gpt_logprobs, 2, tokens, targets, weights, temperature)
+
+    full = tp2[0]["full_logits"]
+    # CPU init from one seed gives the same full model at TP=1 and TP=2 (tests/test_models_cpu.py).
+    torch.testing.assert_close(full, ref["full_logits"], rtol=1e-5, atol=1e-5)
+    x = full.double().requires_grad_()
+    logp = torch.log_softmax(x / temperature, dim=-1)
+    want_lp = logp.gather(-1, targets[..., None]).squeeze(-1)
+    want_ent = -(logp.exp() * logp).sum(-1)
+    (want_grad,) = torch.autograd.grad((weights.double() * want_lp).sum() + 0.5 * (weights.double() * want_ent).sum(), x)
+    half = SPEC.vocab_size // 2
+    for r in tp2:
+        # Same float32 logits, different reduction split over the vocabulary: rounding only.
+        torch.testing.assert_close(r["lp"].double(), want_lp.detach(), rtol=0, atol=3e-6)
+        torch.testing.assert_close(r["ent"].double(), want_ent.detach(), rtol=0, atol=3e-6)
+        k = r["tp_rank"]
+        torch.testing.assert_close(r["shard_grad"].double(), want_grad[..., k * half : (k + 1) * half], rtol=0, atol=3e-6)
+        # Megatron-Core's vocab_parallel_cross_entropy is -log p: same values and gradients.
+        torch.testing.assert_close(-r["ce"], r["lp"], rtol=0, atol=3e-6)
+        torch.testing.assert_close(r["ce_grad"], r["lp_grad"], rtol=0, atol=3e-6)
+        # Parameter gradients through the whole GPT equal the TP=1 model's: the same full-model
+        # objective, reductions split differently over TP ranks (float32 rounding, relative).
+        torch.testing.assert_close(r["full_emb_grad"], ref["full_emb_grad"], rtol=1e-4, atol=1e-6)
+
