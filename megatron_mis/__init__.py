@@ -20,6 +20,10 @@ __all__ = [
     "compute_mis_from_lists",
     "compute_mis_weights_with_cp",
     "compute_mis_weights_fsdp",
+    "LossConfig",
+    "MegatronRLLoss",
+    "RoutingReplay",
+    "RoutingReplayConfig",
 ]
 
 _LAZY = {
@@ -27,6 +31,10 @@ _LAZY = {
     "compute_mis_from_lists": "megatron_mis.core.engine",
     "compute_mis_weights_with_cp": "megatron_mis.integrations.hosts",
     "compute_mis_weights_fsdp": "megatron_mis.integrations.hosts",
+    "LossConfig": "megatron_mis.config.loss",
+    "MegatronRLLoss": "megatron_mis.integrations.megatron_loss",
+    "RoutingReplay": "megatron_mis.routing.replay",
+    "RoutingReplayConfig": "megatron_mis.routing.config",
 }
 
 

@@ -95,6 +95,19 @@ def _routing_build(data: dict[str, Any], source: str | None) -> Any:
 
 
 CONFIG_SECTIONS.register("mis", ConfigSection(_mis_keys, _mis_build, _mis_describe))
+def _loss_keys() -> list[str]:
+    from megatron_mis.config.loss import LossConfig
+
+    return LossConfig.field_names()
+
+
+def _loss_build(data: dict[str, Any], source: str | None) -> Any:
+    from megatron_mis.config.loss import LossConfig
+
+    return LossConfig.from_dict(data, source=source)
+
+
+CONFIG_SECTIONS.register("loss", ConfigSection(_loss_keys, _loss_build, lambda c: c.to_dict()))
 CONFIG_SECTIONS.register("routing_replay", ConfigSection(_routing_keys, _routing_build, lambda c: c.to_dict()))
 CONFIG_SECTIONS.register("lr_schedule", ConfigSection(_schedule_keys, _schedule_build, _schedule_describe))
 
