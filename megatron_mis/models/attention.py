@@ -30,6 +30,7 @@ from megatron_mis.models.packing import zigzag_bshd_global_index, zigzag_thd_glo
 __all__ = [
     "SDPACoreAttention",
     "packed_causal_mask",
+    "sdpa_packed",
     "gather_along_first_dim",
 ]
 
@@ -44,6 +45,27 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, total: int, device: torch.devic
     causal = pos[None, :] <= pos[:, None]
     same = seq[None, :] == seq[:, None]
     return (causal & same) | torch.eye(total, dtype=torch.bool, device=device)
+
+
+def sdpa_packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention over packed sequences (no context parallelism): ``query [t, np, hn]``,
+    ``key / value [t, ng, hn]``, ``cu_seqlens [N+1]`` -> ``[t, np*hn]``. This is exactly what
+    :class:`SDPACoreAttention` runs for thd input with CP = 1 (the rollout engine's
+    true-on-policy path calls it to stay bitwise identical to the trainer)."""
+    t = query.shape[0]
+    mask = packed_causal_mask(cu_seqlens, t, query.device)
+    q, k, v = (x.permute(1, 0, 2) for x in (query, key, value))  # [h, t, d]
+    k, v = SDPACoreAttention._expand_groups(q, k, v, head_dim=0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)  # [h, t, d]
+    return out.permute(1, 0, 2).reshape(t, -1)
 
 
 class _GatherFirstDim(torch.autograd.Function):
@@ -164,14 +186,7 @@ class SDPACoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
-            t = query.shape[0]
-            mask = packed_causal_mask(cu, t, query.device)
-            q, k, v = (x.permute(1, 0, 2) for x in (query, key, value))  # [h, t, d]
-            k, v = self._expand_groups(q, k, v, head_dim=0)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale
-            )  # [h, t, d]
-            return out.permute(1, 0, 2).reshape(t, -1)
+            return sdpa_packed(query, key, value, cu, scale=self.softmax_scale, dropout_p=dropout)
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         k, v = self._expand_groups(q, k, v, head_dim=1)

@@ -212,6 +212,7 @@ def pack_sequences(
     cp_rank: int = 0,
     pad_token_id: int = 0,
     pad_to_multiple_of: int = 1,
+    slot_length: int | None = None,
     device: torch.device | str | None = None,
 ) -> PackedBatch:
     """Pack ``sequences`` (1-D integer tensors or lists, prompt + response) into ``cp_rank``'s
@@ -225,6 +226,9 @@ def pack_sequences(
         pad_to_multiple_of: pad the LOCAL stream to a multiple of this (e.g. the TP size with
             sequence parallelism); the padding forms one extra trailing segment in
             ``cu_seqlens`` (as slime does). Under CP the multiple is rounded up to an even one.
+        slot_length: pad EVERY sequence to this many tokens (rounded up to a multiple of
+            ``2*cp``): a layout that does not depend on the generated lengths, the one the
+            rollout engine's true-on-policy path reproduces at every decoding step.
         device: where the tensors go (default CPU).
 
     Returns:
@@ -245,6 +249,12 @@ def pack_sequences(
     lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.long)
     unit = 2 * cp_size if cp_size > 1 else 1
     padded = -(-lengths // unit) * unit  # [N]
+    if slot_length is not None:
+        too_long = torch.nonzero(lengths > slot_length).flatten()
+        if too_long.numel():
+            i = int(too_long[0])
+            raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, more than slot_length={slot_length}")
+        padded = torch.full_like(lengths, -(-int(slot_length) // unit) * unit)
     seg_lengths = padded.tolist()
     local_total = int(padded.sum()) // cp_size
     local_multiple = pad_to_multiple_of if cp_size == 1 else math.lcm(pad_to_multiple_of, 2)
