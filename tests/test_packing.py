@@ -138,3 +138,15 @@ def test_response_index_rejects_bad_lengths():
         b.response_index([3])
     with pytest.raises(ValueError, match="1 response lengths for 2"):
         pack_sequences([[1, 2], [3, 4]]).response_index([1])
+
+
+def test_slot_length_gives_fixed_slots():
+    b = pack_sequences([[1, 2, 3], [4, 5]], slot_length=5, pad_token_id=9)
+    assert b.tokens.tolist() == [[1, 2, 3, 9, 9, 4, 5, 9, 9, 9]]
+    assert b.packed_seq_params.cu_seqlens_q_padded.tolist() == [0, 5, 10]
+    assert b.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 5]
+    assert b.response_index([2, 1]).tolist() == [0, 1, 5]
+    # under CP the slot is rounded up to a multiple of 2*cp
+    assert pack_sequences([[1, 2, 3]], slot_length=5, cp_size=2, cp_rank=0).cu_seqlens_padded.tolist() == [0, 8]
+    with pytest.raises(ValueError, match="more than slot_length=2"):
+        pack_sequences([[1, 2, 3]], slot_length=2)
