@@ -2,7 +2,8 @@
 
 The prompt is a short digit string between ``<bos>`` and ``<sep>``; the response must transform
 it (default: copy it) and is scored by a program. A tiny GPT (vocabulary 32, hidden 64, 2 layers)
-starts near chance and learns the copy task with GRPO in a few hundred CPU-seconds::
+starts near chance (reward ~0.05) and reaches ~0.4-0.5 on the default copy task after 150 plain
+GRPO steps of 16 prompts x 8 samples (about a minute on one CPU core; docs/demo_internals.md)::
 
     prompt    <bos> 3 1 4 1 <sep>
     response  3 1 4 1                 (copy; reverse: 1 4 1 3; sort: 1 1 3 4)
