@@ -4,7 +4,8 @@ Megatron-Core assumes CUDA in a handful of places that matter for small CPU runs
 demo): ``torch.cuda.current_device()`` when placing buffers and router weights,
 ``torch.cuda.synchronize()`` in the pipeline-parallel p2p shape exchange, a hard-coded
 ``device="cuda"`` token counter in the pipeline schedules, and (without Transformer Engine) an
-undefined ``te_general_gemm`` name in the MoE router gating path. :func:`cpu_compat` installs
+undefined ``te_general_gemm`` name in the MoE router gating path, and a pinned-memory CUDA
+index in the rotary-embedding slice for context parallelism (bshd). :func:`cpu_compat` installs
 small, explicit shims for exactly these, and removes them again on exit. It is re-entrant (safe
 to apply twice) and does nothing on a machine where CUDA is available.
 """
@@ -12,6 +13,7 @@ to apply twice) and does nothing on a machine where CUDA is available.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +51,20 @@ class _CudaDeviceToCpuTorch:
         return torch.empty(*args, **self._fix(kwargs))
 
 
+def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """CPU twin of ``megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank``
+    (which builds its index in pinned memory and moves it to CUDA): keep chunks ``cp_rank`` and
+    ``2*cp_size-1-cp_rank`` of ``2*cp_size`` along ``seq_dim`` (the zigzag layout)."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*shape[:seq_dim], -1, *shape[seq_dim + 1 :])
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     existed = hasattr(obj, name)
     _restore.append((obj, name, getattr(obj, name, None), existed))
@@ -72,7 +88,9 @@ def cpu_compat() -> Iterator[None]:
     - ``megatron.core.pipeline_parallel.schedules`` sees a ``torch`` whose ``zeros/empty/tensor``
       map ``device="cuda"`` to the CPU;
     - ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None`` when
-      Transformer Engine is absent, so the router uses its plain ``torch.mm`` path.
+      Transformer Engine is absent, so the router uses its plain ``torch.mm`` path;
+    - the rotary-embedding modules slice their table per CP rank with a CPU index
+      (:func:`_pos_emb_on_this_cp_rank_cpu`) instead of a pinned CUDA one.
     """
     global _depth
     if torch.cuda.is_available():
@@ -96,6 +114,13 @@ def cpu_compat() -> Iterator[None]:
                     _patch(moe_utils, "te_general_gemm", None)
             except ImportError:  # pragma: no cover
                 pass
+            for module_name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding"):
+                try:
+                    module = importlib.import_module(f"megatron.core.models.common.embeddings.{module_name}")
+                except ImportError:  # pragma: no cover - optional modules of older cores
+                    continue
+                if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+                    _patch(module, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank_cpu)
     try:
         yield
     finally:
