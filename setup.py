@@ -43,7 +43,6 @@ setup(
     entry_points={"console_scripts": ["megatron-mis=megatron_mis.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
 )
