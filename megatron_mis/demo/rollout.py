@@ -16,8 +16,9 @@ The trainer (Megatron-Core, float32) and this engine share weights, not code:
 - **true-on-policy path** (``true_on_policy=True``, seed 000's first solution at this scale):
   every decoding step runs a forward that is the trainer's, operation for operation — the same
   ``[s, b, h]`` layout, ``torch.matmul`` per tensor-parallel shard with the shard-sum of the
-  row-parallel all-reduce, the same rotary table, the same packed SDPA kernel, and
-  :func:`megatron_mis.demo.scoring.vocab_parallel_log_probs` per shard — over the SAME shapes as
+  row-parallel all-reduce, the same rotary table, the same packed SDPA kernel, and the
+  trainer's own log-prob arithmetic (:func:`megatron_mis.parallel.tp_logprobs.
+  log_probs_from_shards`, the code of ``vocab_parallel_log_probs``) — over the SAME shapes as
   the trainer's recompute: all sequences packed in fixed slots of ``max prompt + max_new_tokens``
   tokens, tokens not yet generated filled with padding (causal attention never lets position
   ``t`` see them). Identical kernels on identical shapes give identical reduction orders, so the
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mis.config.base import ConfigBase, doc
+from megatron_mis.parallel.tp_logprobs import log_probs_from_shards, log_softmax_from_shards
 
 __all__ = [
     "Precision",
@@ -553,19 +555,6 @@ class _AlignedModel:
         x = self._norm(x, self.final_w, self.final_b)
         return [torch.matmul(x, w.t()).transpose(0, 1).contiguous() for w in self.output_w]
 
-    def log_probs_all(self, shards: list[torch.Tensor], temperature: float) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The shared part of :func:`vocab_parallel_log_probs` on the same shapes:
-        ``(shifted logits per shard [1, T, V/tp], log(sum exp) [1, T])``."""
-        xs = [s.float() for s in shards]
-        if temperature != 1.0:
-            xs = [x / temperature for x in xs]
-        m = xs[0].max(dim=-1).values
-        for x in xs[1:]:
-            m = torch.maximum(m, x.max(dim=-1).values)
-        shifted = [x - m.unsqueeze(-1) for x in xs]
-        sum_exp = self._allreduce_sum([s.exp().sum(dim=-1) for s in shifted])
-        return shifted, torch.log(sum_exp)
-
 
 # ------------------------------------------------------------------------------- sampling
 def _filter(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -723,11 +712,11 @@ class RolloutEngine:
             lps: list[list[torch.Tensor]] = [[] for _ in range(b)]
             for _ in range(cfg.max_new_tokens):
                 shards = model.forward(grid.view(1, -1), cu, slot)
-                shifted, log_z = model.log_probs_all(shards, cfg.temperature)
                 rows = torch.arange(b) * slot + cur - 1  # logit positions of the next tokens
-                logp = torch.cat([s[0, rows] for s in shifted], dim=-1) - log_z[0, rows][:, None]  # [b, V]
-                tok = _sample(logp, cfg, generator)
-                logp_tok = logp.gather(-1, tok[:, None]).squeeze(-1)
+                row_shards = [s[0].index_select(0, rows) for s in shards]  # [b, V/tp], as the trainer selects
+                tok = _sample(log_softmax_from_shards(row_shards, temperature=cfg.temperature), cfg, generator)
+                # recorded through the trainer's own log-prob arithmetic (parallel.tp_logprobs)
+                logp_tok = log_probs_from_shards(row_shards, tok, temperature=cfg.temperature)
                 took = alive.clone()
                 self._step_bookkeeping(tok, logp_tok, alive, toks, lps, fin)
                 for j in torch.nonzero(took).flatten().tolist():
@@ -771,18 +760,12 @@ class RolloutEngine:
                 part = seqs[lo : lo + mbs]
                 batch = pack_sequences(part, slot_length=slot, pad_token_id=cfg.pad_token_id)
                 shards = self._model.forward(batch.tokens, batch.cu_seqlens_padded.to(torch.int32), slot)
-                shifted, log_z = self._model.log_probs_all(shards, cfg.temperature)
-                labels = batch.labels[0]
-                tp_v = shifted[0].shape[-1]
-                picked = torch.stack(
-                    [s[0].gather(-1, (labels - r * tp_v).clamp(0, tp_v - 1)[:, None]).squeeze(-1) for r, s in enumerate(shifted)]
-                )
-                owner = labels // tp_v
-                target = picked.gather(0, owner[None]).squeeze(0)
-                logp = target - log_z[0]
                 idx = batch.response_index(resp[lo : lo + mbs])
+                logp = log_probs_from_shards(
+                    [s[0].index_select(0, idx) for s in shards], batch.labels[0][idx], temperature=cfg.temperature
+                )
                 counts = torch.bincount(batch.sequence_ids[idx], minlength=len(part))[: len(part)]
-                out.extend(torch.split(logp[idx], counts.tolist()))
+                out.extend(torch.split(logp, counts.tolist()))
             return out
         model = self._model
         n = len(seqs)
