@@ -162,7 +162,7 @@ def _activation_name(fn: Any) -> str:
     raise ValueError(f"rollout engine: unsupported MLP activation {fn!r}; supported: F.gelu, F.silu")
 
 
-def _arch_from_model(model: Any, tp_size: int) -> ModelArch:
+def _arch_from_model(model: Any, tp_size: int, pp_size: int = 1) -> ModelArch:
     cfg = model.config
     problems = []
     if getattr(cfg, "num_moe_experts", None):
@@ -177,8 +177,13 @@ def _arch_from_model(model: Any, tp_size: int) -> ModelArch:
                  "apply_residual_connection_post_layernorm", "sequence_parallel"):
         if getattr(cfg, flag, False):
             problems.append(f"{flag}=True is not supported")
-    if getattr(cfg, "pipeline_model_parallel_size", 1) > 1:
-        problems.append("pipeline parallelism: gather the stages first (pipeline_model_parallel_size > 1)")
+    if getattr(cfg, "pipeline_model_parallel_size", 1) != pp_size:
+        problems.append(
+            f"pipeline_model_parallel_size={cfg.pipeline_model_parallel_size} but the pipeline group given has "
+            f"{pp_size} rank(s): pass pp_group=parallel_state.get_pipeline_model_parallel_group()"
+        )
+    if getattr(cfg, "virtual_pipeline_model_parallel_size", None):
+        problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size) are not supported")
     if getattr(cfg, "activation_func_clamp_value", None) is not None or getattr(cfg, "glu_linear_offset", 0.0):
         problems.append("activation_func_clamp_value / glu_linear_offset are not supported")
     if cfg.normalization not in ("RMSNorm", "LayerNorm"):
@@ -202,23 +207,37 @@ def _arch_from_model(model: Any, tp_size: int) -> ModelArch:
     )
 
 
+def _global_layer_names(model: Any) -> dict[str, str]:
+    """``decoder.layers.{local}.`` -> ``decoder.layers.{global}.`` prefixes of this pipeline stage
+    (Megatron numbers a stage's layers from 0; ``layer_number`` is global and 1-based)."""
+    out = {}
+    for i, layer in enumerate(getattr(getattr(model, "decoder", None), "layers", [])):
+        out[f"decoder.layers.{i}."] = f"decoder.layers.{int(layer.layer_number) - 1}."
+    return out
+
+
 @torch.no_grad()
-def weights_from_megatron(model: Any, *, tp_group: Any = None) -> RolloutWeights:
+def weights_from_megatron(model: Any, *, tp_group: Any = None, pp_group: Any = None) -> RolloutWeights:
     """Copy a GPTModel's weights into full float32 tensors (a weight sync, as slime's
     ``update_weights``).
 
     Args:
-        model: the (unwrapped) GPTModel of this rank; pipeline parallel size 1.
+        model: the (unwrapped) GPTModel (stage) of this rank.
         tp_group: the tensor-parallel group (explicit). Every TP rank must call this; each gets
             the full weights.
+        pp_group: the pipeline-parallel group when the model is split into stages (explicit;
+            ``None``: one stage). Every stage must call this; each gets all layers.
 
     Collectives: one ``all_gather`` over ``tp_group`` per tensor-parallel parameter (none with
-    TP = 1). No gradients.
+    TP = 1), then one ``all_gather_object`` of the stage's tensors over ``pp_group`` (none with
+    PP = 1). No gradients.
     """
     import torch.distributed as dist
 
     tp = 1 if tp_group is None else tp_group.size()
-    arch = _arch_from_model(model, tp)
+    pp = 1 if pp_group is None else pp_group.size()
+    arch = _arch_from_model(model, tp, pp)
+    rename = _global_layer_names(model) if pp > 1 else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         data = p.detach()
@@ -232,7 +251,20 @@ def weights_from_megatron(model: Any, *, tp_group: Any = None) -> RolloutWeights
                 data = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
             else:
                 data = torch.cat(parts, dim=dim)
+        for local, glob in rename.items():
+            if name.startswith(local):
+                name = glob + name[len(local):]
+                break
         tensors[name] = data.to(dtype=torch.float32, device="cpu").clone().contiguous()
+    if pp > 1:
+        stages: list[Any] = [None] * pp
+        dist.all_gather_object(stages, tensors, group=pp_group)
+        tensors = {}
+        for stage in stages:
+            overlap = set(tensors) & set(stage)
+            if overlap:
+                raise ValueError(f"pipeline stages hold the same parameters {sorted(overlap)[:4]} (tied embeddings are not supported)")
+            tensors.update(stage)
     inv_freq = model.rotary_pos_emb.inv_freq.detach().to(device="cpu").clone()
     return RolloutWeights(arch=arch, tensors=tensors, inv_freq=inv_freq)
 
@@ -603,9 +635,10 @@ class RolloutEngine:
         self.load_weights(weights)
 
     @classmethod
-    def from_megatron(cls, model: Any, config: RolloutConfig, *, tp_group: Any = None) -> "RolloutEngine":
-        """Build from a GPTModel (collective over ``tp_group``, see :func:`weights_from_megatron`)."""
-        return cls(weights_from_megatron(model, tp_group=tp_group), config)
+    def from_megatron(cls, model: Any, config: RolloutConfig, *, tp_group: Any = None, pp_group: Any = None) -> "RolloutEngine":
+        """Build from a GPTModel (collectives over ``tp_group`` / ``pp_group``, see
+        :func:`weights_from_megatron`)."""
+        return cls(weights_from_megatron(model, tp_group=tp_group, pp_group=pp_group), config)
 
     def load_weights(self, weights: RolloutWeights) -> None:
         self.weights = weights
