@@ -174,7 +174,7 @@ def report(cfg, results) -> None:
     print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {summary_path}")
 
 
-def _describe(cfg) -> str:
+def describe(cfg) -> str:
     layout = f"TP={cfg.tp} CP={cfg.cp} PP={cfg.pp} DP={cfg.dp}: {cfg.world_size} process(es) on gloo, {cfg.num_threads} thread(s) each"
     rollout = "true on-policy (the trainer's kernels, fp32)" if cfg.true_on_policy else f"fast engine in {cfg.precision} (KV cache)"
     runs = " then ".join(cfg.arms)
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megatron_mis.demo.launch import DemoError, launch
 
-    print(_describe(cfg), flush=True)
+    print(describe(cfg), flush=True)
     try:
         results = launch(cfg)
     except DemoError as exc:
