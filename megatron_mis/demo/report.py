@@ -90,7 +90,7 @@ def _scale(ax, values: list[float]) -> None:
     """Log axis for positive values spanning more than a decade; linear (labelled) when every
     value is exactly 0."""
     if values and all(v == 0.0 for v in values):
-        ax.text(0.5, 0.5, "exactly 0", transform=ax.transAxes, ha="center", va="center", fontsize=11, color="#555")
+        ax.text(0.5, 0.7, "exactly 0", transform=ax.transAxes, ha="center", va="center", fontsize=11, color="#555")
         return
     positive = [v for v in values if v > 0]
     if positive and len(positive) == len(values) and max(positive) / min(positive) > 20:
@@ -141,7 +141,10 @@ def plot_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pat
     for ax in (ax_k, ax_p):
         _scale(ax, collected[ax])
     if collected[ax_rej] and all(v == 0.0 for v in collected[ax_rej]):
-        ax_rej.text(0.5, 0.5, "nothing rejected", transform=ax_rej.transAxes, ha="center", va="center", fontsize=11, color="#555")
+        ax_rej.text(0.5, 0.7, "nothing rejected", transform=ax_rej.transAxes, ha="center", va="center", fontsize=11, color="#555")
+    lrs = [float(r["lr"]) for records in runs.values() for r in records if r.get("lr") is not None]
+    if lrs:
+        ax_lr.set_ylim(0.0, 1.15 * max(lrs))
     ax_r.set_title("reward (mean per step, smoothed)")
     ax_k.set_title("K3 KL(rollout || trainer) per token")
     ax_p.set_title("|log-ppl diff| rollout vs trainer")
