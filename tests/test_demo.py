@@ -129,6 +129,10 @@ def test_tp2_and_cp2_reproduce_the_single_process_step(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["logprob_abs_diff_max"] < 5e-6
         _check_png(tmp_path / flags[0][2:] / "report.png")
+    # true on-policy through Megatron's schedule under TP=2: bitwise at every step
+    rc, out, err, recs = run_demo(tmp_path, "--tp", "2", "--true-on-policy", "--no-plot", name="top2")
+    assert rc == 0, err
+    assert all(r["logprob_bitwise_equal"] and r["logprob_abs_diff_max"] == 0.0 for r in recs)
 
 
 def test_bad_flags_are_reported_together(tmp_path, capsys):
@@ -143,9 +147,13 @@ def test_bad_flags_are_reported_together(tmp_path, capsys):
         assert part in err, part
     assert main(["demo", "--compare", "--correction", "none"]) == 2
     assert "runs the baseline (none) against CORRECTION" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("use_tis: true\ntis_levle: token\n")
+    assert main(["demo", "--correction", str(bad)]) == 2
+    assert "unknown key 'tis_levle'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["demo", "--rollout-precision", "fp8"])
-    assert not any(tmp_path.iterdir())  # nothing ran
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.yaml"]  # nothing ran
 
 
 def test_help_documents_every_flag(capsys):

@@ -210,12 +210,21 @@ class DemoConfig(ConfigBase):
     def _correction_problems(self) -> list[str]:
         if self.correction == "none":
             return []
+        from megatron_mis.config.base import ConfigError
+        from megatron_mis.config.mis import MISConfig
         from megatron_mis.presets import preset_path
 
         try:
-            preset_path(self.correction)
+            mis = MISConfig.from_yaml(preset_path(self.correction))
         except FileNotFoundError as exc:
             return [f"correction={self.correction!r}: {exc} (or none)"]
+        except ConfigError as exc:
+            return [f"correction={self.correction!r}: {exc}"]
+        if mis.normalizes and mis.tis_batch_normalize_scope == "global":
+            return [
+                f"correction={self.correction!r} sets tis_batch_normalize_scope: global; the demo's loss "
+                "normalises per micro-batch (use micro_batch)"
+            ]
         return []
 
     def _warnings(self) -> list[str]:
