@@ -473,11 +473,13 @@ def run_rank(cfg: DemoConfig) -> list[RunResult] | None:
     results; other ranks return ``None``."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
-    warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*")
     results: list[RunResult] = []
     reporter = False
-    with megatron_state(cfg):
+    # the caller's warning filters and torch RNG are left as they were (Megatron's CPU init draws
+    # from the global generator, seeded here)
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+        warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*")
         run_dir = Path(cfg.out_dir) / cfg.name
         for index, correction in enumerate(cfg.arms):
             arm = arm_spec(correction, cfg)

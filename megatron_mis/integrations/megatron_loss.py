@@ -382,8 +382,9 @@ class MegatronRLLoss:
 
     def count_denominators(self, micro_batches: Iterable[RLMicroBatch]) -> Denominators:
         """The step's global :class:`Denominators` from this rank's micro-batches: one SUM
-        all-reduce over the data-parallel(-with-CP) group (call on every rank of it). Under CP
-        each rank counts its own tokens and CP rank 0 counts the sequences. On pipeline stages
+        all-reduce over the data-parallel(-with-CP) group (call on every rank of it), plus the
+        engine's CP collectives per micro-batch when rejected tokens leave the denominators. Under
+        CP each rank counts its own tokens and CP rank 0 counts the sequences. On pipeline stages
         other than the last (which never compute the loss) nothing is counted or communicated
         and ``Denominators(0, 0)`` is returned."""
         from megatron.core import parallel_state as ps
