@@ -62,7 +62,7 @@ def test_default_quick_run_bf16_mismatch_is_real(tmp_path):
     _check_png(tmp_path / "t" / "report.png")
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert summary["config"]["rollout_precision"] is None and "token_tis" in summary["summaries"]
-    assert "[token_tis] reward" in out and "sample: <bos>" in out
+    assert "[token_tis] reward" in out and "greedy: <bos>" in out and "greedy decoding of 64" in out
 
 
 def test_fp32_rollouts_mismatch_is_rounding_and_runs_are_deterministic(tmp_path):

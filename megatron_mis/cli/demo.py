@@ -157,9 +157,14 @@ def report(cfg, results) -> None:
                 f"per step vs fast fp32 engine {1e3 * sum(fast) / max(len(fast), 1):.0f} ms "
                 f"({sum(aligned) / max(sum(fast), 1e-9):.1f}x)"
             )
+        if r.evaluation:
+            print(
+                f"  greedy decoding of 64 fresh prompts after training: reward {r.evaluation['greedy_reward']:.3f}, "
+                f"exact {r.evaluation['greedy_exact']:.1%}"
+            )
         print(f"  lr schedule: {r.schedule}")
         for line in r.samples:
-            print(f"  sample: {line}")
+            print(f"  greedy: {line}")
     if cfg.compare:
         print("\n" + format_table(summaries))
     if cfg.plot:

@@ -25,6 +25,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("reward_final", "reward (last 10%)", "{:.3f}"),
     ("reward_peak", "peak reward", "{:.3f}"),
     ("accuracy_final", "exact answers (last 10%)", "{:.1%}"),
+    ("greedy_reward", "greedy reward after", "{:.3f}"),
+    ("greedy_exact", "greedy exact after", "{:.1%}"),
     ("k3_kl_mean", "K3 KL mean", "{:.2e}"),
     ("k3_kl_max", "K3 KL max", "{:.2e}"),
     ("log_ppl_abs_diff_mean", "log-ppl abs diff", "{:.2e}"),

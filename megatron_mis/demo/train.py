@@ -85,6 +85,7 @@ class RunResult:
     records: list[dict[str, Any]]
     samples: list[str] = field(default_factory=list)
     schedule: str = ""
+    evaluation: dict[str, float] = field(default_factory=dict)
 
 
 # -------------------------------------------------------------------------- parallel state
@@ -338,7 +339,6 @@ class GRPOTrainer:
             accuracy=sum(correct) / len(correct),
             response_length_mean=float(lengths.mean()),
         )
-        self._last_batch = (expanded, batch)
 
         # ---- pi_old, recomputed by the trainer in fp32
         t_re = time.perf_counter()
@@ -398,16 +398,24 @@ class GRPOTrainer:
             record["monitor_warnings"] = [w.message for w in found]
         return record
 
-    def samples(self, num: int = 3) -> list[str]:
-        """A few prompt -> response pairs of the last step, decoded."""
-        expanded, batch = self._last_batch
-        out = []
-        step = max(1, len(expanded) // num)
-        for i in range(0, len(expanded), step)[:num]:
-            prompt, resp = expanded[i].prompt, batch.responses[i]
-            mark = "right" if self.task.is_correct(expanded[i], resp) else f"reward {self.task.reward(expanded[i], resp):.2f}"
-            out.append(f"{self.task.decode(prompt)} -> {self.task.decode(resp)}  ({mark})")
-        return out
+    def evaluate(self, num_prompts: int = 64, num_samples: int = 4) -> tuple[dict[str, float], list[str]]:
+        """Greedy decoding (fp32 engine, top-1) of ``num_prompts`` fresh problems, the same for
+        every run of a seed: ``({"greedy_reward", "greedy_exact"}, a few decoded samples)``. Call on
+        every rank: the weight sync gathers TP shards / pipeline stages; every rank then computes
+        the same numbers."""
+        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
+
+        cfg = {**self.rollout_config.to_dict(), "precision": "fp32", "top_k": 1, "true_on_policy": False, "micro_batch_size": None}
+        engine = RolloutEngine(self._weights(), RolloutConfig(**cfg))
+        problems = self.task.sample(num_prompts, generator=torch.Generator().manual_seed(self.cfg.seed + 7919))
+        batch = engine.generate([p.prompt for p in problems], generator=torch.Generator().manual_seed(0))
+        rewards = self.task.rewards(problems, batch.responses)
+        exact = [self.task.is_correct(p, r) for p, r in zip(problems, batch.responses)]
+        lines = []
+        for p, r, ok, rew in list(zip(problems, batch.responses, exact, rewards.tolist()))[:num_samples]:
+            mark = "right" if ok else f"reward {rew:.2f}"
+            lines.append(f"{self.task.decode(p.prompt)} -> {self.task.decode(r)}  ({mark})")
+        return {"greedy_reward": float(rewards.mean()), "greedy_exact": sum(exact) / len(exact)}, lines
 
 
 class _UpdateAggregator:
@@ -506,14 +514,16 @@ def run_rank(cfg: DemoConfig) -> list[RunResult] | None:
                     bar.close()
                 if sink is not None:
                     sink.close()
+            evaluation, samples = trainer.evaluate()  # every rank: the weight sync is collective
             if reporter:
                 results.append(
                     RunResult(
                         label=arm.label,
                         correction=arm.correction,
                         records=records,
-                        samples=trainer.samples(),
+                        samples=samples,
                         schedule=trainer.scheduler.schedule.describe(),
+                        evaluation=evaluation,
                     )
                 )
             del trainer
@@ -550,7 +560,8 @@ def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- summary
 def summarize(result: RunResult) -> dict[str, float]:
     """The comparison row of one run: final reward (mean of the last 10% of steps, at least 3),
-    peak reward, mean and max K3 KL, mean log-ppl abs diff, mean rejected token fraction, wall time."""
+    peak reward, mean and max K3 KL, mean log-ppl abs diff, mean rejected token fraction, wall
+    time, and the greedy evaluation after training."""
     recs = result.records
     if not recs:
         return {}
@@ -573,4 +584,5 @@ def summarize(result: RunResult) -> dict[str, float]:
         "logprob_abs_diff_max": max((r.get("logprob_abs_diff_max", 0.0) or 0.0) for r in recs),
         "wall_s": recs[-1]["wall_s"],
         "steps": float(len(recs)),
+        **result.evaluation,
     }
