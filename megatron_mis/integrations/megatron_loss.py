@@ -372,6 +372,8 @@ class MegatronRLLoss:
                 )
             full_index, cu_local = self._full_index(mb)
             old_local = mb.old_log_probs.index_select(0, full_index.to(mb.old_log_probs.device))
+            if self.cp.size > 1 and _is_nccl(self.cp.group):
+                old_local = old_local.cuda()  # the engine's CP all-gather runs where its inputs are
             _, full_keep = self._engine(old_local, mb, full_index, cu_local)
         return self._full_denominator_mask(mb, full_keep)
 
