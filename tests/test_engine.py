@@ -93,6 +93,21 @@ def test_hand_derived_metrics():
     close(res.token_metrics["mis_tis_truncate_fraction"], [0, 0, 0, 1, 1])
 
 
+def test_k3_of_fp32_rounding_level_mismatch_is_exact():
+    """Log-probs a few float32 ulps apart (an fp32 engine against an fp32 trainer): k3 ~ d^2/2 of
+    ~1e-13. Computed as r - 1 - log r in float32 it would be a multiple of 6e-8 (r - 1 rounds to
+    the float32 grid near 1); expm1(log r) - log r keeps it to float32 relative accuracy."""
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(64, generator=g) * 3
+    train = rollout + torch.randint(-4, 5, (64,), generator=g).float() * 1.2e-7
+    d = (train.double() - rollout.double())  # the exact float32 differences
+    res = compute_mis(train, rollout, torch.ones(64), [0, 64], MISConfig())
+    expected = (d.square() / 2).mean()
+    assert float(expected) < 1e-12
+    assert float(res.summary["mis_k3_kl"]) == pytest.approx(float(expected), rel=1e-3)
+    torch.testing.assert_close(res.token_metrics["mis_k3_kl"].double(), d.square() / 2, rtol=1e-3, atol=1e-20)
+
+
 def test_fraction_high_is_computed_from_unbounded_weights():
     """A 'fraction high' from already-clamped weights would always be 0 (DESIGN section 7)."""
     res = run(use_tis=True, tis_mode="clip", tis_lower_bound=0.6, tis_upper_bound=2.5)

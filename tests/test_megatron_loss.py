@@ -85,10 +85,11 @@ def _full_params(model, attr=None):
     return out
 
 
-def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_num_tokens=True, per_token=False):
+def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_num_tokens=True, per_token=False, cp=1):
     """Build the GPT, run NUM_STEPS optimizer steps with the RL loss; the micro-batches are split
-    over the data-parallel ranks (consecutive blocks). Returns per-step metrics and the full
-    parameters before / after."""
+    over the data-parallel ranks (consecutive blocks; every CP rank of a DP rank gets the same
+    ones). Returns per-step metrics, the full parameters before / after, and the first step's
+    recomputed log-probs."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -99,7 +100,7 @@ def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_n
     from megatron_mis.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
-    with megatron_parallel(tp=tp, seed=21):
+    with megatron_parallel(tp=tp, cp=cp, seed=21):
         model = build_gpt(SPEC, calculate_per_token_loss=per_token)
         ddp = DistributedDataParallel(
             model.config,
@@ -118,6 +119,7 @@ def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_n
         per_rank = len(micro_batches) // dp
         mine = micro_batches[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         before = _full_params(model)
+        recomputed = rl.recompute_log_probs([ddp], mine)
         history, first_grads = [], None
         for _ in range(NUM_STEPS):
             ddp.zero_grad_buffer()
@@ -138,7 +140,10 @@ def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_n
             for p in params:
                 p.grad = p.main_grad.to(p.dtype)
             opt.step()
-        return {"history": history, "before": before, "after": _full_params(model), "grads": first_grads}
+        return {
+            "history": history, "before": before, "after": _full_params(model), "grads": first_grads,
+            "recomputed": recomputed, "dp_rank": dp_rank, "dp": dp,
+        }
 
 
 LOSS_CASES = {
@@ -174,7 +179,14 @@ LOSS_CASES = {
 }
 
 
-def _compare(run, ref, what):
+EXTRA_KEYS = (
+    "num_rejected_tokens", "num_opsm_tokens", "num_opsm_sequences", "num_denominator_sequences", "mis_k3_kl",
+    "mis_k3_kl_max", "mis_ratio", "mis_ratio_min", "mis_ratio_max", "is_weight_min", "is_weight_max",
+    "mis_log_ppl_abs_diff",
+)
+
+
+def _compare(run, ref, what, extra=False):
     """Same full weights and data, reductions split differently over ranks (TP: matmuls and the
     vocabulary softmax; DP: gradient all-reduce): float32 rounding only, ~1e-6 relative (measured
     worst 1.4e-6 for losses, 6e-7 for gradients, 5e-6 for three SGD-with-momentum updates, each
@@ -183,6 +195,11 @@ def _compare(run, ref, what):
     for step, (a, b) in enumerate(zip(run["history"], ref["history"])):
         for key in ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "num_valid_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"{what}: step {step} {key}"
+        if extra:
+            assert set(a) == set(b), f"{what}: metric names differ: {sorted(set(a) ^ set(b))}"
+            for key in EXTRA_KEYS:
+                if key in b:
+                    assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"{what}: step {step} {key}"
     for name, p in ref["before"].items():
         torch.testing.assert_close(run["before"][name], p, rtol=0, atol=0)
         g_ref = ref["grads"][name]
@@ -193,8 +210,11 @@ def _compare(run, ref, what):
         upd_ref = ref["after"][name] - p
         upd_run = run["after"][name] - run["before"][name]
         assert float(upd_ref.abs().max()) > 0, f"{name} did not move"
+        # an update is the difference of two float32 parameters: it carries their rounding, one
+        # ulp of the parameter's magnitude (a norm weight near 1 moved by 1e-4 has a 6e-8 grain)
+        ulp = torch.finfo(torch.float32).eps * float(ref["after"][name].abs().max())
         torch.testing.assert_close(
-            upd_run, upd_ref, rtol=0, atol=1e-4 * float(upd_ref.abs().max()),
+            upd_run, upd_ref, rtol=0, atol=1e-4 * float(upd_ref.abs().max()) + ulp,
             msg=lambda m: f"{what}: update of {name} after {NUM_STEPS} steps: {m}",
         )
 
@@ -217,6 +237,57 @@ def test_tp2_and_dp2_match_single_process(pool1, pool2, case):
         _compare(run, ref, f"TP=2 rank {r}")
     for r, run in enumerate(dp2):
         _compare(run, ref, f"DP=2 rank {r}")
+
+
+def _check_recomputed(run, ref, batches, what):
+    """pi_old recomputed under the run's layout: every DP rank's micro-batches, full length, equal
+    to the single-process recompute to fp32 rounding (CP alone: the same bits, see
+    docs/demo_internals.md; with TP the matmuls split differently)."""
+    per_rank = len(batches) // run["dp"]
+    mine = ref["recomputed"][run["dp_rank"] * per_rank : (run["dp_rank"] + 1) * per_rank]
+    assert len(run["recomputed"]) == len(mine)
+    for a, b in zip(run["recomputed"], mine):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=lambda m: f"{what}: recomputed log-probs: {m}")
+
+
+@pytest.mark.parametrize("case", sorted(LOSS_CASES))
+def test_cp2_matches_single_process(pool1, pool2, case):
+    """Context parallelism: every sequence split zigzag over 2 ranks (lengths 2..11, none a
+    multiple of 4, one empty response); losses, metrics, gradients and updates equal the
+    single-process run."""
+    cfg, mis = LOSS_CASES[case]
+    batches = make_micro_batches(4)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    for r, run in enumerate(pool2.run(train, 1, batches, cfg, mis, cp=2)):
+        _compare(run, ref, f"CP=2 rank {r}", extra=True)
+        _check_recomputed(run, ref, batches, f"CP=2 rank {r}")
+    if cfg.get("use_opsm"):
+        assert ref["history"][0]["num_opsm_sequences"] > 0  # OPSM really dropped sequences
+
+
+def test_tp2_cp2_and_dp2_cp2_match_single_process(pool1, pool4):
+    """Token-level RS under CP needs the extra rejection-bit all-reduce; rejected tokens leave
+    the denominators, so the engine also runs (over the CP group) while counting them."""
+    cfg, mis = LOSS_CASES["decoupled_token_tis_rs_rejected_out"]
+    batches = make_micro_batches(4)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    for r, run in enumerate(pool4.run(train, 2, batches, cfg, mis, cp=2)):
+        _compare(run, ref, f"TP=2 x CP=2 rank {r}", extra=True)
+        _check_recomputed(run, ref, batches, f"TP=2 x CP=2 rank {r}")
+    for r, run in enumerate(pool4.run(train, 1, batches, cfg, mis, cp=2)):
+        _compare(run, ref, f"DP=2 x CP=2 rank {r}", extra=True)
+        _check_recomputed(run, ref, batches, f"DP=2 x CP=2 rank {r}")
+
+
+def test_cp2_legacy_two_tuple_and_per_token_mode(pool1, pool2):
+    """The 2-tuple path multiplies by the CP size in the schedule: the loss divides it out."""
+    cfg, mis = LOSS_CASES["reinforce_geometric_mis_normalised"]
+    batches = make_micro_batches(4)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    for r, run in enumerate(pool2.run(train, 1, batches, cfg, mis, False, cp=2)):
+        _compare(run, ref, f"2-tuple CP=2 rank {r}")
+    for r, run in enumerate(pool2.run(train, 1, batches, cfg, mis, True, True, cp=2)):
+        _compare(run, ref, f"calculate_per_token_loss CP=2 rank {r}")
 
 
 def test_legacy_two_tuple_and_per_token_mode_give_the_same_step(pool1, pool2):

@@ -196,46 +196,52 @@ def test_top_k_top_p_filtering():
     assert torch.isfinite(_filter(logp, 0, 0.1)).tolist() == [[True, False, False, False]]
 
 
-def test_vocab_parallel_log_probs_single_rank():
-    from megatron_mis.demo.scoring import vocab_parallel_log_probs
+def test_shard_log_probs_single_rank_equal_the_trainer_function_bitwise():
+    """TP = 1: log_probs_from_shards is vocab_parallel_log_probs' code; the full log-softmax it
+    samples from agrees with it at every target, bit for bit, for any chunking of the rows."""
+    from megatron_mis.parallel.tp_logprobs import log_probs_from_shards, log_softmax_from_shards, vocab_parallel_log_probs
 
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 11, generator=g, requires_grad=True)
-    labels = torch.randint(0, 11, (3, 5), generator=g)
-    ours = vocab_parallel_log_probs(logits, labels, temperature=0.5)
-    ref = torch.log_softmax(logits / 0.5, -1).gather(-1, labels[..., None]).squeeze(-1)
-    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)  # same math, different op order
-    (g1,) = torch.autograd.grad(ours.sum(), logits)
-    (g2,) = torch.autograd.grad(ref.sum(), logits)
-    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-6)
+    logits = 3 * torch.randn(37, 11, generator=g)
+    labels = torch.randint(0, 11, (37,), generator=g)
+    ours = log_probs_from_shards([logits], labels, temperature=0.7)
+    full = log_softmax_from_shards([logits], temperature=0.7)
+    assert torch.equal(full.gather(-1, labels[:, None]).squeeze(-1), ours)
+    for chunk in (-1, 1, 5, 1024):
+        ref, _ = vocab_parallel_log_probs(logits, labels, temperature=0.7, chunk_size=chunk)
+        assert torch.equal(ours, ref), chunk
+    # rows computed alone or in another batch: the same bits (what the engine relies on)
+    assert torch.equal(log_probs_from_shards([logits[5:9]], labels[5:9], temperature=0.7), ours[5:9])
+    torch.testing.assert_close(ours, torch.log_softmax(logits / 0.7, -1).gather(-1, labels[:, None]).squeeze(-1), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="temperature=0"):
-        vocab_parallel_log_probs(logits, labels, temperature=0)
+        log_probs_from_shards([logits], labels, temperature=0)
+    with pytest.raises(ValueError, match=r"target ids must lie in \[0, 11\)"):
+        log_probs_from_shards([logits], labels + 11)
 
 
 def _vocab_parallel_tp2():
     import torch.distributed as dist
 
-    from megatron_mis.demo.scoring import vocab_parallel_log_probs
+    from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
 
     g = torch.Generator().manual_seed(1)
-    full = torch.randn(4, 16, generator=g)
-    labels = torch.randint(0, 16, (4,), generator=g)
+    full = torch.randn(9, 16, generator=g)
+    labels = torch.randint(0, 16, (9,), generator=g)
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
-    shard = full[:, rank * 8 : (rank + 1) * 8].clone().requires_grad_(True)
-    lp = vocab_parallel_log_probs(shard, labels, tp_group=group)
-    lp.sum().backward()
-    return lp.detach(), shard.grad
+    shard = full[:, rank * 8 : (rank + 1) * 8].clone()
+    return [vocab_parallel_log_probs(shard, labels, group=group, temperature=1.3, chunk_size=c)[0] for c in (-1, 4)]
 
 
-def test_vocab_parallel_log_probs_tp2(pool2):
+def test_shard_log_probs_equal_tp2_all_reduce_bitwise(pool2):
+    from megatron_mis.parallel.tp_logprobs import log_probs_from_shards, log_softmax_from_shards
+
     g = torch.Generator().manual_seed(1)
-    full = torch.randn(4, 16, generator=g).requires_grad_(True)
-    labels = torch.randint(0, 16, (4,), generator=g)
-    ref = torch.log_softmax(full, -1).gather(-1, labels[:, None]).squeeze(-1)
-    ref.sum().backward()
-    (lp0, g0), (lp1, g1) = pool2.run(_vocab_parallel_tp2)
-    assert torch.equal(lp0, lp1)
-    torch.testing.assert_close(lp0, ref.detach(), rtol=0, atol=1e-6)
-    # each rank gets the gradient of its own vocabulary shard
-    torch.testing.assert_close(torch.cat([g0, g1], -1), full.grad, rtol=0, atol=1e-6)
+    full = torch.randn(9, 16, generator=g)
+    labels = torch.randint(0, 16, (9,), generator=g)
+    shards = [full[:, :8], full[:, 8:]]
+    ours = log_probs_from_shards(shards, labels, temperature=1.3)
+    assert torch.equal(log_softmax_from_shards(shards, temperature=1.3).gather(-1, labels[:, None]).squeeze(-1), ours)
+    for rank_results in pool2.run(_vocab_parallel_tp2):
+        for lp in rank_results:
+            assert torch.equal(lp, ours)

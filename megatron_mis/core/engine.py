@@ -246,6 +246,7 @@ class _Tokens:
     rollout: torch.Tensor
     log_r: torch.Tensor  # clamped, 0 where invalid
     r: torch.Tensor
+    k3: torch.Tensor  # r - 1 - log r, computed as expm1(log r) - log r in float64 (no cancellation near r = 1)
     tok_rejected: torch.Tensor  # bool, subset of mask
     tok_kept: torch.Tensor  # bool
     w_tok_unbounded: torch.Tensor | None  # token-level IS only
@@ -324,6 +325,11 @@ def _token_stage(
     log_r_raw = train_v - rollout_v  # 0 where invalid
     log_r = log_r_raw.clamp(-bound, bound)
     r = torch.exp(log_r)
+    # k3 = r - 1 - log r. Written in float32 it is a multiple of 6e-8 near r = 1 (r - 1 rounds to
+    # the float32 grid): a floor of ~1e-8 under a true k3 of ~1e-13 for an fp32-vs-fp32 mismatch.
+    # expm1(x) - x in float64 is exact to ~1e-16 / |x| relative; the result fits float32 again.
+    log_r64 = log_r.double()
+    k3 = (torch.expm1(log_r64) - log_r64).to(torch.float32)
 
     tok_rejected = torch.zeros_like(mask)
     if cfg.nonfinite_policy == "reject":
@@ -363,7 +369,7 @@ def _token_stage(
 
     tokens = _Tokens(
         seq_ids=seq_ids, mask=mask, valid=valid, nonfinite=nonfinite, train=train_v, rollout=rollout_v,
-        log_r=log_r, r=r, tok_rejected=tok_rejected, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
+        log_r=log_r, r=r, k3=k3, tok_rejected=tok_rejected, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
     )
 
@@ -378,7 +384,7 @@ def _token_stage(
         SumCol.SUM_LOG_R: log_r_raw.to(f64),
         SumCol.SUM_TRAIN_LP: train_v,
         SumCol.SUM_ROLLOUT_LP: rollout_v,
-        SumCol.SUM_K3: torch.where(valid, r - 1.0 - log_r, zero),
+        SumCol.SUM_K3: torch.where(valid, k3, zero),
         SumCol.SUM_R: torch.where(valid, r, zero),
         SumCol.SUM_ABS_R1: torch.where(valid, (r - 1.0).abs(), zero),
         SumCol.N_TOK_KEPT: tok_kept,

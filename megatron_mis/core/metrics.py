@@ -151,11 +151,10 @@ def build_metrics(
     seq("mis_training_ppl", _exp(-train_mean))
     seq("mis_rollout_log_ppl", -rollout_mean)
     seq("mis_rollout_ppl", _exp(-rollout_mean))
-    log_r_f = tokens.log_r  # clamped, 0 where invalid
     raw_log_r = tokens.train - tokens.rollout  # 0 where invalid
     tok("mis_kl", -raw_log_r, -col(SumCol.SUM_LOG_R).sum())
     validf = tokens.flags.get(SumCol.N_VALID, tokens.valid)
-    tok("mis_k3_kl", (tokens.r - 1.0 - log_r_f) * validf, col(SumCol.SUM_K3).sum())
+    tok("mis_k3_kl", tokens.k3 * validf, col(SumCol.SUM_K3).sum())
     diff = rollout_mean - train_mean
     seq("mis_log_ppl_diff", diff)
     seq("mis_log_ppl_abs_diff", diff.abs())
@@ -290,7 +289,7 @@ def bucket_table(tokens: "_Tokens", edges: Sequence[float]) -> dict[str, torch.T
     p = torch.exp(tokens.rollout.to(torch.float64))
     idx = torch.bucketize(p, edges_t[1:-1], right=True).clamp(0, num_buckets - 1)
     idx = torch.where(valid, idx, torch.full_like(idx, num_buckets))  # invalid -> dropped bucket
-    k3 = (tokens.r - 1.0 - tokens.log_r).to(torch.float64)
+    k3 = tokens.k3.to(torch.float64)
     absl = (tokens.train - tokens.rollout).abs().to(torch.float64)
     acc = torch.zeros(num_buckets + 1, 3, dtype=torch.float64, device=p.device)
     acc.index_add_(0, idx, torch.stack([torch.ones_like(p), absl, k3], 1))

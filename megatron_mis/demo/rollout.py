@@ -16,8 +16,9 @@ The trainer (Megatron-Core, float32) and this engine share weights, not code:
 - **true-on-policy path** (``true_on_policy=True``, seed 000's first solution at this scale):
   every decoding step runs a forward that is the trainer's, operation for operation — the same
   ``[s, b, h]`` layout, ``torch.matmul`` per tensor-parallel shard with the shard-sum of the
-  row-parallel all-reduce, the same rotary table, the same packed SDPA kernel, and
-  :func:`megatron_mis.demo.scoring.vocab_parallel_log_probs` per shard — over the SAME shapes as
+  row-parallel all-reduce, the same rotary table, the same packed SDPA kernel, and the
+  trainer's own log-prob arithmetic (:func:`megatron_mis.parallel.tp_logprobs.
+  log_probs_from_shards`, the code of ``vocab_parallel_log_probs``) — over the SAME shapes as
   the trainer's recompute: all sequences packed in fixed slots of ``max prompt + max_new_tokens``
   tokens, tokens not yet generated filled with padding (causal attention never lets position
   ``t`` see them). Identical kernels on identical shapes give identical reduction orders, so the
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mis.config.base import ConfigBase, doc
+from megatron_mis.parallel.tp_logprobs import log_probs_from_shards, log_softmax_from_shards
 
 __all__ = [
     "Precision",
@@ -160,7 +162,7 @@ def _activation_name(fn: Any) -> str:
     raise ValueError(f"rollout engine: unsupported MLP activation {fn!r}; supported: F.gelu, F.silu")
 
 
-def _arch_from_model(model: Any, tp_size: int) -> ModelArch:
+def _arch_from_model(model: Any, tp_size: int, pp_size: int = 1) -> ModelArch:
     cfg = model.config
     problems = []
     if getattr(cfg, "num_moe_experts", None):
@@ -175,8 +177,13 @@ def _arch_from_model(model: Any, tp_size: int) -> ModelArch:
                  "apply_residual_connection_post_layernorm", "sequence_parallel"):
         if getattr(cfg, flag, False):
             problems.append(f"{flag}=True is not supported")
-    if getattr(cfg, "pipeline_model_parallel_size", 1) > 1:
-        problems.append("pipeline parallelism: gather the stages first (pipeline_model_parallel_size > 1)")
+    if getattr(cfg, "pipeline_model_parallel_size", 1) != pp_size:
+        problems.append(
+            f"pipeline_model_parallel_size={cfg.pipeline_model_parallel_size} but the pipeline group given has "
+            f"{pp_size} rank(s): pass pp_group=parallel_state.get_pipeline_model_parallel_group()"
+        )
+    if getattr(cfg, "virtual_pipeline_model_parallel_size", None):
+        problems.append("virtual pipeline stages (virtual_pipeline_model_parallel_size) are not supported")
     if getattr(cfg, "activation_func_clamp_value", None) is not None or getattr(cfg, "glu_linear_offset", 0.0):
         problems.append("activation_func_clamp_value / glu_linear_offset are not supported")
     if cfg.normalization not in ("RMSNorm", "LayerNorm"):
@@ -200,23 +207,37 @@ def _arch_from_model(model: Any, tp_size: int) -> ModelArch:
     )
 
 
+def _global_layer_names(model: Any) -> dict[str, str]:
+    """``decoder.layers.{local}.`` -> ``decoder.layers.{global}.`` prefixes of this pipeline stage
+    (Megatron numbers a stage's layers from 0; ``layer_number`` is global and 1-based)."""
+    out = {}
+    for i, layer in enumerate(getattr(getattr(model, "decoder", None), "layers", [])):
+        out[f"decoder.layers.{i}."] = f"decoder.layers.{int(layer.layer_number) - 1}."
+    return out
+
+
 @torch.no_grad()
-def weights_from_megatron(model: Any, *, tp_group: Any = None) -> RolloutWeights:
+def weights_from_megatron(model: Any, *, tp_group: Any = None, pp_group: Any = None) -> RolloutWeights:
     """Copy a GPTModel's weights into full float32 tensors (a weight sync, as slime's
     ``update_weights``).
 
     Args:
-        model: the (unwrapped) GPTModel of this rank; pipeline parallel size 1.
+        model: the (unwrapped) GPTModel (stage) of this rank.
         tp_group: the tensor-parallel group (explicit). Every TP rank must call this; each gets
             the full weights.
+        pp_group: the pipeline-parallel group when the model is split into stages (explicit;
+            ``None``: one stage). Every stage must call this; each gets all layers.
 
     Collectives: one ``all_gather`` over ``tp_group`` per tensor-parallel parameter (none with
-    TP = 1). No gradients.
+    TP = 1), then one ``all_gather_object`` of the stage's tensors over ``pp_group`` (none with
+    PP = 1). No gradients.
     """
     import torch.distributed as dist
 
     tp = 1 if tp_group is None else tp_group.size()
-    arch = _arch_from_model(model, tp)
+    pp = 1 if pp_group is None else pp_group.size()
+    arch = _arch_from_model(model, tp, pp)
+    rename = _global_layer_names(model) if pp > 1 else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         data = p.detach()
@@ -230,7 +251,20 @@ def weights_from_megatron(model: Any, *, tp_group: Any = None) -> RolloutWeights
                 data = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
             else:
                 data = torch.cat(parts, dim=dim)
+        for local, glob in rename.items():
+            if name.startswith(local):
+                name = glob + name[len(local):]
+                break
         tensors[name] = data.to(dtype=torch.float32, device="cpu").clone().contiguous()
+    if pp > 1:
+        stages: list[Any] = [None] * pp
+        dist.all_gather_object(stages, tensors, group=pp_group)
+        tensors = {}
+        for stage in stages:
+            overlap = set(tensors) & set(stage)
+            if overlap:
+                raise ValueError(f"pipeline stages hold the same parameters {sorted(overlap)[:4]} (tied embeddings are not supported)")
+            tensors.update(stage)
     inv_freq = model.rotary_pos_emb.inv_freq.detach().to(device="cpu").clone()
     return RolloutWeights(arch=arch, tensors=tensors, inv_freq=inv_freq)
 
@@ -553,19 +587,6 @@ class _AlignedModel:
         x = self._norm(x, self.final_w, self.final_b)
         return [torch.matmul(x, w.t()).transpose(0, 1).contiguous() for w in self.output_w]
 
-    def log_probs_all(self, shards: list[torch.Tensor], temperature: float) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The shared part of :func:`vocab_parallel_log_probs` on the same shapes:
-        ``(shifted logits per shard [1, T, V/tp], log(sum exp) [1, T])``."""
-        xs = [s.float() for s in shards]
-        if temperature != 1.0:
-            xs = [x / temperature for x in xs]
-        m = xs[0].max(dim=-1).values
-        for x in xs[1:]:
-            m = torch.maximum(m, x.max(dim=-1).values)
-        shifted = [x - m.unsqueeze(-1) for x in xs]
-        sum_exp = self._allreduce_sum([s.exp().sum(dim=-1) for s in shifted])
-        return shifted, torch.log(sum_exp)
-
 
 # ------------------------------------------------------------------------------- sampling
 def _filter(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -614,9 +635,10 @@ class RolloutEngine:
         self.load_weights(weights)
 
     @classmethod
-    def from_megatron(cls, model: Any, config: RolloutConfig, *, tp_group: Any = None) -> "RolloutEngine":
-        """Build from a GPTModel (collective over ``tp_group``, see :func:`weights_from_megatron`)."""
-        return cls(weights_from_megatron(model, tp_group=tp_group), config)
+    def from_megatron(cls, model: Any, config: RolloutConfig, *, tp_group: Any = None, pp_group: Any = None) -> "RolloutEngine":
+        """Build from a GPTModel (collectives over ``tp_group`` / ``pp_group``, see
+        :func:`weights_from_megatron`)."""
+        return cls(weights_from_megatron(model, tp_group=tp_group, pp_group=pp_group), config)
 
     def load_weights(self, weights: RolloutWeights) -> None:
         self.weights = weights
@@ -723,11 +745,11 @@ class RolloutEngine:
             lps: list[list[torch.Tensor]] = [[] for _ in range(b)]
             for _ in range(cfg.max_new_tokens):
                 shards = model.forward(grid.view(1, -1), cu, slot)
-                shifted, log_z = model.log_probs_all(shards, cfg.temperature)
                 rows = torch.arange(b) * slot + cur - 1  # logit positions of the next tokens
-                logp = torch.cat([s[0, rows] for s in shifted], dim=-1) - log_z[0, rows][:, None]  # [b, V]
-                tok = _sample(logp, cfg, generator)
-                logp_tok = logp.gather(-1, tok[:, None]).squeeze(-1)
+                row_shards = [s[0].index_select(0, rows) for s in shards]  # [b, V/tp], as the trainer selects
+                tok = _sample(log_softmax_from_shards(row_shards, temperature=cfg.temperature), cfg, generator)
+                # recorded through the trainer's own log-prob arithmetic (parallel.tp_logprobs)
+                logp_tok = log_probs_from_shards(row_shards, tok, temperature=cfg.temperature)
                 took = alive.clone()
                 self._step_bookkeeping(tok, logp_tok, alive, toks, lps, fin)
                 for j in torch.nonzero(took).flatten().tolist():
@@ -771,18 +793,12 @@ class RolloutEngine:
                 part = seqs[lo : lo + mbs]
                 batch = pack_sequences(part, slot_length=slot, pad_token_id=cfg.pad_token_id)
                 shards = self._model.forward(batch.tokens, batch.cu_seqlens_padded.to(torch.int32), slot)
-                shifted, log_z = self._model.log_probs_all(shards, cfg.temperature)
-                labels = batch.labels[0]
-                tp_v = shifted[0].shape[-1]
-                picked = torch.stack(
-                    [s[0].gather(-1, (labels - r * tp_v).clamp(0, tp_v - 1)[:, None]).squeeze(-1) for r, s in enumerate(shifted)]
-                )
-                owner = labels // tp_v
-                target = picked.gather(0, owner[None]).squeeze(0)
-                logp = target - log_z[0]
                 idx = batch.response_index(resp[lo : lo + mbs])
+                logp = log_probs_from_shards(
+                    [s[0].index_select(0, idx) for s in shards], batch.labels[0][idx], temperature=cfg.temperature
+                )
                 counts = torch.bincount(batch.sequence_ids[idx], minlength=len(part))[: len(part)]
-                out.extend(torch.split(logp[idx], counts.tolist()))
+                out.extend(torch.split(logp, counts.tolist()))
             return out
         model = self._model
         n = len(seqs)

@@ -1,55 +1,72 @@
 """The RL loss for a plain Megatron-Core training loop: a forward-step function and ``loss_func``
-for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
+for ``megatron.core.pipeline_parallel.get_forward_backward_func()``, with tensor, context,
+data and pipeline parallelism.
 
 One optimizer step::
 
     rl = MegatronRLLoss(loss_config, mis_config)              # once
-    batches = [RLMicroBatch(...), ...]                         # this rank's micro-batches
-    den = rl.count_denominators(batches)                       # 1 all-reduce over the DP group
+    batches = [RLMicroBatch(...), ...]                         # this DP rank's micro-batches
+    old = rl.recompute_log_probs(model, batches)               # pi_old in fp32 (optional)
+    batches = [b.with_old_log_probs(o) for b, o in zip(batches, old)]
+    den = rl.count_denominators(batches)                       # 1 all-reduce over the DP(-CP) group
     store = get_forward_backward_func()(
         forward_step_func=rl.forward_step(den, num_microbatches=len(batches)),
         data_iterator=iter(batches), model=[ddp_model], num_microbatches=len(batches),
         seq_length=..., micro_batch_size=1, forward_only=False)
-    metrics = rl.reduce_metrics(store, den)                    # 1 all-reduce over the DP group
+    metrics = rl.reduce_metrics(store, den)                    # 1-2 all-reduces over the DP(-CP) group
     optimizer.step()
+
+A micro-batch holds WHOLE sequences and full-length per-token tensors; under context
+parallelism every CP rank gets the same micro-batch and the forward step packs this rank's
+zigzag share (:func:`megatron_mis.models.packing.pack_sequences`: chunks ``r`` and
+``2cp-1-r`` of every sequence padded to a multiple of ``2cp``).
 
 What the loss function does per micro-batch (last pipeline stage only; the schedule never calls
 it elsewhere):
 
-1. log pi_theta of the response tokens from the model's vocab-parallel output with
+1. log pi_theta of this CP rank's response tokens from the model's vocab-parallel output with
    :func:`megatron_mis.parallel.tp_logprobs.vocab_parallel_log_probs` (over the TP group,
    rollout temperature applied, chunked), plus the entropy;
-2. the MIS engine (:func:`megatron_mis.core.engine.compute_mis`) on pi_old (given, or pi_theta
-   detached) against pi_rollout: IS weights and the keep mask;
-3. :func:`megatron_mis.core.losses.compute_rl_loss` with the step's global denominators: this
-   micro-batch's share ``c`` of the step loss ``L`` (shares add up to ``L`` over micro-batches
-   and data-parallel ranks).
+2. the MIS engine on CP shards (:func:`megatron_mis.parallel.cp_mis.compute_mis_cp`, one
+   all-gather of per-sequence statistics over the CP group) on pi_old (given, or pi_theta
+   detached) against pi_rollout: IS weights and the keep mask of the local tokens;
+3. :func:`megatron_mis.core.losses.compute_rl_loss` on the local tokens with the step's global
+   denominators and, under CP, the full per-sequence denominator counts (known on every rank
+   from the full masks) and OPSM's per-sequence sums summed over the CP group (one all-reduce):
+   this rank's share ``c`` of the step loss ``L`` (shares add up to ``L`` over micro-batches,
+   CP ranks and data-parallel ranks).
 
 Scaling for the schedule. Megatron-Core 0.13 - 0.16 accept a 3-tuple ``(loss, num_tokens,
 metrics)`` or the legacy 2-tuple ``(loss, metrics)`` from ``loss_func`` (same code in
-``forward_step_calc_loss`` of all four versions):
+``forward_step_calc_loss`` of all four versions). Let ``M`` be the number of micro-batches,
+``cp`` the CP size and ``W = dp * cp`` the size of the data-parallel group WITH context
+parallelism, over which Megatron's DDP reduces gradients:
 
 - 3-tuple, ``calculate_per_token_loss=False``: the schedule divides the loss by ``num_tokens``
-  and by the number of micro-batches ``M``; DDP averages gradients over the data-parallel(-CP)
-  group of size ``W``;
-- 3-tuple, ``calculate_per_token_loss=True``: no division; DDP sums the gradients and
-  ``finalize_model_grads`` divides them by the sum of ``num_tokens`` over micro-batches and
-  ranks;
-- 2-tuple: the schedule multiplies by the CP size and divides by ``M``; DDP averages over ``W``.
+  and by ``M``; DDP averages gradients over the ``W`` ranks;
+- 3-tuple, ``calculate_per_token_loss=True``: no division; DDP sums the gradients over ``W`` and
+  ``finalize_model_grads`` divides them by the sum of ``num_tokens`` over micro-batches and the
+  ``W`` ranks;
+- 2-tuple: the schedule multiplies by ``cp`` and divides by ``M``; DDP averages over ``W``.
 
-This loss returns ``c * M * W`` and ``num_tokens = 1``: in every case the gradient that reaches
-the optimizer is exactly ``d L / d theta`` (for per-token mode the summed ``num_tokens`` is
-``M * W``, so Megatron's reported "total_num_tokens" counts micro-batches, not tokens; the token
-normalisation already happened through the global denominators). Without Megatron's DDP,
-average the gradients over the data-parallel group yourself (what DDP does with
-``calculate_per_token_loss=False``).
-
-Context parallelism is not handled here (CP size must be 1): the CP drop-in for slime / Miles is
-:mod:`megatron_mis.integrations.hosts`.
+The gradient the optimizer needs is ``d L / d theta = sum over micro-batches and all W ranks of
+d c / d theta``: a CP rank's ``c`` is the loss of its own tokens, which depends on the other CP
+ranks' tokens only through attention, whose backward (the CP all-gather of keys and values in
+the attention module) returns each rank the gradient of its own keys / values. So every rank
+must contribute ``d c / d theta`` to a SUM over ``W``. This loss therefore returns ``c * M * W``
+with ``num_tokens = 1`` for the 3-tuple (``/ M``, then ``/ W`` by DDP: ``c``; per-token mode:
+summed ``num_tokens`` is ``M * W``) and ``c * M * W / cp`` for the 2-tuple (``* cp / M`` by the
+schedule, ``/ W`` by DDP: ``c``). In every case the gradient that reaches the optimizer is exactly
+``d L / d theta``; the token normalisation already happened through the global denominators
+(Megatron's reported "total_num_tokens" counts micro-batches x ranks, not tokens). Without
+Megatron's DDP, SUM the gradients over the data-parallel-with-CP group and divide by ``W``
+yourself (what DDP does with ``calculate_per_token_loss=False``). ``tests/test_megatron_loss.py``
+checks all three paths, and CP = 2 and TP = 2 x CP = 2 against the single-process run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,8 +75,8 @@ from typing import Any
 import torch
 
 from megatron_mis.config.loss import LossConfig
-from megatron_mis.core.aggregation import Denominators, denominator_mask, local_denominators
-from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss, finalize_metrics
+from megatron_mis.core.aggregation import Denominators, segment_sum
+from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss, finalize_metrics, opsm_sequence_stats
 from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
 
 __all__ = ["MegatronRLLoss", "RLMicroBatch", "response_positions"]
@@ -95,7 +112,9 @@ def response_positions(cu_seqlens: torch.Tensor, response_lengths: torch.Tensor)
 
 @dataclass(slots=True)
 class RLMicroBatch:
-    """One micro-batch of packed sequences (``thd`` format, micro-batch size 1).
+    """One micro-batch of whole packed sequences (``thd`` format, micro-batch size 1). Under
+    context parallelism every CP rank gets the same micro-batch; the forward step packs this
+    rank's share.
 
     Attributes:
         tokens: ``[S]`` the packed prompt + response tokens of ``N`` sequences.
@@ -106,6 +125,10 @@ class RLMicroBatch:
         rollout_log_probs: ``[R]`` pi_rollout from the rollout engine, or ``None``.
         old_log_probs: ``[R]`` pi_old recomputed by the trainer, or ``None`` (pi_theta detached).
         ref_log_probs: ``[R]`` reference policy, or ``None``.
+        slot_length: pad every sequence to this many tokens when packing (the fixed layout the
+            true-on-policy rollout path reproduces; context-parallel size 1 only); ``None``:
+            sequences are packed back to back (padded to a multiple of ``2cp`` under CP).
+        pad_token_id: token written into padding.
     """
 
     tokens: torch.Tensor
@@ -116,6 +139,8 @@ class RLMicroBatch:
     rollout_log_probs: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
+    slot_length: int | None = None
+    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
         self.response_lengths = torch.as_tensor(self.response_lengths, dtype=torch.long)
@@ -132,15 +157,58 @@ class RLMicroBatch:
                     f"sum of response_lengths)"
                 )
         response_positions(self.cu_seqlens, self.response_lengths)  # validates the lengths
+        if self.slot_length is not None:
+            longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()) if self.num_sequences else 0
+            if self.slot_length < max(longest, 1):
+                raise ValueError(f"slot_length={self.slot_length!r} is shorter than the longest sequence ({longest} tokens)")
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def total_lengths(self) -> torch.Tensor:
+        """``[N]`` prompt + response lengths."""
+        cu = self.cu_seqlens.to(torch.long).cpu()
+        return cu[1:] - cu[:-1]
 
     @property
     def response_cu_seqlens(self) -> torch.Tensor:
         """``[N+1]`` boundaries of the sequences in the ``[R]`` response tensors."""
         return torch.nn.functional.pad(torch.cumsum(self.response_lengths, 0), (1, 0))
 
+    def sequences(self) -> list[torch.Tensor]:
+        """``N`` int64 ``[L_n]`` token sequences."""
+        cu = self.cu_seqlens.tolist()
+        return [self.tokens[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+    def with_old_log_probs(self, old_log_probs: torch.Tensor | None) -> "RLMicroBatch":
+        """A copy with ``old_log_probs`` replaced (e.g. by :meth:`MegatronRLLoss.recompute_log_probs`)."""
+        return dataclasses.replace(self, old_log_probs=old_log_probs)
+
+
+@dataclass
+class _LocalView:
+    """One micro-batch as this CP rank sees it.
+
+    Attributes:
+        pack: this rank's packed model input.
+        rows: ``[R_local]`` local positions whose labels are response tokens (``local_response_layout``
+            order: per sequence chunk 0, then chunk 1).
+        targets: ``[R_local]`` the response token ids predicted at ``rows``.
+        full_index: ``[R_local]`` index of every local response token in the full ``[R]`` tensors.
+        cu: ``[N+1]`` boundaries of the sequences in the local ``[R_local]`` tensors.
+    """
+
+    pack: Any
+    rows: torch.Tensor
+    targets: torch.Tensor
+    full_index: torch.Tensor
+    cu: torch.Tensor
+
 
 def _metric_store_key(name: str) -> bool:
-    return name.partition("/")[0] in ("share", "sum", "lsum", "count")
+    return name.partition("/")[0] in ("share", "sum", "lsum", "count", "max", "min")
 
 
 class MegatronRLLoss:
@@ -150,10 +218,13 @@ class MegatronRLLoss:
         loss_config: loss settings.
         mis_config: IS / RS engine settings (:class:`megatron_mis.config.mis.MISConfig`); needed
             by losses that use IS weights (``decoupled_ppo``, ``reinforce``); optional otherwise
-            (then only its keep mask and metrics are used).
+            (then only its keep mask and metrics are used: ``MISConfig(use_tis=False)`` with the
+            ``ppo`` loss measures the mismatch without correcting it).
         tp_group: tensor-parallel group for the log-probs; default Megatron's.
-        dp_group: data-parallel group (with context parallelism) of the last pipeline stage for
-            the denominators, the metrics and the loss scaling; default Megatron's.
+        cp_group: context-parallel group (sequences are split over it); default Megatron's.
+        dp_group: data-parallel group WITH context parallelism of the last pipeline stage, over
+            which Megatron's DDP reduces gradients: for the denominators, the metrics and the
+            loss scaling; default Megatron's.
         return_num_tokens: return the 3-tuple ``(loss, num_tokens, metrics)`` (default) or the
             legacy 2-tuple ``(loss, metrics)``.
     """
@@ -164,12 +235,14 @@ class MegatronRLLoss:
         mis_config: Any = None,
         *,
         tp_group: Any = None,
+        cp_group: Any = None,
         dp_group: Any = None,
         return_num_tokens: bool = True,
     ) -> None:
         from megatron.core import parallel_state as ps
 
         from megatron_mis.config.base import ConfigError
+        from megatron_mis.parallel.state import group_view
 
         self.config = loss_config
         self.mis_config = mis_config
@@ -186,28 +259,77 @@ class MegatronRLLoss:
                 "IS ratio; IS weights on top would count it twice (RS, mask-mode rejection and the veto still "
                 "apply without use_tis)"
             )
+        if mis_config is not None and mis_config.normalizes and mis_config.tis_batch_normalize_scope == "global":
+            problems.append(
+                "tis_batch_normalize_scope='global' is not supported by MegatronRLLoss (it normalises per "
+                "micro-batch); use 'micro_batch'"
+            )
         if problems:
             raise ConfigError("MegatronRLLoss", problems)
-        if ps.get_context_parallel_world_size() > 1:
-            raise ValueError(
-                f"context parallel size {ps.get_context_parallel_world_size()} is not supported by "
-                "MegatronRLLoss (CP size must be 1); use the CP drop-in megatron_mis.integrations.hosts"
-            )
         self.tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
+        self.cp = group_view(cp_group if cp_group is not None else ps.get_context_parallel_group())
         self.dp_group = dp_group if dp_group is not None else ps.get_data_parallel_group(with_context_parallel=True)
         self.return_num_tokens = return_num_tokens
 
-    # --------------------------------------------------------------------------- denominators
-    def _engine(self, train_log_probs, mb: RLMicroBatch):
-        from megatron_mis.core.engine import compute_mis
+    # ------------------------------------------------------------------------------ layout
+    def local_view(self, mb: RLMicroBatch) -> _LocalView:
+        """This CP rank's packed input and response layout of ``mb`` (CPU tensors; no
+        communication).
 
-        return compute_mis(
-            train_log_probs.detach().float(),
-            mb.rollout_log_probs.float(),
-            mb.loss_mask,
-            mb.response_cu_seqlens,
-            self.mis_config,
+        Raises:
+            ValueError: ``slot_length`` with context parallelism (the fixed-slot layout is the
+                true-on-policy one, which needs CP = 1).
+        """
+        from megatron_mis.models.packing import pack_sequences
+        from megatron_mis.parallel.layout import local_response_layout
+
+        if mb.slot_length is not None and self.cp.size > 1:
+            raise ValueError(
+                f"RLMicroBatch.slot_length={mb.slot_length} with context parallel size {self.cp.size}: the "
+                "fixed-slot layout (true on-policy) needs CP size 1"
+            )
+        pack = pack_sequences(
+            mb.sequences(), cp_size=self.cp.size, cp_rank=self.cp.rank, pad_token_id=mb.pad_token_id,
+            slot_length=mb.slot_length,
         )
+        rows = pack.response_index(mb.response_lengths)
+        lay = local_response_layout(mb.total_lengths, mb.response_lengths, self.cp.size, self.cp.rank, layout="thd")
+        full_index = lay.local_to_full_index()
+        assert rows.numel() == full_index.numel(), "packing and response layout disagree"
+        targets = pack.labels[0].index_select(0, rows)
+        return _LocalView(pack=pack, rows=rows, targets=targets, full_index=full_index, cu=lay.local_cu_seqlens())
+
+    def _full_index(self, mb: RLMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron_mis.parallel.layout import local_response_layout
+
+        if self.cp.size == 1:
+            num = int(mb.response_lengths.sum())
+            return torch.arange(num), mb.response_cu_seqlens
+        lay = local_response_layout(mb.total_lengths, mb.response_lengths, self.cp.size, self.cp.rank, layout="thd")
+        return lay.local_to_full_index(), lay.local_cu_seqlens()
+
+    # ----------------------------------------------------------------------------- engine
+    def _engine(self, train_local: torch.Tensor, mb: RLMicroBatch, full_index: torch.Tensor, cu_local: torch.Tensor):
+        """The MIS engine on this rank's tokens: ``(MISResult over the local tokens, full-length
+        keep mask [R])``. One all-gather over the CP group when ``cp > 1`` (plus one all-reduce
+        when single tokens can be rejected)."""
+        from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp
+
+        dev = train_local.device
+        rollout_local = mb.rollout_log_probs.to(dev).index_select(0, full_index.to(dev)).float()
+        counts_local = (cu_local[1:] - cu_local[:-1]).tolist()
+        resp = mb.response_lengths.tolist()
+        inputs = CPInputs(
+            train_log_probs=list(torch.split(train_local.detach().float(), counts_local)),
+            rollout_log_probs=list(torch.split(rollout_local, counts_local)),
+            loss_masks=list(torch.split(mb.loss_mask.to(dev), resp)),
+            total_lengths=mb.total_lengths.tolist(),
+            response_lengths=resp,
+            layout="thd",
+        )
+        out = compute_mis_cp(inputs, self.mis_config, self.cp)
+        full_keep = torch.cat(out.modified_masks) != 0 if out.modified_masks else torch.zeros(0, dtype=torch.bool, device=dev)
+        return out.result, full_keep
 
     def _runs_engine(self, mb: RLMicroBatch) -> bool:
         if self.mis_config is None:
@@ -228,145 +350,304 @@ class MegatronRLLoss:
             ok &= torch.isfinite(mb.ref_log_probs)
         return ok
 
-    def local_denominator_mask(self, mb: RLMicroBatch) -> torch.Tensor:
-        """``[R]`` bool: the tokens of ``mb`` the denominators count."""
+    def _full_denominator_mask(self, mb: RLMicroBatch, full_keep: torch.Tensor | None) -> torch.Tensor:
         lmask = mb.loss_mask.bool()
         if self.config.rejected_in_denominator:
             return lmask
         keep = lmask & self._finite_inputs(mb)
-        if self._runs_engine(mb) and self.mis_config.rejects:
+        if full_keep is not None:
+            keep &= full_keep.to(keep.device)
+        return keep
+
+    def denominator_mask(self, mb: RLMicroBatch) -> torch.Tensor:
+        """``[R]`` bool over the FULL responses of ``mb``: the tokens the denominators count
+        (identical on every CP rank; runs the engine, a CP collective, when rejected tokens
+        leave the denominators and the engine can reject)."""
+        full_keep = None
+        if not self.config.rejected_in_denominator and self._runs_engine(mb) and self.mis_config.rejects:
             if mb.old_log_probs is None:
                 raise ValueError(
                     "rejected_in_denominator=False needs old_log_probs: the engine's rejections must be known "
                     "before the step (they would otherwise depend on pi_theta); pass the recomputed pi_old"
                 )
-            keep &= self._engine(mb.old_log_probs, mb).keep_mask.bool().to(keep.device)
-        return denominator_mask(lmask, keep, False)
+            full_index, cu_local = self._full_index(mb)
+            old_local = mb.old_log_probs.index_select(0, full_index.to(mb.old_log_probs.device))
+            if self.cp.size > 1 and _is_nccl(self.cp.group):
+                old_local = old_local.cuda()  # the engine's CP all-gather runs where its inputs are
+            _, full_keep = self._engine(old_local, mb, full_index, cu_local)
+        return self._full_denominator_mask(mb, full_keep)
+
+    def local_denominator_mask(self, mb: RLMicroBatch) -> torch.Tensor:
+        """``[R_local]`` bool: :meth:`denominator_mask` at this CP rank's response tokens."""
+        full_index, _ = self._full_index(mb)
+        return self.denominator_mask(mb).index_select(0, full_index.to(mb.loss_mask.device))
 
     def count_denominators(self, micro_batches: Iterable[RLMicroBatch]) -> Denominators:
         """The step's global :class:`Denominators` from this rank's micro-batches: one SUM
-        all-reduce over the data-parallel group (call on every rank of it, last stage)."""
-        local = Denominators(0.0, 0.0)
+        all-reduce over the data-parallel(-with-CP) group (call on every rank of it), plus the
+        engine's CP collectives per micro-batch when rejected tokens leave the denominators. Under
+        CP each rank counts its own tokens and CP rank 0 counts the sequences. On pipeline stages
+        other than the last (which never compute the loss) nothing is counted or communicated
+        and ``Denominators(0, 0)`` is returned."""
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return Denominators(0.0, 0.0)
+        tokens = sequences = 0.0
         for mb in micro_batches:
-            local = local + local_denominators(self.local_denominator_mask(mb), mb.response_cu_seqlens)
-        buf = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64)
-        buf = self._all_reduce(buf)
+            full = self.denominator_mask(mb)
+            full_index, _ = self._full_index(mb)
+            tokens += float(full.index_select(0, full_index.to(full.device)).sum())
+            if self.cp.rank == 0:
+                counts = segment_sum(full.float(), mb.response_cu_seqlens.to(full.device))
+                sequences += float((counts > 0).sum())
+        buf = self._all_reduce(torch.tensor([tokens, sequences], dtype=torch.float64))
         return Denominators(float(buf[0]), float(buf[1]))
 
-    def _all_reduce(self, buf: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, buf: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group=self.dp_group) > 1:
             device = "cuda" if dist.get_backend(self.dp_group) == "nccl" else "cpu"
             out = buf.to(device)
-            dist.all_reduce(out, group=self.dp_group)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.dp_group)
             return out.cpu()
         return buf
 
+    def _cp_all_reduce(self, buf: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.cp.size == 1:
+            return buf
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.cp.group)
+        return buf
+
     # ------------------------------------------------------------------------------ forward
+    def _forward(self, model, mb: RLMicroBatch) -> tuple[torch.Tensor, _LocalView]:
+        if not isinstance(mb, RLMicroBatch):
+            raise TypeError(f"the data iterator must yield RLMicroBatch, got {type(mb).__name__}")
+        view = self.local_view(mb)
+        p = view.pack
+        device = _module_device(model)
+        params = dataclasses.replace(
+            p.packed_seq_params,
+            **{
+                f.name: getattr(p.packed_seq_params, f.name).to(device)
+                for f in dataclasses.fields(p.packed_seq_params)
+                if isinstance(getattr(p.packed_seq_params, f.name), torch.Tensor)
+            },
+        )
+        output = model(p.tokens.to(device), p.position_ids.to(device), None, packed_seq_params=params)
+        return output, view
+
+    def _log_probs(self, output_tensor: torch.Tensor, view: _LocalView, with_entropy: bool):
+        """Log pi and entropy of this rank's response tokens: ``[R_local]`` each (the package's
+        one log-prob function; the true-on-policy rollout path records the same numbers)."""
+        logits = output_tensor.reshape(-1, output_tensor.shape[-1])
+        return vocab_parallel_log_probs(
+            logits.index_select(0, view.rows.to(logits.device)),
+            view.targets.to(logits.device),
+            group=self.tp_group,
+            temperature=self.config.rollout_temperature,
+            with_entropy=with_entropy,
+            chunk_size=self.config.log_probs_chunk_size,
+        )
+
     def forward_step(self, denominators: Denominators, *, num_microbatches: int):
-        """``forward_step_func(data_iterator, model)`` for this step: runs the model on the next
-        :class:`RLMicroBatch` (packed ``thd``) and returns ``(output, loss_func)``."""
+        """``forward_step_func(data_iterator, model)`` for this step: runs the model on this CP
+        rank's share of the next :class:`RLMicroBatch` (packed ``thd``) and returns
+        ``(output, loss_func)``."""
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches={num_microbatches!r} must be >= 1")
 
         def forward_step(data_iterator, model):
-            from megatron.core.packed_seq_params import PackedSeqParams
-
             mb = next(data_iterator)
-            if not isinstance(mb, RLMicroBatch):
-                raise TypeError(f"the data iterator must yield RLMicroBatch, got {type(mb).__name__}")
-            cu = mb.cu_seqlens.to(torch.int32)
-            lengths = (cu[1:] - cu[:-1]).long()
-            max_len = int(lengths.max()) if lengths.numel() else 0
-            starts = torch.repeat_interleave(cu[:-1].long(), lengths)
-            position_ids = (torch.arange(int(cu[-1])) - starts).unsqueeze(0)  # restarts at every sequence
-            device = _module_device(model)
-            params = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu.to(device),
-                cu_seqlens_kv=cu.to(device),
-                max_seqlen_q=max_len,
-                max_seqlen_kv=max_len,
-            )
-            output = model(
-                mb.tokens.unsqueeze(0).to(device), position_ids.to(device), None, packed_seq_params=params
-            )
-            return output, functools.partial(self.loss_func, mb, denominators, num_microbatches)
+            output, view = self._forward(model, mb)
+            return output, functools.partial(self.loss_func, mb, view, denominators, num_microbatches)
 
         return forward_step
 
-    def loss_func(self, mb: RLMicroBatch, denominators: Denominators, num_microbatches: int, output_tensor: torch.Tensor):
+    # ----------------------------------------------------------------------- pi_old recompute
+    def recompute_log_probs(
+        self,
+        model: Any,
+        micro_batches: Sequence[RLMicroBatch],
+        *,
+        seq_length: int | None = None,
+        forward_backward_func: Any = None,
+    ) -> list[torch.Tensor] | None:
+        """The trainer's log-probs (pi_old) of every micro-batch's responses: one forward-only
+        pass of Megatron's schedule under ``torch.no_grad()``, the same packing and log-prob
+        function as the loss.
+
+        Args:
+            model: the (DDP-wrapped) model chunk(s), as given to the schedule.
+            micro_batches: this DP rank's micro-batches.
+            seq_length: the schedule's ``seq_length`` (pipeline p2p shapes); default the longest
+                local packed stream.
+            forward_backward_func: default ``get_forward_backward_func()``.
+
+        Returns:
+            On the last pipeline stage, one float32 ``[R]`` full-length tensor per micro-batch
+            (the CP ranks' pieces assembled by one SUM all-reduce over the CP group, each
+            position written by exactly one rank); ``None`` on other stages.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = list(micro_batches)
+        if not batches:
+            return []
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output, view = self._forward(model, mb)
+
+            def loss_func(output_tensor):
+                lp, _ = self._log_probs(output_tensor, view, with_entropy=False)
+                pieces.append((lp.detach().float(), view.full_index))
+                zero = output_tensor.sum() * 0.0
+                return (zero, torch.tensor(1, dtype=torch.int), {}) if self.return_num_tokens else (zero, {})
+
+            return output, loss_func
+
+        if seq_length is None:
+            seq_length = max(int(mb.tokens.numel()) for mb in batches)
+        fb = forward_backward_func or get_forward_backward_func()
+        with torch.no_grad():
+            fb(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=model if isinstance(model, list) else [model],
+                num_microbatches=len(batches),
+                seq_length=seq_length,
+                micro_batch_size=1,
+                forward_only=True,
+            )
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        assert len(pieces) == len(batches), "the schedule ran the loss function once per micro-batch"
+        sizes = [int(mb.response_lengths.sum()) for mb in batches]
+        dev = pieces[0][0].device
+        full = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
+        offset = 0
+        for (lp, index), size in zip(pieces, sizes):
+            full[offset + index.to(dev)] = lp
+            offset += size
+        if self.cp.size > 1:
+            full = self._cp_all_reduce(full.to("cuda" if _is_nccl(self.cp.group) else "cpu")).to(dev)
+        return list(torch.split(full, sizes))
+
+    # --------------------------------------------------------------------------------- loss
+    def loss_func(
+        self,
+        mb: RLMicroBatch,
+        view: _LocalView,
+        denominators: Denominators,
+        num_microbatches: int,
+        output_tensor: torch.Tensor,
+    ):
         """Megatron ``loss_func`` body (bound by :meth:`forward_step`): see the module docstring.
 
         Args:
-            output_tensor: ``[1, S, V/tp]`` vocab-parallel logits of the packed micro-batch.
+            output_tensor: ``[1, S_local, V/tp]`` vocab-parallel logits of this CP rank's share.
 
         Returns:
-            ``(c * M * W, num_tokens=1, metrics)`` or ``(c * M * W, metrics)``; ``metrics`` maps
-            ``share/ | sum/ | lsum/ | count/`` names to detached 0-dim tensors (reduce them with
-            :meth:`reduce_metrics`).
+            ``(c * M * W, num_tokens=1, metrics)`` or ``(c * M * W / cp, metrics)``; ``metrics``
+            maps ``share/ | sum/ | lsum/ | count/ | max/ | min/`` names to detached 0-dim tensors
+            (reduce them with :meth:`reduce_metrics`). Collectives over the CP group (cp > 1):
+            the engine's statistics all-gather, with OPSM one all-reduce of ``[N, 2]`` sums
+            before the loss and one MAX all-reduce of ``[N]`` flags after it.
         """
         cfg = self.config
-        logits = output_tensor.reshape(-1, output_tensor.shape[-1])
-        rows, targets = response_positions(mb.cu_seqlens, mb.response_lengths)
-        rows = rows.to(logits.device)
-        log_probs, entropy = vocab_parallel_log_probs(
-            logits.index_select(0, rows),
-            mb.tokens.to(logits.device)[targets.to(logits.device)],
-            group=self.tp_group,
-            temperature=cfg.rollout_temperature,
-            with_entropy=True,
-            chunk_size=cfg.log_probs_chunk_size,
-        )
+        log_probs, entropy = self._log_probs(output_tensor, view, with_entropy=True)
         dev = log_probs.device
-        cu = mb.response_cu_seqlens.to(dev)
-        is_weights = keep_mask = None
-        engine_metrics: dict[str, torch.Tensor] = {}
+        idx = view.full_index.to(dev)
+        cu = view.cu.to(dev)
+
+        def local(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dev).index_select(0, idx)
+
+        old = local(mb.old_log_probs)
+        rollout = local(mb.rollout_log_probs)
+        ref = local(mb.ref_log_probs) if cfg.kl_active else None
+        advantages = local(mb.advantages)
+        loss_mask = local(mb.loss_mask)
+        lmask = loss_mask.bool()
+
+        is_weights = keep_mask = full_keep = None
+        extra: dict[str, torch.Tensor] = {}
         if self._runs_engine(mb):
-            train = mb.old_log_probs.to(dev) if mb.old_log_probs is not None else log_probs.detach()
-            res = self._engine(train, mb)
+            train = old if old is not None else log_probs.detach()
+            res, full_keep = self._engine(train, mb, view.full_index, view.cu)
             res.check_nonfinite()  # warns once about NaN / inf train or rollout log-probs
             keep_mask = res.keep_mask.to(dev)
             if self.policy.uses_is_weights:
                 is_weights = res.weights.to(dev)
-            lmask = mb.loss_mask.bool().to(dev)
-            for name, values in getattr(res, "token_metrics", {}).items():
-                v = values.detach().float().to(dev)
-                ok = lmask & torch.isfinite(v)
-                engine_metrics[f"lsum/{name}"] = torch.where(ok, v, torch.zeros_like(v)).sum()
+            extra = _engine_metrics(res, train.detach().float(), rollout.float(), lmask, keep_mask, self.mis_config)
 
-        def opt(t):
-            return None if t is None else t.to(dev)
+        seq_token_counts = opsm_stats = None
+        if self.cp.size > 1:
+            den_full = self._full_denominator_mask(mb, full_keep if self.mis_config is not None and self.mis_config.rejects else None)
+            seq_token_counts = segment_sum(den_full.float().to(dev), mb.response_cu_seqlens.to(dev))
+            if cfg.use_opsm:
+                finite = lmask & torch.isfinite(log_probs.detach()) & torch.isfinite(advantages) & torch.isfinite(entropy.detach())
+                old_src = rollout if self.policy.old_policy == "rollout" else old
+                if old_src is not None:
+                    finite &= torch.isfinite(old_src)
+                if ref is not None:
+                    finite &= torch.isfinite(ref)
+                if is_weights is not None:
+                    finite &= torch.isfinite(is_weights)
+                ref_old = old_src if old_src is not None else log_probs.detach()
+                sums, counts = opsm_sequence_stats(log_probs, ref_old, finite, cu)
+                stacked = self._cp_all_reduce(torch.stack([sums, counts], 1).double()).float()
+                opsm_stats = (stacked[:, 0], stacked[:, 1])
 
         out = compute_rl_loss(
             log_probs,
-            mb.advantages.to(dev),
-            mb.loss_mask.to(dev),
+            advantages,
+            loss_mask,
             cu,
             cfg,
             denominators,
-            old_log_probs=opt(mb.old_log_probs),
-            rollout_log_probs=opt(mb.rollout_log_probs),
-            ref_log_probs=opt(mb.ref_log_probs) if cfg.kl_active else None,
+            old_log_probs=old,
+            rollout_log_probs=rollout,
+            ref_log_probs=ref,
             entropy=entropy,
             is_weights=is_weights,
             keep_mask=keep_mask,
+            seq_token_counts=seq_token_counts,
+            opsm_seq_stats=opsm_stats,
         )
-        world = _group_size(self.dp_group)
-        loss = out.loss * float(num_microbatches * world)
         metrics = out.flat_metrics()
-        metrics.update(engine_metrics)
+        if self.cp.size > 1:
+            # sequence counts: every CP rank sees every sequence; count each once (on CP rank 0)
+            if self.cp.rank != 0:
+                metrics["count/num_denominator_sequences"] = torch.zeros_like(metrics["count/num_denominator_sequences"])
+            if cfg.use_opsm:
+                dropped_tok = (out.valid_mask & ~out.pg_mask).float()
+                dropped = self._cp_all_reduce(segment_sum(dropped_tok, cu).clamp_max(1.0), op="max")
+                n = dropped.sum() if self.cp.rank == 0 else torch.zeros((), device=dev)
+                metrics["count/num_opsm_sequences"] = n.float()
+        if is_weights is not None:
+            extra["max/is_weight"] = _masked_extreme(is_weights.float(), out.valid_mask, "max")
+            extra["min/is_weight"] = _masked_extreme(is_weights.float(), out.valid_mask, "min")
+        metrics.update(extra)
+        world = _group_size(self.dp_group)
         if self.return_num_tokens:
-            return loss, torch.tensor(1, dtype=torch.int), metrics
-        return loss, metrics
+            return out.loss * float(num_microbatches * world), torch.tensor(1, dtype=torch.int), metrics
+        return out.loss * (float(num_microbatches * world) / self.cp.size), metrics
 
     # ------------------------------------------------------------------------------ metrics
     def reduce_metrics(self, forward_data_store: Sequence[Mapping[str, torch.Tensor]], denominators: Denominators) -> dict[str, float]:
         """The step's metrics from the schedule's output: sum over micro-batches, one SUM
-        all-reduce over the data-parallel group, then
-        :func:`megatron_mis.core.losses.finalize_metrics` (``lsum/`` entries are divided by the
-        global number of loss tokens). Returns ``{}`` on pipeline stages other than the last.
+        all-reduce over the data-parallel(-with-CP) group (plus one MAX all-reduce when there are
+        ``max/`` / ``min/`` metrics), then :func:`megatron_mis.core.losses.finalize_metrics`
+        (``lsum/`` entries are divided by the global number of loss tokens; ``max/`` and
+        ``min/`` become ``NAME_max`` / ``NAME_min``, left out when no token had a value).
+        Returns ``{}`` on pipeline stages other than the last.
 
         Raises:
             ValueError: if the counted denominator tokens / sequences differ from
@@ -377,13 +658,15 @@ class MegatronRLLoss:
         if not ps.is_pipeline_last_stage():
             return {}
         keys = sorted({k for d in forward_data_store for k in d if _metric_store_key(k)})
-        local = torch.zeros(len(keys), dtype=torch.float64)
+        sum_keys = [k for k in keys if k.partition("/")[0] not in ("max", "min")]
+        ext_keys = [k for k in keys if k.partition("/")[0] in ("max", "min")]
+        local = torch.zeros(len(sum_keys), dtype=torch.float64)
         for d in forward_data_store:
-            for i, k in enumerate(keys):
+            for i, k in enumerate(sum_keys):
                 if k in d:
                     local[i] += float(d[k])
         total = self._all_reduce(local)
-        summed = dict(zip(keys, total.tolist()))
+        summed = dict(zip(sum_keys, total.tolist()))
         got = (summed.get("count/num_denominator_tokens", 0.0), summed.get("count/num_denominator_sequences", 0.0))
         if got != (denominators.num_tokens, denominators.num_sequences):
             raise ValueError(
@@ -396,7 +679,57 @@ class MegatronRLLoss:
         out = finalize_metrics(summed)
         for k, v in lsums.items():
             out[k.partition("/")[2]] = v / num_loss if num_loss > 0 else 0.0
+        if ext_keys:
+            # one MAX all-reduce: maxima as they are, minima negated
+            ext = torch.full((len(ext_keys),), float("-inf"), dtype=torch.float64)
+            for d in forward_data_store:
+                for i, k in enumerate(ext_keys):
+                    if k in d:
+                        v = float(d[k]) if k.startswith("max/") else -float(d[k])
+                        if v == v:  # NaN: no value in this micro-batch
+                            ext[i] = max(float(ext[i]), v)
+            ext = self._all_reduce(ext, op="max")
+            for k, v in zip(ext_keys, ext.tolist()):
+                kind, _, name = k.partition("/")
+                if v != float("-inf"):
+                    out[f"{name}_{kind}"] = v if kind == "max" else -v
         return out
+
+
+def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """0-dim max / min of ``values [T]`` over ``mask``; NaN when the mask is empty."""
+    if not bool(mask.any()):
+        return torch.tensor(float("nan"))
+    v = values[mask].double()
+    return (v.max() if kind == "max" else v.min()).detach().cpu()
+
+
+def _engine_metrics(res, train: torch.Tensor, rollout: torch.Tensor, lmask: torch.Tensor, keep: torch.Tensor, mis_config) -> dict[str, torch.Tensor]:
+    """The engine's token metrics as loss-token sums (``lsum/``), and the extremes the demo and
+    monitors plot: the largest token K3 KL and the raw token ratio pi_old / pi_rollout (before any
+    bound) over valid loss tokens."""
+    dev = lmask.device
+    out: dict[str, torch.Tensor] = {}
+    for name, values in res.token_metrics.items():
+        v = values.detach().float().to(dev)
+        ok = lmask & torch.isfinite(v)
+        out[f"lsum/{name}"] = torch.where(ok, v, torch.zeros_like(v)).sum()
+    valid = lmask & torch.isfinite(train) & torch.isfinite(rollout)
+    log_r = torch.where(valid, train - rollout, torch.zeros_like(train)).clamp(-mis_config.log_ratio_bound, mis_config.log_ratio_bound)
+    ratio = log_r.exp()
+    out["lsum/mis_ratio"] = torch.where(lmask, ratio, torch.zeros_like(ratio)).sum()
+    out["max/mis_ratio"] = _masked_extreme(ratio, valid, "max")
+    out["min/mis_ratio"] = _masked_extreme(ratio, valid, "min")
+    k3 = res.token_metrics.get("mis_k3_kl")
+    if k3 is not None:
+        out["max/mis_k3_kl"] = _masked_extreme(k3.float().to(dev), valid, "max")
+    return out
+
+
+def _is_nccl(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "nccl"
 
 
 def _group_size(group: Any) -> int:

@@ -31,11 +31,12 @@ Megatron-Core GPT with TP=2.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["vocab_parallel_log_probs"]
+__all__ = ["vocab_parallel_log_probs", "log_probs_from_shards", "log_softmax_from_shards"]
 
 
 def _group_info(group: Any) -> tuple[int, int]:
@@ -58,35 +59,79 @@ def _chunks(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, num_tokens)) for s in range(0, num_tokens, max(step, 1))]
 
 
+def _scaled(logits: torch.Tensor, compute_dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    z = logits.to(compute_dtype)
+    return z / temperature if temperature != 1.0 else z
+
+
+def _chunk_statistics(
+    zs: Sequence[torch.Tensor],
+    local_targets: Sequence[torch.Tensor],
+    on_rank: Sequence[torch.Tensor],
+    with_entropy: bool,
+    reduce_max: Callable[[list[torch.Tensor]], torch.Tensor],
+    reduce_sum: Callable[[list[torch.Tensor]], torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The forward arithmetic of one chunk, shared by the distributed function and the
+    single-process shard path (:func:`log_probs_from_shards`).
+
+    Args:
+        zs: vocabulary shards ``[C, V/tp]`` held by this process (temperature applied, compute
+            dtype): one shard under torch.distributed, all of them in :func:`log_probs_from_shards`.
+        local_targets: per shard ``[C]`` target index inside the shard (0 where not on it).
+        on_rank: per shard ``[C]`` bool, the target lies in the shard.
+        reduce_max / reduce_sum: combine the per-shard ``[C]`` maxima / ``[C, k]`` statistics
+            into the whole vocabulary's (an all-reduce, or an in-order max / sum of the list).
+
+    Returns:
+        ``(zmax [C], shifted shards [C, V/tp], stacked [C, k])`` with ``stacked`` = (sum of
+        ``exp(z - zmax)``, shifted target logit, and with entropy ``sum exp(z - zmax) (z - zmax)``)
+        over the whole vocabulary.
+    """
+    zmax = reduce_max([z.max(dim=-1).values for z in zs])
+    shifted = [z - zmax[:, None] for z in zs]
+    stats = []
+    for s, target, ok in zip(shifted, local_targets, on_rank):
+        exp = s.exp()
+        target_logit = s.gather(1, target[:, None]).squeeze(1)
+        cols = [exp.sum(dim=-1), torch.where(ok, target_logit, torch.zeros_like(target_logit))]
+        if with_entropy:
+            cols.append((exp * s).sum(dim=-1))
+        stats.append(torch.stack(cols, dim=1))
+    return zmax, shifted, reduce_sum(stats)
+
+
+def _shard_targets(targets: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    local = targets - vocab_start
+    ok = (local >= 0) & (local < local_vocab)
+    return torch.where(ok, local, torch.zeros_like(local)), ok
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, temperature, with_entropy, chunk_size):  # type: ignore[override]
         rank, world = _group_info(group)
         num_tokens, local_vocab = logits.shape
-        vocab_start = rank * local_vocab
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-        local_target = targets - vocab_start
-        on_rank = (local_target >= 0) & (local_target < local_vocab)
-        local_target = torch.where(on_rank, local_target, torch.zeros_like(local_target))
+        local_target, on_rank = _shard_targets(targets, rank * local_vocab, local_vocab)
+
+        def reduce_max(parts: list[torch.Tensor]) -> torch.Tensor:
+            _all_reduce(parts[0], "max", group, world)
+            return parts[0]
+
+        def reduce_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+            _all_reduce(parts[0], "sum", group, world)
+            return parts[0]
 
         log_norm = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)  # log sum exp(z)
         log_probs = torch.empty(num_tokens, dtype=compute_dtype, device=logits.device)
         mean_logit = torch.empty(num_tokens if with_entropy else 0, dtype=compute_dtype, device=logits.device)
         entropy = torch.empty(num_tokens if with_entropy else 0, dtype=compute_dtype, device=logits.device)
         for s, e in _chunks(num_tokens, chunk_size):
-            z = logits[s:e].to(compute_dtype)
-            if temperature != 1.0:
-                z = z / temperature
-            zmax = z.max(dim=-1).values
-            _all_reduce(zmax, "max", group, world)
-            shifted = z - zmax[:, None]
-            exp = shifted.exp()
-            target_logit = shifted.gather(1, local_target[s:e, None]).squeeze(1)
-            stats = [exp.sum(dim=-1), torch.where(on_rank[s:e], target_logit, torch.zeros_like(target_logit))]
-            if with_entropy:
-                stats.append((exp * shifted).sum(dim=-1))
-            stacked = torch.stack(stats, dim=1)
-            _all_reduce(stacked, "sum", group, world)
+            z = _scaled(logits[s:e], compute_dtype, temperature)
+            zmax, _, stacked = _chunk_statistics(
+                [z], [local_target[s:e]], [on_rank[s:e]], with_entropy, reduce_max, reduce_sum
+            )
             log_sum = stacked[:, 0].log()
             log_norm[s:e] = zmax + log_sum
             log_probs[s:e] = stacked[:, 1] - log_sum
@@ -187,3 +232,88 @@ def vocab_parallel_log_probs(
         flat_logits, flat_targets, group, float(temperature), bool(with_entropy), int(chunk_size)
     )
     return log_probs.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
+
+
+# ------------------------------------------------------------------ shards held by one process
+def _in_order_max(parts: list[torch.Tensor]) -> torch.Tensor:
+    out = parts[0]
+    for p in parts[1:]:
+        out = torch.maximum(out, p)
+    return out
+
+
+def _in_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def _shard_inputs(shards: Sequence[torch.Tensor], temperature: float) -> tuple[list[torch.Tensor], torch.Size]:
+    if not shards:
+        raise ValueError("give at least one vocabulary shard")
+    lead = shards[0].shape[:-1]
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"all shards must have the same shape, got {[tuple(s.shape) for s in shards]}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0")
+    compute_dtype = torch.promote_types(shards[0].dtype, torch.float32)
+    return [_scaled(s.reshape(-1, s.shape[-1]), compute_dtype, float(temperature)) for s in shards], lead
+
+
+@torch.no_grad()
+def log_probs_from_shards(
+    shards: Sequence[torch.Tensor], targets: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """:func:`vocab_parallel_log_probs` for vocabulary shards that one process holds together.
+
+    The arithmetic is the same code (one chunk of :func:`_chunk_statistics`); the two
+    all-reduces become the in-order maximum and sum over ``shards``. For one shard that is the
+    TP = 1 computation; for two it is bit for bit what an all-reduce over two ranks returns (IEEE
+    addition and maximum are commutative). With more shards the all-reduce's summation order
+    belongs to the communication backend and the results may differ in the last bit. Per-token
+    reductions do not depend on how many tokens are processed together, so the results equal
+    the chunked distributed computation on the same rows bit for bit (tested).
+
+    This is what the rollout engine's true-on-policy path records (:mod:`megatron_mis.demo.
+    rollout`): the trainer's log-probs by construction.
+
+    Args:
+        shards: ``tp`` tensors ``[..., V/tp]``, shard ``k`` holding vocabulary ids
+            ``[k V/tp, (k+1) V/tp)``.
+        targets: ``[...]`` integer ids in ``[0, V)``.
+        temperature: ``> 0``; the logits are divided by it.
+
+    Returns:
+        ``[...]`` log-probs in float32 (float64 for float64 shards). No gradient.
+    """
+    zs, lead = _shard_inputs(shards, temperature)
+    if targets.shape != lead:
+        raise ValueError(f"targets {tuple(targets.shape)} must have the shape of the shards without the vocabulary dimension {tuple(lead)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    flat = targets.reshape(-1).long()
+    local_vocab = zs[0].shape[-1]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= local_vocab * len(zs)):
+        raise ValueError(f"target ids must lie in [0, {local_vocab * len(zs)}), got [{int(flat.min())}, {int(flat.max())}]")
+    parts = [_shard_targets(flat, k * local_vocab, local_vocab) for k in range(len(zs))]
+    _, _, stacked = _chunk_statistics(
+        zs, [p[0] for p in parts], [p[1] for p in parts], False, _in_order_max, _in_order_sum
+    )
+    return (stacked[:, 1] - stacked[:, 0].log()).reshape(lead)
+
+
+@torch.no_grad()
+def log_softmax_from_shards(shards: Sequence[torch.Tensor], *, temperature: float = 1.0) -> torch.Tensor:
+    """The full ``[..., V]`` log-softmax of ``logits / temperature`` from vocabulary shards held by
+    one process, computed with the statistics of :func:`log_probs_from_shards` (so
+    ``log_softmax_from_shards(s)[..., y] == log_probs_from_shards(s, y)`` bit for bit): what the
+    true-on-policy rollout samples from."""
+    zs, lead = _shard_inputs(shards, temperature)
+    zeros = torch.zeros(zs[0].shape[0], dtype=torch.long, device=zs[0].device)
+    ok = torch.zeros_like(zeros, dtype=torch.bool)
+    _, shifted, stacked = _chunk_statistics(
+        zs, [zeros] * len(zs), [ok] * len(zs), False, _in_order_max, _in_order_sum
+    )
+    out = torch.cat(shifted, dim=-1) - stacked[:, 0].log()[:, None]
+    return out.reshape(*lead, out.shape[-1])

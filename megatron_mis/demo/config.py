@@ -1,0 +1,234 @@
+"""``DemoConfig``: every setting of ``megatron-mis demo`` (and of the plain-Megatron example,
+which runs the same loop). Importing this module imports neither torch nor Megatron, so the
+command line can validate its flags and print ``--help`` at once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_mis.config.base import ConfigBase, doc
+
+__all__ = ["DemoConfig", "QUICK", "available_cpus"]
+
+#: The short mode (``--quick``): a few small steps, for tests and a first look; explicit flags win.
+QUICK: dict[str, object] = {
+    "steps": 3,
+    "prompts_per_step": 4,
+    "samples_per_prompt": 4,
+    "micro_batch_size": 8,
+    "updates_per_step": 1,
+}
+
+_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig(ConfigBase):
+    """A small GRPO run: a Megatron-Core GPT learns a synthetic digit task from rollouts of a
+    separate engine whose numerics differ (see ``docs/demo.md``)."""
+
+    # ---- the run -------------------------------------------------------------------------
+    name: str = doc("demo", "Run name: outputs go to OUT_DIR/NAME/ (metrics.jsonl, report.png, summary.json).")
+    out_dir: str = doc("runs", "Folder holding the run folders.")
+    steps: int = doc(150, "RL steps (one rollout batch, its pi_old recompute and its optimizer updates each).")
+    seed: int = doc(0, "Seed of the model initialisation, the task and the sampling (runs are deterministic given it).")
+    correction: str = doc(
+        "token_tis",
+        "Mismatch correction: a preset of configs/presets/ (e.g. token_tis, seed000_default), a mis.yaml "
+        "path, or none. A preset trains with decoupled PPO, IS weights pi_old/pi_rollout from the MIS "
+        "engine; none trains with plain PPO against the recomputed pi_old (no IS weight, nothing "
+        "rejected) while the engine still measures the mismatch.",
+    )
+    compare: bool = doc(
+        False,
+        "Run the baseline (correction none) and then CORRECTION with the same seed; print a side-by-side "
+        "table and overlay both in the report.",
+    )
+    # ---- rollout -------------------------------------------------------------------------
+    rollout_precision: Literal["fp32", "bf16", "fp16", "int8"] | None = doc(
+        None,
+        "Numeric path of the rollout engine: fp32, bf16, fp16 or int8 (per-channel weight-only). null: "
+        "bf16, or fp32 with true_on_policy. The trainer always recomputes pi_old in fp32.",
+    )
+    true_on_policy: bool = doc(
+        False,
+        "Roll out through the trainer's own kernels, shapes and reduction order (seed 000's first "
+        "solution): rollout and training log-probs are bitwise equal, checked every step (needs fp32, "
+        "tp <= 2, cp = pp = 1). The fast fp32 engine is timed on the same prompts for the cost.",
+    )
+    temperature: float = doc(1.0, "Sampling temperature (the trainer's log-probs use the same).")
+    # ---- task ----------------------------------------------------------------------------
+    task: Literal["copy", "reverse", "sort"] = doc("copy", "The synthetic task: copy, reverse or sort the prompt digits.")
+    min_digits: int = doc(3, "Fewest digits per prompt.")
+    max_digits: int = doc(3, "Most digits per prompt.")
+    vocab_size: int = doc(
+        16, "Model vocabulary: 4 special ids, the digits 0-9 and unused ids (>= 14; an untrained policy emits them too)."
+    )
+    eos: bool = doc(
+        False,
+        "Answers must end with <eos>: response lengths vary (what --lr-schedule length-decay watches); "
+        "learns more slowly.",
+    )
+    # ---- GRPO ----------------------------------------------------------------------------
+    prompts_per_step: int = doc(16, "Prompts per RL step.")
+    samples_per_prompt: int = doc(8, "Responses sampled per prompt (the GRPO group, >= 2).")
+    advantage_estimator: Literal["grpo", "rloo"] = doc(
+        "grpo", "grpo: (r - group mean) / group std; rloo: r - mean of the other group members."
+    )
+    micro_batch_size: int = doc(32, "Sequences per trainer micro-batch (packed thd).")
+    updates_per_step: int = doc(
+        1,
+        "Optimizer updates per RL step: the step's micro-batches are split into this many mini-batches "
+        "(with 1, pi_theta = pi_old at the update and PPO's clip never acts).",
+    )
+    lr: float = doc(3e-3, "Adam learning rate (the digit task collapses to repeated digits from about 5e-3 on).")
+    lr_schedule: Literal["constant", "length-decay"] = doc(
+        "constant",
+        "constant, or length-decay: seed 002's response-length-surge schedule (halve the rate every "
+        "1.8 x surge-step steps after a surge of the global mean response length, floor 0.1).",
+    )
+    lr_surge_step: int | None = doc(
+        None,
+        "length-decay only: pin the surge (trigger) step instead of detecting it (the default digit "
+        "task has no length surge to detect).",
+    )
+    clip_grad: float = doc(1.0, "Gradient-norm clipping (0: off).")
+    eps_clip: float = doc(0.2, "PPO clip range.")
+    # ---- model ---------------------------------------------------------------------------
+    hidden_size: int = doc(64, "GPT width.")
+    num_layers: int = doc(2, "GPT layers.")
+    num_attention_heads: int = doc(4, "Attention heads.")
+    # ---- parallelism ---------------------------------------------------------------------
+    tp: int = doc(1, "Tensor-parallel size.")
+    cp: int = doc(1, "Context-parallel size (sequences split zigzag over 2*cp chunks).")
+    pp: int = doc(1, "Pipeline-parallel size (the rollout engine gathers the stages' weights).")
+    dp: int = doc(1, "Data-parallel size; tp x cp x pp x dp processes run on gloo.")
+    threads: int | None = doc(
+        None, "Intra-op threads per process; null: the available cores / processes (at least 1)."
+    )
+    # ---- output --------------------------------------------------------------------------
+    progress: bool = doc(True, "Show a progress bar with the live reward and K3 KL.")
+    plot: bool = doc(True, "Write the PNG report.")
+
+    # ---------------------------------------------------------------------------- resolved
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def precision(self) -> str:
+        """The resolved rollout precision."""
+        if self.rollout_precision is not None:
+            return self.rollout_precision
+        return "fp32" if self.true_on_policy else "bf16"
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def num_threads(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        return max(1, available_cpus() // self.world_size)
+
+    @property
+    def arms(self) -> list[str]:
+        """The corrections run, in order (``["none", CORRECTION]`` with ``compare``)."""
+        return ["none", self.correction] if self.compare else [self.correction]
+
+    def _check(self) -> list[str]:
+        out: list[str] = []
+        for name in ("steps", "prompts_per_step", "micro_batch_size", "updates_per_step", "hidden_size",
+                     "num_layers", "num_attention_heads", "tp", "cp", "pp", "dp", "min_digits"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}={getattr(self, name)!r} must be >= 1")
+        if self.samples_per_prompt < 2:
+            out.append(f"samples_per_prompt={self.samples_per_prompt!r} must be >= 2 (a GRPO group needs two samples)")
+        if self.max_digits < self.min_digits:
+            out.append(f"max_digits={self.max_digits!r} must be >= min_digits={self.min_digits!r}")
+        if self.max_digits > 16:
+            out.append(f"max_digits={self.max_digits!r} must be <= 16 (a small demo)")
+        if not self.temperature > 0:
+            out.append(f"temperature={self.temperature!r} must be > 0")
+        if not self.lr > 0:
+            out.append(f"lr={self.lr!r} must be > 0")
+        if self.clip_grad < 0:
+            out.append(f"clip_grad={self.clip_grad!r} must be >= 0 (0: off)")
+        if not 0 < self.eps_clip < 1:
+            out.append(f"eps_clip={self.eps_clip!r} must lie in (0, 1)")
+        if self.threads is not None and self.threads < 1:
+            out.append(f"threads={self.threads!r} must be >= 1 or null")
+        if self.lr_surge_step is not None and self.lr_surge_step < 1:
+            out.append(f"lr_surge_step={self.lr_surge_step!r} must be >= 1")
+        if not self.name or any(c in self.name for c in "/\\") or self.name in (".", ".."):
+            out.append(f"name={self.name!r} must be a plain folder name (no '/')")
+        out += self._correction_problems()
+        if self.compare and self.correction == "none":
+            out.append("compare=True runs the baseline (none) against CORRECTION: choose a preset, e.g. --correction token_tis")
+        if self.true_on_policy:
+            if self.rollout_precision not in (None, "fp32"):
+                out.append(f"true_on_policy needs rollout_precision fp32 (the trainer's), got {self.rollout_precision!r}")
+            if self.tp > 2:
+                out.append(f"true_on_policy with tp={self.tp}: the aligned path reproduces the TP all-reduce only for tp <= 2")
+            if self.cp > 1:
+                out.append(f"true_on_policy with cp={self.cp}: the aligned path mirrors the CP = 1 forward")
+            if self.pp > 1:
+                out.append(f"true_on_policy with pp={self.pp}: the aligned path mirrors the PP = 1 forward")
+        if self.vocab_size < 14:
+            out.append(f"vocab_size={self.vocab_size!r} must be >= 14 (4 special ids and 10 digits)")
+        # layout: the vocabulary and the heads split over TP; whole micro-batches per DP rank
+        if self.tp >= 1 and (self.vocab_size % self.tp or self.num_attention_heads % self.tp):
+            out.append(
+                f"tp={self.tp} must divide vocab_size={self.vocab_size} and num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads >= 1 and self.hidden_size % self.num_attention_heads:
+            out.append(f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}")
+        if self.pp > 1 and self.num_layers % self.pp:
+            out.append(f"pp={self.pp} must divide num_layers={self.num_layers}")
+        if min(self.dp, self.micro_batch_size, self.updates_per_step, self.prompts_per_step) >= 1 and self.samples_per_prompt >= 2:
+            n = self.num_sequences
+            per_rank = n // self.dp
+            if n % self.dp or per_rank % self.micro_batch_size or (per_rank // self.micro_batch_size) % self.updates_per_step:
+                out.append(
+                    f"{n} sequences per step (prompts_per_step x samples_per_prompt) must split into dp={self.dp} "
+                    f"ranks x whole micro-batches of micro_batch_size={self.micro_batch_size} x "
+                    f"updates_per_step={self.updates_per_step} (n divisible by dp x micro_batch_size x updates_per_step)"
+                )
+        return out
+
+    def _correction_problems(self) -> list[str]:
+        if self.correction == "none":
+            return []
+        from megatron_mis.config.base import ConfigError
+        from megatron_mis.config.mis import MISConfig
+        from megatron_mis.presets import preset_path
+
+        try:
+            mis = MISConfig.from_yaml(preset_path(self.correction))
+        except FileNotFoundError as exc:
+            return [f"correction={self.correction!r}: {exc} (or none)"]
+        except ConfigError as exc:
+            return [f"correction={self.correction!r}: {exc}"]
+        if mis.normalizes and mis.tis_batch_normalize_scope == "global":
+            return [
+                f"correction={self.correction!r} sets tis_batch_normalize_scope: global; the demo's loss "
+                "normalises per micro-batch (use micro_batch)"
+            ]
+        return []
+
+    def _warnings(self) -> list[str]:
+        out = []
+        if self.lr_surge_step is not None and self.lr_schedule != "length-decay":
+            out.append("lr_surge_step has no effect without lr_schedule='length-decay'")
+        return out

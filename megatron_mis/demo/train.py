@@ -1,0 +1,588 @@
+"""The GRPO loop of ``megatron-mis demo`` and ``examples/megatron/train_grpo.py`` (one engine).
+
+Every rank runs :func:`run_rank` with an initialised ``torch.distributed`` process group; the
+Megatron-Core parallel state (TP x CP x PP x DP) is set up here and every collective runs on one
+of its explicit groups. One RL step:
+
+1. **weight sync**: :func:`megatron_mis.demo.rollout.weights_from_megatron` all-gathers the TP
+   shards (and the pipeline stages) into the rollout engine, a separate pure-torch inference path;
+2. **rollout**: ``P`` prompts of the digit task, ``G`` samples each, sampled with a KV cache in
+   the chosen precision (or through the trainer's kernels with ``true_on_policy``), log-probs
+   recorded as SGLang returns them. Every rank generates the same global batch (same weights,
+   same seed) and trains on its data-parallel share: the data movement of a real rollout service
+   is not the subject here;
+3. **reward and advantages**: the task's programmatic reward, GRPO / RLOO advantages per group
+   (:func:`megatron_mis.core.advantages.compute_advantages`);
+4. **pi_old**: the trainer recomputes the log-probs in fp32 with Megatron's schedule, forward
+   only (:meth:`MegatronRLLoss.recompute_log_probs`); their difference to the rollout's is the
+   real mismatch, compared with the public :func:`megatron_mis.core.bitwise.compare_log_probs`;
+5. **updates**: ``updates_per_step`` optimizer steps, each on a mini-batch of micro-batches,
+   with :class:`MegatronRLLoss` in ``get_forward_backward_func()`` and Megatron's DDP: decoupled
+   PPO with the correction's IS weights / rejections, or plain PPO for ``correction: none``;
+6. **schedule and monitor**: the length-decay LR schedule (wrapping Megatron's
+   ``OptimizerParamScheduler``) observes the global mean response length; the mismatch monitor
+   watches K3 KL, the log-ppl gap and the gradient norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_mis.demo.config import DemoConfig
+
+__all__ = ["ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank", "summarize"]
+
+
+# ----------------------------------------------------------------------------------- arms
+@dataclass
+class ArmSpec:
+    """One run of the demo: its correction and the loss / engine configs it implies.
+
+    ``correction == "none"``: ``LossConfig(policy_loss="ppo")`` against the recomputed pi_old,
+    no IS weight, nothing rejected; the MIS engine runs with ``use_tis = use_rs = false`` only to
+    measure the mismatch. Otherwise decoupled PPO with the preset's ``MISConfig``.
+    """
+
+    label: str
+    correction: str
+    loss: Any
+    mis: Any
+
+
+def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.presets import preset_path
+
+    common = dict(
+        eps_clip=cfg.eps_clip,
+        advantage_estimator=cfg.advantage_estimator,
+        loss_aggregation="seq_mean_token_mean",
+        rollout_temperature=cfg.temperature,
+    )
+    if correction == "none":
+        return ArmSpec("none", "none", LossConfig(policy_loss="ppo", **common), MISConfig(use_tis=False, use_rs=False))
+    path = preset_path(correction)
+    label = path.stem
+    return ArmSpec(label, correction, LossConfig(policy_loss="decoupled_ppo", **common), MISConfig.from_yaml(path))
+
+
+@dataclass
+class RunResult:
+    """What the reporting rank returns for one arm."""
+
+    label: str
+    correction: str
+    records: list[dict[str, Any]]
+    samples: list[str] = field(default_factory=list)
+    schedule: str = ""
+    evaluation: dict[str, float] = field(default_factory=dict)
+
+
+# -------------------------------------------------------------------------- parallel state
+@contextlib.contextmanager
+def megatron_state(cfg: DemoConfig) -> Iterator[None]:
+    """Initialise Megatron-Core's parallel state for ``cfg`` on the existing process group
+    (whose size must be ``tp x cp x pp x dp``) and destroy it on exit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    if world != cfg.world_size:
+        raise ValueError(
+            f"{world} processes but tp x cp x pp x dp = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp} = {cfg.world_size}"
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
+    )
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _trainer_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(t: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
+    import torch.distributed as dist
+
+    if group is not None and dist.get_world_size(group) > 1:
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        out = t.to(device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        return out.to(t.device)
+    return t
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, model_parallel_group: Any, tp_rank: int) -> float:
+    """The global gradient norm of a (TP / PP sharded) model, and clipping to ``max_norm`` (0: no
+    clipping). Tensor-parallel shards count on every TP rank, replicated parameters (norms,
+    biases of row-parallel layers) on TP rank 0 only; one SUM all-reduce of the squared norm over
+    the model-parallel (TP x PP) group. Data- and context-parallel replicas already hold the
+    reduced gradients."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    norm = float(_all_reduce(sq, model_parallel_group).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+# ------------------------------------------------------------------------------- trainer
+class GRPOTrainer:
+    """One arm of the demo on this rank (every rank of the job builds one; see the module
+    docstring for a step). Megatron's parallel state must be initialised."""
+
+    def __init__(self, cfg: DemoConfig, arm: ArmSpec) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
+        from megatron_mis.demo.task import PAD, DigitTask, TaskConfig
+        from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+        from megatron_mis.models.gpt import GPTSpec, build_gpt
+        from megatron_mis.monitor import (
+            LengthDecayConfig,
+            LengthDecayParamScheduler,
+            MismatchMonitor,
+            MonitorConfig,
+            SurgeConfig,
+            build_lr_schedule,
+        )
+
+        self.cfg, self.arm = cfg, arm
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group() if cfg.pp > 1 else None
+        self.dp_group = ps.get_data_parallel_group()  # without CP: different samples
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.mp_group = ps.get_model_parallel_group()
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.reporter = self.last_stage and self.tp_rank == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+        self.task = DigitTask(
+            TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos, vocab_size=cfg.vocab_size)
+        )
+        spec = GPTSpec(
+            vocab_size=self.task.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            max_sequence_length=max(64, 2 * (cfg.max_digits + 3)),
+        )
+        torch.manual_seed(cfg.seed)  # Megatron's CPU init: the same full weights under any layout
+        # packed micro-batches differ in length: the pipeline p2p must send shapes (Megatron checks the
+        # MoE dispatcher setting even for dense models)
+        overrides = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if cfg.pp > 1 else {}
+        self.model = build_gpt(spec, **overrides)
+        # gloo: everything on the CPU; nccl (torchrun on GPUs): the trainer on this rank's GPU, the
+        # rollout engine still on the CPU (weights_from_megatron copies the weights there)
+        self.device = _trainer_device()
+        self.model.to(self.device)
+        self.ddp = DistributedDataParallel(
+            self.model.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+            self.model,
+        )
+        self.model.config.finalize_model_grads_func = finalize_model_grads
+        self.params = [p for p in self.ddp.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
+        inner = OptimizerParamScheduler(
+            self.optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0,
+            lr_decay_steps=max(cfg.steps * cfg.updates_per_step, 1), lr_decay_style="constant",
+            start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
+        )
+        # short-run surge settings (docs/monitor.md: smoothing 2, window 5, min steps 5)
+        surge = SurgeConfig(length_surge_smoothing=2, length_surge_window=5, length_surge_min_steps=5)
+        decay = LengthDecayConfig(
+            length_decay_enabled=cfg.lr_schedule == "length-decay", length_decay_surge_step=cfg.lr_surge_step
+        )
+        self.scheduler = LengthDecayParamScheduler(inner, build_lr_schedule(decay, surge))
+        self.monitor = (
+            MismatchMonitor(MonitorConfig(monitor_window=max(4, min(30, cfg.steps // 2)), monitor_emit="none"), surge, sinks=[])
+            if self.reporter
+            else None
+        )
+        self.rl = MegatronRLLoss(arm.loss, arm.mis)
+        self.rollout_config = RolloutConfig(
+            precision=cfg.precision,
+            max_new_tokens=self.task.max_new_tokens,
+            temperature=cfg.temperature,
+            eos_token_id=self.task.eos_token_id,
+            pad_token_id=PAD,
+            true_on_policy=cfg.true_on_policy,
+            micro_batch_size=cfg.micro_batch_size if cfg.true_on_policy else None,
+        )
+        self.engine = RolloutEngine(self._weights(), self.rollout_config)
+        self.fast_fp32 = (
+            RolloutEngine(self.engine.weights, RolloutConfig(**{**self.rollout_config.to_dict(), "true_on_policy": False, "micro_batch_size": None}))
+            if cfg.true_on_policy
+            else None
+        )
+        self.g_task = torch.Generator().manual_seed(cfg.seed)
+        self.g_rollout = torch.Generator().manual_seed(cfg.seed + 1)
+        self.pad = PAD
+
+    def _weights(self):
+        from megatron_mis.demo.rollout import weights_from_megatron
+
+        return weights_from_megatron(self.model, tp_group=self.tp_group, pp_group=self.pp_group)
+
+    # ------------------------------------------------------------------------------ a step
+    def _micro_batches(self, batch, advantages: torch.Tensor) -> list[Any]:
+        from megatron_mis.integrations.megatron_loss import RLMicroBatch
+
+        cfg = self.cfg
+        per_rank = cfg.num_sequences // self.dp_size
+        start = self.dp_rank * per_rank
+        seqs = batch.sequences
+        out = []
+        for lo in range(start, start + per_rank, cfg.micro_batch_size):
+            idx = list(range(lo, lo + cfg.micro_batch_size))
+            resp = batch.response_lengths[idx]
+            lengths = torch.tensor([seqs[i].numel() for i in idx])
+            out.append(
+                RLMicroBatch(
+                    tokens=torch.cat([seqs[i] for i in idx]),
+                    cu_seqlens=torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).int(),
+                    response_lengths=resp,
+                    loss_mask=torch.ones(int(resp.sum())),
+                    advantages=torch.repeat_interleave(advantages[idx], resp),
+                    rollout_log_probs=torch.cat([batch.rollout_log_probs[i] for i in idx]),
+                    slot_length=batch.slot_length if cfg.true_on_policy else None,
+                    pad_token_id=self.pad,
+                )
+            )
+        return out
+
+    def _compare_log_probs(self, micro_batches: list[Any]) -> dict[str, float]:
+        """The recomputed pi_old against the rollout's log-probs with the public bitwise check,
+        over the whole global batch (one SUM and one MAX all-reduce over the DP group)."""
+        from megatron_mis.core.bitwise import compare_log_probs
+
+        train, rollout = [], []
+        for mb in micro_batches:
+            sizes = mb.response_lengths.tolist()
+            train += list(torch.split(mb.old_log_probs, sizes))
+            rollout += list(torch.split(mb.rollout_log_probs, sizes))
+        rep = compare_log_probs(train, rollout)
+        counts = _all_reduce(torch.tensor([rep.num_tokens, rep.num_different], dtype=torch.float64), self.dp_group)
+        worst = _all_reduce(torch.tensor([rep.max_abs_diff], dtype=torch.float64), self.dp_group, "max")
+        return {
+            "logprob_abs_diff_max": float(worst[0]),
+            "logprob_fraction_different": float(counts[1] / counts[0]) if counts[0] > 0 else 0.0,
+            "logprob_bitwise_equal": bool(counts[1] == 0),
+        }
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Run RL step ``step`` (numbered from 1) on this rank; returns the step's record (complete
+        on the reporting rank)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_mis.core.advantages import compute_advantages
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self.engine.load_weights(self._weights())
+        problems = self.task.sample(cfg.prompts_per_step, generator=self.g_task)
+        expanded = [p for p in problems for _ in range(cfg.samples_per_prompt)]
+        prompts = [p.prompt for p in expanded]
+        record: dict[str, Any] = {"step": step, "run": self.arm.label}
+        if self.fast_fp32 is not None and self.reporter:
+            # the cost of true on-policy: the fast fp32 engine on the same prompts, same draws
+            self.fast_fp32.load_weights(self.engine.weights)
+            g = torch.Generator()
+            g.set_state(self.g_rollout.get_state())
+            tf = time.perf_counter()
+            self.fast_fp32.generate(prompts, generator=g)
+            record["time_rollout_fast_s"] = time.perf_counter() - tf
+        t_roll = time.perf_counter()
+        batch = self.engine.generate(prompts, generator=self.g_rollout)
+        record["time_rollout_s"] = time.perf_counter() - t_roll
+        rewards = self.task.rewards(expanded, batch.responses)
+        correct = [self.task.is_correct(p, r) for p, r in zip(expanded, batch.responses)]
+        adv = compute_advantages(
+            rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator
+        ).advantages
+        lengths = batch.response_lengths.float()
+        record.update(
+            reward_mean=float(rewards.mean()),
+            reward_max=float(rewards.max()),
+            reward_min=float(rewards.min()),
+            accuracy=sum(correct) / len(correct),
+            response_length_mean=float(lengths.mean()),
+        )
+
+        # ---- pi_old, recomputed by the trainer in fp32
+        t_re = time.perf_counter()
+        micro_batches = self._micro_batches(batch, adv)
+        old = self.rl.recompute_log_probs([self.ddp], micro_batches)
+        if old is not None:
+            micro_batches = [mb.with_old_log_probs(o.cpu()) for mb, o in zip(micro_batches, old)]
+            record.update(self._compare_log_probs(micro_batches))
+            if cfg.true_on_policy and not record["logprob_bitwise_equal"]:
+                raise RuntimeError(
+                    f"step {step}: true on-policy rollout log-probs differ from the trainer's recompute "
+                    f"(max |diff| {record['logprob_abs_diff_max']:.3g}, fraction {record['logprob_fraction_different']:.3g}); "
+                    "the aligned path no longer mirrors the trainer"
+                )
+        record["time_recompute_s"] = time.perf_counter() - t_re
+
+        # ---- learning-rate schedule: the global mean response length (every rank has the batch)
+        self.scheduler.observe(step, float(lengths.mean()))
+        record["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        record["lr_factor"] = float(self.scheduler.factor)
+
+        # ---- updates
+        t_tr = time.perf_counter()
+        fb = get_forward_backward_func()
+        per_update = len(micro_batches) // cfg.updates_per_step
+        agg = _UpdateAggregator()
+        for k in range(cfg.updates_per_step):
+            group = micro_batches[k * per_update : (k + 1) * per_update]
+            den = self.rl.count_denominators(group)
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad(set_to_none=True)
+            store = fb(
+                forward_step_func=self.rl.forward_step(den, num_microbatches=len(group)),
+                data_iterator=iter(group),
+                model=[self.ddp],
+                num_microbatches=len(group),
+                seq_length=max(int(mb.tokens.numel()) for mb in group),
+                micro_batch_size=1,
+                forward_only=False,
+            )
+            metrics = self.rl.reduce_metrics(store, den)
+            for p in self.params:
+                p.grad = p.main_grad.to(p.dtype)
+            norm = clip_grad_norm(self.params, cfg.clip_grad, model_parallel_group=self.mp_group, tp_rank=self.tp_rank)
+            self.optimizer.step()
+            self.scheduler.step(1)
+            agg.add(metrics, norm)
+        record["time_train_s"] = time.perf_counter() - t_tr
+        record.update(agg.result(uses_weights=self.rl.policy.uses_is_weights))
+        record["time_step_s"] = time.perf_counter() - t0
+        if self.monitor is not None:
+            found = self.monitor.update(
+                step,
+                {k: record.get(k) for k in ("mis_k3_kl", "mis_log_ppl_abs_diff", "grad_norm", "lr")}
+                | {"response_length": record["response_length_mean"], "entropy": record.get("entropy")},
+            )
+            record["monitor_warnings"] = [w.message for w in found]
+        return record
+
+    def evaluate(self, num_prompts: int = 64, num_samples: int = 4) -> tuple[dict[str, float], list[str]]:
+        """Greedy decoding (fp32 engine, top-1) of ``num_prompts`` fresh problems, the same for
+        every run of a seed: ``({"greedy_reward", "greedy_exact"}, a few decoded samples)``. Call on
+        every rank: the weight sync gathers TP shards / pipeline stages; every rank then computes
+        the same numbers."""
+        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
+
+        cfg = {**self.rollout_config.to_dict(), "precision": "fp32", "top_k": 1, "true_on_policy": False, "micro_batch_size": None}
+        engine = RolloutEngine(self._weights(), RolloutConfig(**cfg))
+        problems = self.task.sample(num_prompts, generator=torch.Generator().manual_seed(self.cfg.seed + 7919))
+        batch = engine.generate([p.prompt for p in problems], generator=torch.Generator().manual_seed(0))
+        rewards = self.task.rewards(problems, batch.responses)
+        exact = [self.task.is_correct(p, r) for p, r in zip(problems, batch.responses)]
+        lines = []
+        for p, r, ok, rew in list(zip(problems, batch.responses, exact, rewards.tolist()))[:num_samples]:
+            mark = "right" if ok else f"reward {rew:.2f}"
+            lines.append(f"{self.task.decode(p.prompt)} -> {self.task.decode(r)}  ({mark})")
+        return {"greedy_reward": float(rewards.mean()), "greedy_exact": sum(exact) / len(exact)}, lines
+
+
+class _UpdateAggregator:
+    """Combines the metrics of a step's updates (disjoint mini-batches covering the batch):
+    loss-token means weighted by loss tokens, kept-token means by valid tokens, extremes over
+    updates."""
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[dict[str, float], float]] = []
+
+    def add(self, metrics: dict[str, float], grad_norm: float) -> None:
+        self.updates.append((metrics, grad_norm))
+
+    def result(self, *, uses_weights: bool) -> dict[str, float]:
+        ms = [m for m, _ in self.updates if m]
+        out: dict[str, float] = {"grad_norm": sum(g for _, g in self.updates) / max(len(self.updates), 1)}
+        if not ms:
+            return out
+        n_loss = [m.get("num_loss_tokens", 0.0) for m in ms]
+        n_valid = [m.get("num_valid_tokens", 0.0) for m in ms]
+
+        def weighted(key: str, weights: list[float]) -> float | None:
+            pairs = [(m[key], w) for m, w in zip(ms, weights) if key in m]
+            total = sum(w for _, w in pairs)
+            return sum(v * w for v, w in pairs) / total if pairs and total > 0 else None
+
+        def extreme(key: str, fn: Callable) -> float | None:
+            vals = [m[key] for m in ms if key in m]
+            return fn(vals) if vals else None
+
+        for key in ("mis_k3_kl", "mis_log_ppl_abs_diff", "mis_training_log_ppl", "mis_rollout_log_ppl",
+                    "mis_rejected_seq_fraction"):
+            v = weighted(key, n_loss)
+            if v is not None:
+                out[key] = v
+        out["mis_ratio_mean"] = weighted("mis_ratio", n_loss)
+        out["mis_ratio_min"] = extreme("mis_ratio_min", min)
+        out["mis_ratio_max"] = extreme("mis_ratio_max", max)
+        out["mis_k3_kl_max"] = extreme("mis_k3_kl_max", max)
+        for key in ("pg_clipfrac", "entropy", "ratio"):
+            v = weighted(key, n_valid)
+            if v is not None:
+                out[key] = v
+        out["loss"] = sum(m.get("loss", 0.0) for m in ms) / len(ms)
+        out["pg_loss"] = sum(m.get("pg_loss", 0.0) for m in ms) / len(ms)
+        if uses_weights:
+            out["is_weight_mean"] = weighted("is_weight", n_valid)
+            out["is_weight_min"] = extreme("is_weight_min", min)
+            out["is_weight_max"] = extreme("is_weight_max", max)
+        else:  # the loss multiplies by no weight: 1 for every token
+            out["is_weight_mean"] = out["is_weight_min"] = out["is_weight_max"] = 1.0
+        total_loss = sum(n_loss)
+        out["rejected_token_fraction"] = sum(m.get("num_rejected_tokens", 0.0) for m in ms) / total_loss if total_loss else 0.0
+        out["rejected_seq_fraction"] = out.pop("mis_rejected_seq_fraction", 0.0)
+        return {k: v for k, v in out.items() if v is not None}
+
+
+# --------------------------------------------------------------------------------- a rank
+def run_rank(cfg: DemoConfig) -> list[RunResult] | None:
+    """Run every arm of ``cfg`` on this rank (all ranks call it; ``torch.distributed`` must be
+    initialised with ``cfg.world_size`` ranks). The reporting rank (last pipeline stage, TP / DP
+    / CP rank 0) shows the progress bar, writes ``OUT_DIR/NAME/metrics.jsonl`` and returns the
+    results; other ranks return ``None``."""
+    import warnings
+
+    results: list[RunResult] = []
+    reporter = False
+    # the caller's warning filters and torch RNG are left as they were (Megatron's CPU init draws
+    # from the global generator, seeded here)
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+        warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*")
+        run_dir = Path(cfg.out_dir) / cfg.name
+        for index, correction in enumerate(cfg.arms):
+            arm = arm_spec(correction, cfg)
+            trainer = GRPOTrainer(cfg, arm)
+            reporter = trainer.reporter
+            sink = None
+            if reporter:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                sink = (run_dir / "metrics.jsonl").open("w" if index == 0 else "a", encoding="utf-8")
+            bar = _progress(cfg, arm, index) if reporter else None
+            records = []
+            wall0 = time.perf_counter()
+            try:
+                for step in range(1, cfg.steps + 1):
+                    record = trainer.step(step)
+                    record["wall_s"] = time.perf_counter() - wall0
+                    if reporter:
+                        records.append(record)
+                        sink.write(json.dumps(_jsonable(record)) + "\n")
+                        sink.flush()
+                        _update_bar(bar, record)
+            finally:
+                if bar is not None:
+                    bar.close()
+                if sink is not None:
+                    sink.close()
+            evaluation, samples = trainer.evaluate()  # every rank: the weight sync is collective
+            if reporter:
+                results.append(
+                    RunResult(
+                        label=arm.label,
+                        correction=arm.correction,
+                        records=records,
+                        samples=samples,
+                        schedule=trainer.scheduler.schedule.describe(),
+                        evaluation=evaluation,
+                    )
+                )
+            del trainer
+    return results if reporter else None
+
+
+def _progress(cfg: DemoConfig, arm: ArmSpec, index: int):
+    from tqdm.auto import tqdm
+
+    desc = f"{arm.label:>12s}" if cfg.compare else arm.label
+    return tqdm(total=cfg.steps, desc=desc, unit="step", disable=not cfg.progress, dynamic_ncols=True, leave=True)
+
+
+def _update_bar(bar, record: dict[str, Any]) -> None:
+    bar.set_postfix(
+        reward=f"{record['reward_mean']:.3f}",
+        k3_kl=f"{record.get('mis_k3_kl', float('nan')):.2e}",
+        refresh=False,
+    )
+    bar.update(1)
+    for message in record.get("monitor_warnings", []):
+        bar.write(f"monitor: {message}")
+
+
+def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        out[k] = v
+    return out
+
+
+# ------------------------------------------------------------------------------- summary
+def summarize(result: RunResult) -> dict[str, float]:
+    """The comparison row of one run: final reward (mean of the last 10% of steps, at least 3),
+    peak reward, mean and max K3 KL, mean log-ppl abs diff, mean rejected token fraction, wall
+    time, and the greedy evaluation after training."""
+    recs = result.records
+    if not recs:
+        return {}
+    tail = max(3, len(recs) // 10)
+    last = recs[-tail:]
+
+    def mean(key: str, rs=recs) -> float:
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return {
+        "reward_start": mean("reward_mean", recs[:tail]),
+        "reward_final": mean("reward_mean", last),
+        "reward_peak": max(r["reward_mean"] for r in recs),
+        "accuracy_final": mean("accuracy", last),
+        "k3_kl_mean": mean("mis_k3_kl"),
+        "k3_kl_max": max((r.get("mis_k3_kl_max", 0.0) or 0.0) for r in recs),
+        "log_ppl_abs_diff_mean": mean("mis_log_ppl_abs_diff"),
+        "rejected_fraction_mean": mean("rejected_token_fraction"),
+        "logprob_abs_diff_max": max((r.get("logprob_abs_diff_max", 0.0) or 0.0) for r in recs),
+        "wall_s": recs[-1]["wall_s"],
+        "steps": float(len(recs)),
+        **result.evaluation,
+    }

@@ -1,0 +1,168 @@
+"""``megatron-mis demo`` end to end in its short mode (``--quick``: 3 steps of 4 prompts x 4
+samples): metrics.jsonl, a readable PNG, the comparison table; the mismatch is fp32 rounding with
+fp32 rollouts, real with bf16 ones, exactly zero on the true-on-policy path; TP=2 and CP=2 runs
+(spawned gloo processes) reproduce the single-process step; bad flags are reported at once.
+
+Single-process runs happen in this process (the launcher initialises and tears down a gloo group
+of one); multi-process runs are spawned by the launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+from megatron_mis.cli import main
+
+TIME_KEYS = ("time_rollout_s", "time_rollout_fast_s", "time_recompute_s", "time_train_s", "time_step_s", "wall_s")
+
+
+def run_demo(tmp_path, *flags: str, name: str = "t"):
+    """Run the CLI in this process; returns (exit code, stdout, stderr, records)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["demo", "--quick", "--no-progress", "--out-dir", str(tmp_path), "--name", name, *flags])
+    path = tmp_path / name / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return rc, out.getvalue(), err.getvalue(), records
+
+
+def _check_png(path):
+    """The report exists, decodes, has the six-panel size and is not blank."""
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(str(path))
+    assert img.shape[0] >= 400 and img.shape[1] >= 800, img.shape
+    rgb = img[..., :3]
+    assert float(rgb.std()) > 0.05  # lines and text, not a blank canvas
+    assert float((rgb.min(axis=-1) < 0.5).mean()) > 0.005  # dark pixels: axes, text, curves
+    assert path.stat().st_size < 300_000
+
+
+def test_default_quick_run_bf16_mismatch_is_real(tmp_path):
+    rc, out, err, recs = run_demo(tmp_path)
+    assert rc == 0, err
+    assert [r["step"] for r in recs] == [1, 2, 3] and {r["run"] for r in recs} == {"token_tis"}
+    for key in ("reward_mean", "reward_max", "accuracy", "response_length_mean", "mis_k3_kl", "mis_k3_kl_max",
+                "mis_log_ppl_abs_diff", "mis_ratio_min", "mis_ratio_max", "is_weight_mean", "is_weight_min",
+                "is_weight_max", "rejected_token_fraction", "lr", "grad_norm", "loss", "logprob_abs_diff_max",
+                *TIME_KEYS[:1], "time_train_s", "wall_s"):
+        assert all(key in r and r[key] is not None for r in recs), key
+    for r in recs:
+        # bf16 rollouts against the fp32 recompute (measured on these steps: K3 ~4e-7, max |diff| ~3e-3)
+        assert r["mis_k3_kl"] > 1e-9 and r["mis_k3_kl_max"] > r["mis_k3_kl"]
+        assert r["logprob_abs_diff_max"] > 1e-4 and not r["logprob_bitwise_equal"]
+        assert r["mis_ratio_max"] - r["mis_ratio_min"] > 1e-4
+        # token TIS truncates at 2: the applied weights are the raw ratios here
+        assert r["is_weight_min"] == pytest.approx(r["mis_ratio_min"], rel=1e-6)
+        assert r["lr"] == 3e-3 and math.isfinite(r["loss"])
+    _check_png(tmp_path / "t" / "report.png")
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["config"]["rollout_precision"] is None and "token_tis" in summary["summaries"]
+    assert "[token_tis] reward" in out and "greedy: <bos>" in out and "greedy decoding of 64" in out
+
+
+def test_fp32_rollouts_mismatch_is_rounding_and_runs_are_deterministic(tmp_path):
+    rc, _, err, recs = run_demo(tmp_path, "--rollout-precision", "fp32", name="a")
+    assert rc == 0, err
+    for r in recs:
+        # Same weights, different kernels and shapes (KV-cache decode vs the packed trainer
+        # forward): float32 rounding only (measured max |diff| ~5e-7, K3 ~1e-13).
+        assert 0 < r["logprob_abs_diff_max"] < 5e-6
+        assert r["mis_k3_kl"] < 1e-12 and r["mis_k3_kl_max"] < 1e-11
+        assert r["mis_log_ppl_abs_diff"] < 1e-6
+        for key in ("mis_ratio_min", "mis_ratio_max", "is_weight_min", "is_weight_max", "is_weight_mean"):
+            assert abs(r[key] - 1.0) < 1e-5, key
+        assert r["rejected_token_fraction"] == 0.0
+    rc, _, err, again = run_demo(tmp_path, "--rollout-precision", "fp32", name="b")
+    assert rc == 0, err
+    strip = [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in recs]
+    assert strip == [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in again]
+
+
+def test_true_on_policy_compare_is_exactly_zero_and_prints_the_table(tmp_path):
+    rc, out, err, recs = run_demo(tmp_path, "--true-on-policy", "--compare")
+    assert rc == 0, err
+    assert [r["run"] for r in recs] == ["none"] * 3 + ["token_tis"] * 3
+    for r in recs:
+        assert r["logprob_bitwise_equal"] is True and r["logprob_abs_diff_max"] == 0.0
+        assert r["mis_k3_kl"] == 0.0 and r["mis_k3_kl_max"] == 0.0 and r["mis_log_ppl_abs_diff"] == 0.0
+        assert r["mis_ratio_min"] == r["mis_ratio_max"] == 1.0
+        assert r["is_weight_min"] == r["is_weight_max"] == 1.0
+        assert r["time_rollout_fast_s"] > 0
+    # both runs start from the same weights and seed: the same first batch
+    assert recs[0]["reward_mean"] == recs[3]["reward_mean"]
+    table = out[out.index("reward (first 10%)") - 200 :]
+    assert "none" in table and "token_tis" in table
+    for title in ("peak reward", "K3 KL mean", "K3 KL max", "log-ppl abs diff", "rejected tokens", "wall time"):
+        assert title in table
+    assert "bitwise equal at every step" in out
+    _check_png(tmp_path / "t" / "report.png")
+
+
+def test_length_decay_schedule_and_eos(tmp_path):
+    """--lr-surge-step 1 pins the trigger: period round(1.8 x 1) = 2, so step 2 halves the rate."""
+    rc, out, err, recs = run_demo(tmp_path, "--eos", "--lr-schedule", "length-decay", "--lr-surge-step", "1", "--no-plot")
+    assert rc == 0, err
+    assert [r["lr"] for r in recs] == pytest.approx([3e-3, 1.5e-3, 1.5e-3])
+    assert "triggered at step 1, period 2" in out
+    assert not (tmp_path / "t" / "report.png").exists()
+
+
+def test_tp2_and_cp2_reproduce_the_single_process_step(tmp_path):
+    """Spawned gloo processes: the first step (same initial weights, so the same rollout) has the
+    same rewards and, to fp32 rounding of the split matmuls / attention, the same loss and
+    gradient norm as the single-process run."""
+    rc, _, err, ref = run_demo(tmp_path, "--rollout-precision", "fp32", "--no-plot", name="ref")
+    assert rc == 0, err
+    for flags in (("--tp", "2"), ("--cp", "2")):
+        rc, out, err, recs = run_demo(tmp_path, "--rollout-precision", "fp32", *flags, name=flags[0][2:])
+        assert rc == 0, err
+        assert "2 process(es)" in out
+        assert len(recs) == 3
+        a, b = recs[0], ref[0]
+        assert a["reward_mean"] == b["reward_mean"] and a["response_length_mean"] == b["response_length_mean"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["logprob_abs_diff_max"] < 5e-6
+        _check_png(tmp_path / flags[0][2:] / "report.png")
+    # true on-policy through Megatron's schedule under TP=2: bitwise at every step
+    rc, out, err, recs = run_demo(tmp_path, "--tp", "2", "--true-on-policy", "--no-plot", name="top2")
+    assert rc == 0, err
+    assert all(r["logprob_bitwise_equal"] and r["logprob_abs_diff_max"] == 0.0 for r in recs)
+
+
+def test_bad_flags_are_reported_together(tmp_path, capsys):
+    rc = main([
+        "demo", "--true-on-policy", "--rollout-precision", "bf16", "--cp", "2", "--correction", "tokn_tis",
+        "--prompts-per-step", "3", "--out-dir", str(tmp_path),
+    ])
+    err = capsys.readouterr().err
+    assert rc == 2
+    for part in ("needs rollout_precision fp32", "cp=2", "unknown preset 'tokn_tis'", "did you mean", "token_tis",
+                 "must split into dp=1"):
+        assert part in err, part
+    assert main(["demo", "--compare", "--correction", "none"]) == 2
+    assert "runs the baseline (none) against CORRECTION" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("use_tis: true\ntis_levle: token\n")
+    assert main(["demo", "--correction", str(bad)]) == 2
+    assert "unknown key 'tis_levle'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--rollout-precision", "fp8"])
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.yaml"]  # nothing ran
+
+
+def test_help_documents_every_flag(capsys):
+    from megatron_mis.demo.config import DemoConfig
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = capsys.readouterr().out
+    for name in DemoConfig.field_names():
+        flag = {"progress": "--no-progress", "plot": "--no-plot"}.get(name, "--" + name.replace("_", "-"))
+        assert flag in text, flag
+    assert "--quick" in text
