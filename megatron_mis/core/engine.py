@@ -75,15 +75,14 @@ class SumCol(IntEnum):
     N_TOK_REJECTED = 10  # loss-mask tokens rejected by a token-level decision
     N_TOK_KEPT = 11  # loss-mask tokens not rejected at token level
     SUM_W_KEPT = 12  # token-level IS: bounded weight over token-kept tokens
-    SUM_W2_KEPT = 13
-    N_IS_LOW = 14  # token-level IS: unbounded weight < L
-    N_IS_HIGH = 15  # token-level IS: unbounded weight > U
-    N_RS_LOW = 16  # token-level RS
-    N_RS_HIGH = 17
-    N_RATIO_VETO = 18  # tokens with r < rs_veto_threshold
-    N_PROB_VETO = 19  # tokens with probability < prob_veto_threshold
-    SUM_W_BEFORE = 20  # token-level IS: unbounded weight over valid tokens
-    SUM_W_AFTER = 21  # token-level IS: bounded weight over loss-mask tokens (0 where IS-masked)
+    N_IS_LOW = 13  # token-level IS: unbounded weight < L
+    N_IS_HIGH = 14  # token-level IS: unbounded weight > U
+    N_RS_LOW = 15  # token-level RS
+    N_RS_HIGH = 16
+    N_RATIO_VETO = 17  # tokens with r < rs_veto_threshold
+    N_PROB_VETO = 18  # tokens with probability < prob_veto_threshold
+    SUM_W_BEFORE = 19  # token-level IS: unbounded weight over valid tokens
+    SUM_W_AFTER = 20  # token-level IS: bounded weight over loss-mask tokens (0 where IS-masked)
 
 
 class ExtCol(IntEnum):
@@ -391,8 +390,6 @@ def _token_stage(
     }
     columns[SumCol.SUM_R2] = columns[SumCol.SUM_R].square()
     optional = {
-        SumCol.N_NONFINITE: nonfinite,
-        SumCol.N_TOK_REJECTED: tok_rejected,
         SumCol.N_RS_LOW: rs_low,
         SumCol.N_RS_HIGH: rs_high,
         SumCol.N_RATIO_VETO: ratio_veto,
@@ -403,7 +400,6 @@ def _token_stage(
         w_kept = torch.where(tok_kept, w_tok, zero)
         optional.update({
             SumCol.SUM_W_KEPT: w_kept,
-            SumCol.SUM_W2_KEPT: w_kept.square(),
             SumCol.N_IS_LOW: is_low,
             SumCol.N_IS_HIGH: is_high,
             SumCol.SUM_W_BEFORE: torch.where(valid, w_unb, zero),
@@ -416,6 +412,9 @@ def _token_stage(
     sums = torch.zeros(num_seqs, len(SumCol), dtype=f64, device=train.device)
     for c, values in columns.items():
         sums[:, int(c)] = segment_sum(values, lengths).to(f64)
+    # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
+    sums[:, SumCol.N_NONFINITE] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_VALID]
+    sums[:, SumCol.N_TOK_REJECTED] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_TOK_KEPT]
 
     mins = torch.full((num_seqs, len(ExtCol)), _BIG, dtype=f64, device=train.device)
     maxs = torch.full((num_seqs, len(ExtCol)), -_BIG, dtype=f64, device=train.device)

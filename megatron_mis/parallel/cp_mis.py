@@ -3,7 +3,7 @@
 Each CP rank holds pieces of every sequence (see :mod:`megatron_mis.parallel.layout`). Sequence
 weights, vetoes, rejections, self-normalisation and sequence metrics need only per-sequence sums,
 counts, minima and maxima, so :func:`compute_mis_cp` runs the engine on the local pieces and
-exchanges the per-sequence statistics in **one all-gather** over the CP group (``N x 26``
+exchanges the per-sequence statistics in **one all-gather** over the CP group (``N x 25``
 float64 values per rank, whatever the sequence lengths). Every rank then reduces the gathered
 statistics in the same rank order, so all CP ranks derive bitwise-identical sequence decisions.
 
