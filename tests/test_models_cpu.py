@@ -13,7 +13,6 @@ SPEC = GPTSpec(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=
 
 def _logits(tp: int, tokens: torch.Tensor, packed: bool):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 

@@ -25,7 +25,6 @@ Names follow Miles (``mis_`` prefix) where the metric exists there: ``mis_traini
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 

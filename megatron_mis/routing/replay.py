@@ -60,11 +60,10 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from megatron_mis.config.base import ConfigBase, doc  # noqa: F401  (re-exported config lives in routing.config)
 from megatron_mis.routing.config import RoutingReplayConfig  # noqa: F401
 from megatron_mis.routing.agreement import agreement_counts, agreement_fractions, reduce_agreement
 from megatron_mis.routing.sglang import compact_route_dtype
