@@ -28,8 +28,10 @@ from megatron_mis.monitor import (
 ETA0 = 1.0e-6  # seed 002's initial learning rate
 
 # Seed 002 (section 4.2): the length surges near step 110. The trace jumps 1000 -> 3000 at step
-# 108, which the default detector reports on step 110 (see tests/test_surge.py).
-SURGE_TRACE = [1000.0] * 107 + [3000.0] * 1000
+# 110, which the default detector reports on step 112 with onset 110 (see tests/test_surge.py).
+# The period is 1.8 x the onset (198); the decay is triggered at the detection step (112).
+# (Before issue 13 this trace jumped at 108 and the period came from the detection step.)
+SURGE_TRACE = [1000.0] * 109 + [3000.0] * 1000
 
 
 def seed002_expected_factor(t: int) -> float:
@@ -67,9 +69,10 @@ def test_seed002_surge_at_110_halves_every_198_steps_down_to_the_floor(how):
     for t in range(1, 1001):
         event = schedule.observe(t, SURGE_TRACE[t - 1])
         if how == "detected":
-            assert (event is not None) == (t == 110)
+            assert (event is not None) == (t == 112)
         factors.append(schedule.factor(t))
-    assert schedule.trigger_step == 110 and schedule.decay_period == 198
+    assert schedule.trigger_step == (112 if how == "detected" else 110) and schedule.decay_period == 198
+    assert schedule.onset_step == 110
     assert factors == [seed002_expected_factor(t) for t in range(1, 1001)]
     # The halving steps, explicitly: each period ends with exactly one halving.
     drops = [t for t in range(2, 1001) if factors[t - 1] < factors[t - 2]]
@@ -78,7 +81,7 @@ def test_seed002_surge_at_110_halves_every_198_steps_down_to_the_floor(how):
     assert factors[791] == 0.1  # the fourth "halving" stops at the floor
     # never below the floor, however long the run
     assert min(schedule.factor(t) for t in range(1, 20_000, 7)) == 0.1
-    assert [schedule.next_decay_step(t) for t in (0, 110, 197, 198, 500, 791, 792)] == [198, 198, 198, 396, 594, 792, None]
+    assert [schedule.next_decay_step(t) for t in (0, 112, 197, 198, 500, 791, 792)] == [198, 198, 198, 396, 594, 792, None]
 
 
 @pytest.mark.parametrize("period", [1, 7, 50, 198])
@@ -128,7 +131,7 @@ def test_disabled_is_the_constant_schedule_and_still_reports_the_trigger():
     assert schedule.name == "constant" and LR_SCHEDULES.names() == ["constant", "length_decay"]
     for t in range(1, 900):
         schedule.observe(t, SURGE_TRACE[t - 1])
-    assert schedule.trigger_step == 110 and schedule.decay_period == 198  # where it would decay
+    assert schedule.trigger_step == 112 and schedule.decay_period == 198  # where it would decay
     assert {schedule.factor(t) for t in range(0, 900)} == {1.0}
     assert schedule.next_decay_step(200) is None
 

@@ -220,3 +220,57 @@ def test_state_checks_and_rearm():
     assert fired == [110, 210]
     with pytest.raises(ValueError, match="steps must increase"):
         det.update(5, 1.0)  # the step counter survives re-arming
+
+
+# ------------------------------------------------------------- dips, plateaus, drift, the onset
+@pytest.mark.parametrize("detector", DETECTORS)
+@pytest.mark.parametrize("dip_len", [5, 12, 20, 30])
+def test_recovery_from_a_dip_does_not_fire(detector, dip_len):
+    # Issue 13's case (dip_len 5): 1000 x 30, 450 x 5, back to 1000 fired at step 44 when the
+    # reference was the smoothed value 10 steps earlier (the dip). A dip shorter than about 3/4 of
+    # the baseline window (50) cannot lower the reference (its upper quartile).
+    trace = [1000.0] * 60 + [450.0] * dip_len + [1000.0] * 100
+    assert first_fire(trace, length_surge_detector=detector) is None
+    # a dip longer than the baseline window is a new level: coming back 3.3x from it is a surge
+    long_dip = [1000.0] * 60 + [300.0] * 80 + [1000.0] * 30
+    assert first_fire(long_dip, length_surge_detector=detector) is not None
+
+
+@pytest.mark.parametrize("detector", DETECTORS)
+def test_plateau_and_slow_drift_do_not_fire_and_a_surge_after_a_dip_does(detector):
+    assert first_fire([1000.0] * 500, length_surge_detector=detector) is None  # plateau
+    # noise-free drift: the length triples over 400 steps (1.0028x per step) -> never 2x within the window
+    assert first_fire([1000.0 * 3.0 ** (t / 400) for t in range(600)], length_surge_detector=detector) is None
+    # a genuine surge after a dip: from the old level 1000 to 3000 -> fires, onset at the jump
+    trace = [1000.0] * 30 + [450.0] * 5 + [1000.0] * 30 + [3000.0] * 30
+    det = build_surge_detector(SurgeConfig(length_surge_detector=detector))
+    events = [det.update(t, x) for t, x in enumerate(trace, start=1)]
+    fired = [e for e in events if e is not None]
+    assert len(fired) == 1 and fired[0].onset_step == 66 and fired[0].reference_length == 1000.0
+
+
+def test_tripling_at_110_fires_at_112_with_onset_110():
+    det = build_surge_detector(SurgeConfig())
+    trace = [1000.0] * 109 + [3000.0] * 20
+    event = next(e for t, x in enumerate(trace, start=1) if (e := det.update(t, x)) is not None)
+    assert (event.step, event.onset_step) == (112, 110)
+    # a 5-step ramp starting at 110 (1400, 1800, ..., 3000): the first step of the run-up
+    det = build_surge_detector(SurgeConfig())
+    ramp = [1000.0] * 109 + [1000.0 + 400.0 * k for k in range(1, 6)] + [3000.0] * 20
+    event = next(e for t, x in enumerate(ramp, start=1) if (e := det.update(t, x)) is not None)
+    assert event.onset_step == 110 and event.step > 112
+    # the onset survives a state round trip (the event is stored)
+    again = build_surge_detector(SurgeConfig())
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert again.event == event
+
+
+@pytest.mark.parametrize("detector", DETECTORS)
+def test_onset_under_noise_is_within_two_steps(detector):
+    rng = random.Random(99)
+    for seed in range(10):
+        onset = rng.randint(40, 200)
+        trace = noisy(onset + 40, 0.1, seed, lambda t, o=onset: 1000.0 if t < o else 3000.0)
+        det = build_surge_detector(SurgeConfig(length_surge_detector=detector))
+        event = next(e for t, x in enumerate(trace, start=1) if (e := det.update(t, x)) is not None)
+        assert onset - 2 <= event.onset_step <= onset <= event.step, (seed, onset, event)

@@ -73,6 +73,14 @@ class SurgeConfig(ConfigBase):
         "Observations before the detector may fire (>= length_surge_smoothing); ignores the "
         "start-up transient of RL. Use a small value (e.g. 5) for short runs.",
     )
+    length_surge_baseline_window: int = doc(
+        50,
+        "The reference is the larger of the detector's baseline value (window_ratio: the smoothed "
+        "length length_surge_window observations earlier; ema_jump: the moving average) and its "
+        "upper quartile over this many observations (>= 1; 1 = the baseline value itself). A dip "
+        "shorter than about 3/4 of this cannot lower the reference, so the recovery from it does "
+        "not fire.",
+    )
     length_surge_ema_beta: float = doc(
         0.9,
         "ema_jump: baseline <- beta * baseline + (1 - beta) * length, in (0, 1); 0.9 averages over "
@@ -92,7 +100,7 @@ class SurgeConfig(ConfigBase):
             )
         if not self.length_surge_ratio > 1.0:
             problems.append(f"length_surge_ratio={self.length_surge_ratio!r} must be > 1")
-        for name in ("length_surge_window", "length_surge_smoothing", "length_surge_patience"):
+        for name in ("length_surge_window", "length_surge_smoothing", "length_surge_patience", "length_surge_baseline_window"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 1")
         if self.length_surge_min_steps < self.length_surge_smoothing:
@@ -129,12 +137,14 @@ class LengthDecayConfig(ConfigBase):
     )
     length_decay_period: int | None = doc(
         None,
-        "T_decay in steps (>= 1). null: derived as round(length_decay_period_multiple x the trigger "
-        "step), e.g. surge at step 110 -> T = 198.",
+        "T_decay in steps (>= 1). null: derived as round(length_decay_period_multiple x the surge "
+        "step), the surge step being the detector's estimate of the run-up's first step (its "
+        "onset, not the later step on which it fired) or length_decay_surge_step; e.g. a surge "
+        "starting at step 110 -> T = 198.",
     )
     length_decay_period_multiple: float = doc(
         1.8,
-        "Multiple of the trigger (surge) step that gives T_decay when length_decay_period is null "
+        "Multiple of the surge (onset) step that gives T_decay when length_decay_period is null "
         "(seed 002 section 4.2: about 1.8). Rounded half up, at least 1.",
     )
     length_decay_anchor: Literal["start", "trigger"] = doc(
@@ -208,8 +218,9 @@ class LengthDecayConfig(ConfigBase):
         return out
 
     def resolve_period(self, trigger_step: int) -> int:
-        """T_decay for a trigger at ``trigger_step``: the fixed period, or
-        ``max(1, floor(multiple * trigger_step + 0.5))`` (110 -> 198 with the default 1.8)."""
+        """T_decay for a surge at ``trigger_step`` (the schedule passes the surge's onset): the
+        fixed period, or ``max(1, floor(multiple * trigger_step + 0.5))`` (110 -> 198 with the
+        default 1.8)."""
         if self.length_decay_period is not None:
             return self.length_decay_period
         # 1.8 * 110 is 198.00000000000003 in binary floating point: round half up, then int.

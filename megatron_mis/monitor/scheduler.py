@@ -13,8 +13,12 @@ Three layers:
 
     Algorithm 1 sets ``eta_t <- max(eta_{t-1} / 2, eta_inf)`` whenever ``t mod T == 0``; by
     induction that is ``max(eta_0 / 2**n, eta_inf)`` with ``n`` the number of such ``t`` so far,
-    which is the formula above with ``s = 0`` (trigger ``start``). With a surge detected at step
-    ``s = 110`` and the default multiple 1.8, ``T = 198``: steps 1..197 run at ``eta_0``, 198..395
+    which is the formula above with ``s = 0`` (trigger ``start``). The period comes from the
+    surge's *onset* ``o`` (the first step of the run-up, estimated by the detector, see
+    :mod:`megatron_mis.monitor.surge`): ``T = round(length_decay_period_multiple * o)``; the
+    trigger ``s`` is the step on which the detector fired (the decay cannot start before the
+    surge is seen). With a tripling that starts at step ``o = 110`` (detected at ``s = 112``) and
+    the default multiple 1.8, ``T = 198``: steps 1..197 run at ``eta_0``, 198..395
     at ``eta_0 / 2``, 396..593 at ``eta_0 / 4``, 594..791 at ``eta_0 / 8``, and from 792 on at the
     floor ``0.1 eta_0`` (``1/16 < 0.1``). This matches the paper's figures, where the decay
     starts at step ``T`` itself (the dotted lines at steps 204 and 160).
@@ -88,6 +92,7 @@ class LengthDecaySchedule:
         self.detector = detector if detector is not None else build_surge_detector(surge or SurgeConfig())
         self.last_step: int | None = None
         self.trigger_step: int | None = None
+        self.onset_step: int | None = None
         self.decay_period: int | None = None
         if self.decay.length_decay_trigger == "start":
             self._set_trigger(0)
@@ -115,13 +120,16 @@ class LengthDecaySchedule:
             event = self.detector.update(step, response_length_mean)
         self.last_step = step
         if event is not None and self.trigger_step is None:
-            self._set_trigger(event.step)
+            onset = event.onset_step if event.onset_step is not None else event.step
+            self._set_trigger(event.step, onset=max(1, min(onset, event.step)))
         return event
 
-    def _set_trigger(self, step: int) -> None:
+    def _set_trigger(self, step: int, *, onset: int | None = None) -> None:
+        """Trigger the decay at ``step``; the period comes from ``onset`` (default ``step``)."""
         self.trigger_step = step
+        self.onset_step = step if onset is None else onset
         # step 0 only comes from trigger 'start', which the config requires to have a fixed period.
-        self.decay_period = self.decay.resolve_period(step)
+        self.decay_period = self.decay.resolve_period(self.onset_step)
 
     @property
     def triggered(self) -> bool:
@@ -173,6 +181,7 @@ class LengthDecaySchedule:
             "decay_config": self.decay.to_dict(),
             "last_step": self.last_step,
             "trigger_step": self.trigger_step,
+            "onset_step": self.onset_step,
             "decay_period": self.decay_period,
             "detector": self.detector.state_dict(),
         }
@@ -191,6 +200,7 @@ class LengthDecaySchedule:
             )
         self.last_step = state["last_step"]
         self.trigger_step = state["trigger_step"]
+        self.onset_step = state.get("onset_step", self.trigger_step)
         self.decay_period = state["decay_period"]
         self.detector.load_state_dict(state["detector"])
 
@@ -199,7 +209,8 @@ class LengthDecaySchedule:
         if self.trigger_step is None:
             return f"{self.name}: not triggered (last step {self.last_step})"
         return (
-            f"{self.name}: triggered at step {self.trigger_step}, period {self.decay_period}, "
+            f"{self.name}: triggered at step {self.trigger_step} (surge onset {self.onset_step}), "
+            f"period {self.decay_period}, "
             f"anchor {self.decay.length_decay_anchor}"
         )
 

@@ -9,20 +9,42 @@ reference ``R_n``; the surge condition ``S_n >= length_surge_ratio * R_n`` must 
 observations. Once fired, a detector stays fired (its :attr:`event` keeps the details) until
 :meth:`SurgeDetector.rearm`.
 
+The reference is a baseline a dip cannot lower: each detector produces a baseline value ``B_n``
+per observation, and ``R_n = max(B_n, Q_n)`` with ``Q_n`` the upper quartile (75th percentile,
+nearest rank) of ``B_{n-H+1}, ..., B_n``, ``H = length_surge_baseline_window`` (default 50). A
+dip can only lower ``Q_n`` once it fills three quarters of those ``H`` values, so the recovery
+from any dip shorter than about ``0.75 H`` observations (37 steps by default) does not fire; a
+quartile rather than the maximum, because the maximum of 50 noisy values sits well above the
+level (about +25 % at a coefficient of variation of 0.2) and then missed real triplings. Seed 002's signal is a surge to a *new* level (1000 -> 3000-4000
+tokens); lengths that dip and come back to where they were are not one. Comparing with the
+value ``W`` steps earlier alone fired on such a recovery (1000 for 30 steps, 450 for 5, back to
+1000 fired at step 44: the reference was the dip).
+
 Registered detectors (:data:`SURGE_DETECTORS`):
 
 ``window_ratio`` (default)
-    ``R_n = S_{n-W}``, the smoothed length ``W = length_surge_window`` observations earlier: the
-    length rose ``ratio``-fold within ``W`` steps (seed 002: "can triple in just a few steps").
-    The reference is an ordinary smoothed value, not an extreme of the window, so noise needs a
-    many-sigma excursion to fire; a slow drift rises far less than 2-fold within ``W`` steps.
+    ``B_n = S_{n-W}``, the smoothed length ``W = length_surge_window`` observations earlier, so
+    ``R_n`` is the larger of that value and the upper quartile of the smoothed lengths between
+    ``W + H - 1`` and ``W`` observations ago: the length rose ``ratio``-fold above the level it
+    held before the last ``W`` steps (seed 002: "can triple in just a few steps"). A slow drift
+    rises far less than 2-fold within ``W`` steps.
 
 ``ema_jump``
-    ``R_n`` is an exponential moving average (``length_surge_ema_beta``) of the lengths observed
+    ``B_n`` is an exponential moving average (``length_surge_ema_beta``) of the lengths observed
     before the smoothing window: a relative jump against a smoothed baseline. The average stops
     following the lengths while the smoothed length is above ``sqrt(ratio)`` times it (for at most
     ``length_surge_window`` observations), so a ramping surge cannot drag its own reference up. It
     tolerates noisier traces than ``window_ratio`` at the same smoothing.
+
+Onset. A detector fires a few steps after the run-up began (smoothing, patience, a ramp). The
+event also carries :attr:`SurgeEvent.onset_step`, the first step of the run-up: the first step of
+the run of raw lengths above ``R * ratio ** 0.25`` (a quarter of the way, in log scale, from the
+reference to a surge) that leads up to the firing observation, looked for among the last
+``W + smoothing + patience`` observations. Seed 002's decay period is a multiple of the step
+*where the surge happens*, so the LR schedule takes it from the onset (a tripling starting at step
+110 fires at 112; the period is 1.8 x 110 = 198, not 1.8 x 112 = 202). Noise-free, the onset of a
+jump or of a ramp is exact; under noise a step just before the run-up that happens to exceed the
+threshold moves it one step early now and then.
 
 Detection delay (noise-free): if the length jumps at observation ``s`` to at least
 ``length_surge_ratio`` times a flat level, ``window_ratio`` fires at the latest on observation
@@ -75,6 +97,8 @@ class SurgeEvent:
         reference_length: the reference ``R_n`` it was compared with.
         ratio: ``smoothed_length / reference_length``.
         detector: the registered detector name.
+        onset_step: estimated first step of the run-up (module docstring); ``None`` only in
+            events restored from states saved before it existed.
     """
 
     step: int
@@ -83,12 +107,14 @@ class SurgeEvent:
     reference_length: float
     ratio: float
     detector: str
+    onset_step: int | None = None
 
 
 class SurgeDetector:
-    """Base class: smoothing, patience, minimum steps, latching and state. Subclasses implement
-    :meth:`_reference` (the ``R_n`` for the current smoothed value) and :meth:`_after` (update their
-    reference state with the new observation)."""
+    """Base class: smoothing, patience, minimum steps, the baseline maximum, latching, the onset
+    and state. Subclasses implement :meth:`_reference` (the baseline ``B_n`` for the current
+    smoothed value; the base class takes the maximum over ``length_surge_baseline_window``) and
+    :meth:`_after` (update their baseline state with the new observation)."""
 
     name: ClassVar[str] = ""
 
@@ -101,6 +127,12 @@ class SurgeDetector:
         self.last_step: int | None = None
         self._streak = 0
         self.event: SurgeEvent | None = None
+        # B_{n-H+1} .. B_n, the baseline values whose maximum is the reference
+        self._baselines: deque[float] = deque(maxlen=config.length_surge_baseline_window)
+        # (step, raw length) of the last observations, to locate the onset of a run-up
+        self._raw: deque[tuple[int, float]] = deque(
+            maxlen=config.length_surge_window + config.length_surge_smoothing + config.length_surge_patience
+        )
 
     # ------------------------------------------------------------------------------- interface
     @property
@@ -142,10 +174,14 @@ class SurgeDetector:
         self.last_step = step
         self.num_observations += 1
         self._values.append(length)
+        self._raw.append((step, length))
         smoothed = self.smoothed
         fired_now = None
         if smoothed is not None:
-            reference = self._reference()
+            baseline = self._reference()
+            if baseline is not None:
+                self._baselines.append(baseline)
+            reference = _upper_quartile_or_last(self._baselines) if self._baselines else None
             holds = (
                 self.num_observations >= self.config.length_surge_min_steps
                 and reference is not None
@@ -161,10 +197,23 @@ class SurgeDetector:
                     reference_length=reference,
                     ratio=smoothed / reference,
                     detector=self.name,
+                    onset_step=self._onset(reference),
                 )
                 fired_now = self.event
         self._after(length, smoothed)
         return fired_now
+
+    def _onset(self, reference: float) -> int:
+        """First step of the run of raw lengths above ``reference * ratio ** 0.25`` that ends at
+        (or, if the last value fell back under noise, just before) this observation."""
+        threshold = reference * self.config.length_surge_ratio**0.25
+        raw = list(self._raw)
+        i = len(raw) - 1
+        while i > 0 and raw[i][1] <= threshold:  # S_n >= ratio * R: some recent value is above
+            i -= 1
+        while i > 0 and raw[i - 1][1] > threshold:
+            i -= 1
+        return raw[i][0]
 
     def rearm(self) -> None:
         """Forget the history and the event, so a later surge (relative to the new level) can be
@@ -197,6 +246,8 @@ class SurgeDetector:
             "last_step": self.last_step,
             "streak": self._streak,
             "event": dataclasses.asdict(self.event) if self.event is not None else None,
+            "baselines": list(self._baselines),
+            "raw": [list(x) for x in self._raw],
             **self._extra_state(),
         }
 
@@ -222,13 +273,17 @@ class SurgeDetector:
         self.last_step = state["last_step"]
         self._streak = int(state["streak"])
         self.event = SurgeEvent(**state["event"]) if state["event"] is not None else None
+        self._baselines = deque(state.get("baselines", []), maxlen=self.config.length_surge_baseline_window)
+        self._raw = deque((tuple(x) for x in state.get("raw", [])), maxlen=self._raw.maxlen)
         self._load_extra_state(state)
 
 
 @SURGE_DETECTORS.register("window_ratio")
 class WindowRatioDetector(SurgeDetector):
-    """Fires when the smoothed length reaches ``ratio`` x its lowest smoothed value within the
-    previous ``length_surge_window`` observations (see the module docstring)."""
+    """Fires when the smoothed length ``S_n`` reaches ``ratio`` x ``max(S_{n-W}, upper quartile of
+    S_{n-W-H+1} .. S_{n-W})`` (``W = length_surge_window``, ``H = length_surge_baseline_window``;
+    see the module docstring) on ``length_surge_patience`` consecutive observations: a rise within
+    ``W`` steps above the level held before, which a dip cannot lower."""
 
     name = "window_ratio"
 
@@ -255,7 +310,8 @@ class WindowRatioDetector(SurgeDetector):
 
 @SURGE_DETECTORS.register("ema_jump")
 class EmaJumpDetector(SurgeDetector):
-    """Fires when the smoothed length reaches ``ratio`` x an exponential moving average of the
+    """Fires when the smoothed length reaches ``ratio`` x ``max(E, upper quartile of E over the last
+    length_surge_baseline_window observations)``, ``E`` an exponential moving average of the
     lengths observed before the smoothing window (see the module docstring)."""
 
     name = "ema_jump"
@@ -299,6 +355,13 @@ class EmaJumpDetector(SurgeDetector):
         self._frozen_for = int(state["frozen_for"])
         self._ema = state["ema"]
         self._ema_history = deque(state["ema_history"], maxlen=self.config.length_surge_smoothing)
+
+
+def _upper_quartile_or_last(values: deque[float]) -> float:
+    """``max(values[-1], 75th percentile of values)`` (nearest rank)."""
+    ordered = sorted(values)
+    q = ordered[max(0, math.ceil(0.75 * len(ordered)) - 1)]
+    return max(values[-1], q)
 
 
 def build_surge_detector(config: SurgeConfig) -> SurgeDetector:
