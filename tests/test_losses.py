@@ -419,3 +419,28 @@ def test_config_from_slime_like_namespace():
     cfg = LossConfig.from_namespace(ns)
     assert (cfg.eps_high, cfg.kl_loss_type, cfg.use_opsm, cfg.rollout_temperature) == (0.28, "k1", True, 0.7)
     assert cfg.log_probs_chunk_size == -1 and cfg.grpo_std_normalization is False
+
+
+def test_config_knows_the_builtin_names_without_importing_the_math():
+    """config/loss.py validates names from BUILTIN_NAMES and its registries, never importing core
+    (no config <-> core import cycle); the built-in names must equal what core registers."""
+    import subprocess
+    import sys
+
+    from megatron_mis.config.loss import BUILTIN_NAMES
+    from megatron_mis.core.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_mis.core.kl import KL_ESTIMATORS
+    from megatron_mis.core.losses import POLICY_LOSSES
+
+    assert BUILTIN_NAMES == {
+        "policy_loss": tuple(POLICY_LOSSES.names()),
+        "kl_loss_type": tuple(KL_ESTIMATORS.names()),
+        "advantage_estimator": tuple(ADVANTAGE_ESTIMATORS.names()),
+    }
+    code = (
+        "import sys\nfrom megatron_mis.config.loss import LossConfig\n"
+        "LossConfig(policy_loss='reinforce', kl_loss_type='low_var_kl', advantage_estimator='rloo')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('megatron_mis.core')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

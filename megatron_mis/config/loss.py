@@ -8,19 +8,44 @@ Where slime already has an argument for the same concept the key has slime's nam
 ``log_probs_chunk_size``), so a slime user recognises them. The IS / RS settings are not here:
 they are :class:`megatron_mis.config.mis.MISConfig`'s.
 
-Names of losses, KL estimators and advantage estimators are checked against their registries
-(:mod:`megatron_mis.core.losses`, :mod:`megatron_mis.core.kl`,
-:mod:`megatron_mis.core.advantages`), imported lazily so that importing the config stays cheap.
+Names of losses, KL estimators and advantage estimators are checked against the built-in names
+(:data:`BUILTIN_NAMES`) and against the registries defined here (:data:`POLICY_LOSSES`,
+:data:`KL_ESTIMATORS`, :data:`ADVANTAGE_ESTIMATORS`), into which :mod:`megatron_mis.core.losses`,
+:mod:`megatron_mis.core.kl` and :mod:`megatron_mis.core.advantages` register their functions (and
+user code its own). This module never imports the math, so a config can be built and validated
+without it; ``tests/test_losses.py`` checks that the built-in names equal what core registers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_mis.config.base import ConfigBase, doc
+from megatron_mis.registry import Registry, suggest
 
-__all__ = ["LossConfig", "AggregationMode"]
+__all__ = [
+    "LossConfig",
+    "AggregationMode",
+    "ADVANTAGE_ESTIMATORS",
+    "BUILTIN_NAMES",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+]
+
+#: Policy losses (``megatron_mis.core.losses`` registers :class:`PolicyLoss` objects).
+POLICY_LOSSES: Registry[Any] = Registry("policy loss")
+#: KL estimators (``megatron_mis.core.kl`` registers the functions).
+KL_ESTIMATORS: Registry[Any] = Registry("KL estimator")
+#: Advantage estimators (``megatron_mis.core.advantages`` registers the functions).
+ADVANTAGE_ESTIMATORS: Registry[Any] = Registry("advantage estimator")
+
+#: The names core registers, so that a config is validated without importing the math.
+BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
+    "policy_loss": ("bypass_ppo", "decoupled_ppo", "ppo", "reinforce"),
+    "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
+    "advantage_estimator": ("grpo", "reinforce_baseline", "rloo"),
+}
 
 AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
@@ -176,11 +201,7 @@ class LossConfig(ConfigBase):
 
 
 def _registry_problems(cfg: LossConfig) -> list[str]:
-    """Unknown registry names, one sentence each (the registries list the valid names)."""
-    from megatron_mis.core.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_mis.core.kl import KL_ESTIMATORS
-    from megatron_mis.core.losses import POLICY_LOSSES
-
+    """Unknown names, one sentence each, listing the valid names (built-in and registered)."""
     problems = []
     for field, registry in (
         ("policy_loss", POLICY_LOSSES),
@@ -188,9 +209,9 @@ def _registry_problems(cfg: LossConfig) -> list[str]:
         ("advantage_estimator", ADVANTAGE_ESTIMATORS),
     ):
         name = getattr(cfg, field)
-        if name not in registry:
-            try:
-                registry.get(name)
-            except KeyError as exc:
-                problems.append(f"{field}={name!r}: {exc}")
+        valid = sorted(set(BUILTIN_NAMES[field]) | set(registry.names()))
+        if name not in valid:
+            problems.append(
+                f"{field}={name!r}: unknown {registry.kind} {name!r}{suggest(str(name), valid)}; valid: {', '.join(valid)}"
+            )
     return problems

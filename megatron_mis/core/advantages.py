@@ -40,6 +40,7 @@ from typing import Literal
 
 import torch
 
+from megatron_mis.config.loss import ADVANTAGE_ESTIMATORS as _ADV_REGISTRY
 from megatron_mis.registry import Registry
 
 __all__ = [
@@ -55,7 +56,8 @@ __all__ = [
 #: ``(advantages [N], degenerate [G] bool)``; invalid sequences must get 0.
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+#: Defined with the config (names only there); the estimators register here.
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = _ADV_REGISTRY
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_mis.config.loss import KL_ESTIMATORS as _KL_REGISTRY
 from megatron_mis.registry import Registry
 
 __all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_estimate_terms", "KLEstimator", "KLTerms", "LOW_VAR_KL_CLAMP"]
@@ -64,7 +65,8 @@ class KLTerms(NamedTuple):
 #: :class:`KLTerms` (or, for user estimators without a clamp, a ``[T]`` tensor).
 KLEstimator = Callable[[torch.Tensor, torch.Tensor, float], "KLTerms | torch.Tensor"]
 
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+#: The registry is defined with the config (names only there); the estimators register here.
+KL_ESTIMATORS: Registry[KLEstimator] = _KL_REGISTRY
 
 #: ``low_var_kl`` clamps the k3 estimate to ``[-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP]`` (as verl).
 LOW_VAR_KL_CLAMP = 10.0

@@ -41,6 +41,7 @@ from typing import Literal
 
 import torch
 
+from megatron_mis.config.loss import POLICY_LOSSES as _POLICY_REGISTRY
 from megatron_mis.config.loss import LossConfig
 from megatron_mis.core.aggregation import Denominators, aggregate, denominator_mask, segment_ids, segment_sum
 from megatron_mis.core.kl import kl_estimate
@@ -104,7 +105,8 @@ class PolicyLoss:
     description: str
 
 
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+#: Defined with the config (names only there); the policy losses register here.
+POLICY_LOSSES: Registry[PolicyLoss] = _POLICY_REGISTRY
 
 
 def ppo_clip_terms(

@@ -21,9 +21,16 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from megatron_mis.config.base import ConfigBase, ConfigError, doc, load_yaml_mapping
+from megatron_mis.registry import Registry, suggest
+
+#: Name -> surge-detector class. Defined here so that the config validates names without
+#: importing the detectors; :mod:`megatron_mis.monitor.surge` registers the built-in ones (the
+#: package ``megatron_mis.monitor`` imports it, so they are present whenever this module is).
+SURGE_DETECTORS: Registry[Any] = Registry("length surge detector")
 
 __all__ = [
     "SCHEDULE_KEYS",
+    "SURGE_DETECTORS",
     "LengthDecayConfig",
     "MonitorConfig",
     "ScheduleConfigs",
@@ -88,9 +95,6 @@ class SurgeConfig(ConfigBase):
     )
 
     def _check(self) -> list[str]:
-        from megatron_mis.monitor.surge import SURGE_DETECTORS
-        from megatron_mis.registry import suggest
-
         problems = []
         if self.length_surge_detector not in SURGE_DETECTORS:
             names = SURGE_DETECTORS.names()

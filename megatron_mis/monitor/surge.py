@@ -70,6 +70,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from megatron_mis.monitor.config import SURGE_DETECTORS as _SURGE_REGISTRY
 from megatron_mis.monitor.config import SurgeConfig
 from megatron_mis.registry import Registry
 
@@ -82,8 +83,9 @@ __all__ = [
     "build_surge_detector",
 ]
 
-#: Name -> detector class; every class takes a :class:`SurgeConfig`.
-SURGE_DETECTORS: Registry[type["SurgeDetector"]] = Registry("length surge detector")
+#: Name -> detector class; every class takes a :class:`SurgeConfig`. (The registry object is
+#: defined with the config, which checks names without importing this module.)
+SURGE_DETECTORS: Registry[type["SurgeDetector"]] = _SURGE_REGISTRY
 
 
 @dataclass(frozen=True, slots=True)
