@@ -54,8 +54,8 @@ class SurgeConfig(ConfigBase):
     length_surge_detector: str = doc(
         "window_ratio",
         "Registered detector name. window_ratio: the smoothed length reached ratio x the smoothed "
-        "length length_surge_window observations earlier (seed 002's 'triples within a few "
-        "steps'). ema_jump: the smoothed length reached ratio x a slow exponential moving average "
+        "length length_surge_window observations earlier, or x the upper quartile of the earlier "
+        "such values (seed 002's 'triples within a few steps'). ema_jump: the smoothed length reached ratio x a slow exponential moving average "
         "of the lengths before the smoothing window (frozen during a rise, see docs).",
     )
     length_surge_ratio: float = doc(
