@@ -160,3 +160,36 @@ def test_statistics_are_float64():
     torch.testing.assert_close(res.advantages, torch.tensor([-0.375, -0.125, 0.125, 0.375]), rtol=0, atol=0)
     res = compute_advantages(r, group_size=4, estimator="rloo")
     torch.testing.assert_close(res.advantages, torch.tensor([-0.5, -1 / 6, 1 / 6, 0.5]), rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rewards=[1.0, 2.0], group_size=2), r"rewards must be a torch.Tensor, got list"),
+        (dict(rewards=torch.ones(2), group_size=2, valid=[True, True]), r"valid must be a torch.Tensor or None, got list"),
+        (dict(rewards=torch.ones(2), group_ids=[0, 0]), r"group_ids must be a torch.Tensor or None, got list"),
+        (dict(rewards=torch.ones(2), group_size=True), r"group_size must be an int >= 1, got True"),
+        (dict(rewards=torch.ones(2), group_size=2.0), r"group_size must be an int >= 1, got 2.0"),
+        (dict(rewards=torch.ones(2, dtype=torch.bool), group_size=2), r"rewards must be a real-valued tensor"),
+    ],
+)
+def test_bad_argument_types_name_the_parameter(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        compute_advantages(**kwargs)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1.0, float("inf"), "1e-6"])
+def test_grpo_eps_must_be_a_finite_non_negative_number(eps):
+    with pytest.raises(ValueError, match=r"grpo_std_eps=.* must be a finite number >= 0"):
+        compute_advantages(torch.tensor([1.0, 2.0]), group_size=2, grpo_std_eps=eps)
+
+
+def test_huge_rewards_give_finite_advantages_or_a_clear_error():
+    # float64 statistics: an enormous but representable spread is normalised exactly.
+    res = compute_advantages(torch.tensor([1e30, 2e30]), group_size=2)
+    assert res.advantages.tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], rel=1e-6)
+    tied = compute_advantages(torch.tensor([3e38, 3e38]), group_size=2)
+    assert tied.advantages.tolist() == [0.0, 0.0] and tied.num_tied_groups == 1
+    # RLOO's r - mean(others) = 6e38 does not fit float32: a clear error naming the rewards.
+    with pytest.raises(ValueError, match=r"rewards span .* do not fit float32"):
+        compute_advantages(torch.tensor([3e38, -3e38]), group_size=2, estimator="rloo")

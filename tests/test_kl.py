@@ -178,9 +178,8 @@ def test_every_token_gets_the_true_gradient_or_zero(kind):
     (grad,) = torch.autograd.grad(out.sum(), x)
     true = _per_token_true_grad(kind, lp, ref, old)
     k3 = torch.expm1(ref - lp) - (ref - lp)
-    cut = (lp - old).abs() > 20
-    if kind in ("k3", "low_var_kl"):
-        cut |= (ref - lp).abs() > 20
+    # every estimator clamps its log-ratio log pi_theta - log pi_ref to +-20 (k1 and k2 too)
+    cut = ((lp - old).abs() > 20) | ((ref - lp).abs() > 20)
     if kind == "low_var_kl":
         cut |= k3.abs() > 10
     assert 50 < int(cut.sum()) < n - 50  # the clamps are really active on many tokens
@@ -217,3 +216,42 @@ def test_unbiased_kl_gradient_with_active_clamps_by_enumeration(seed, kind):
     keep = (~cut).to(torch.float64)
     (want,) = torch.autograd.grad((keep * lp_d.exp() * (lp_d - log_ref) * log_pi).sum(), theta)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2"])
+def test_k1_k2_log_ratio_is_clamped_finite_and_zero_gradient_there(kind):
+    lp = torch.tensor([0.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1e20, -1.5])
+    out = kl_estimate(lp, ref, kind, log_ratio_bound=20.0)
+    assert torch.isfinite(out).all()
+    # token 0: log r = 1e20 clamped to 20 -> k1 = 20, k2 = 200; token 1: log r = 0.5
+    expected = [20.0, 0.5] if kind == "k1" else [200.0, 0.125]
+    assert out.tolist() == pytest.approx(expected)
+    (grad,) = torch.autograd.grad(out.sum(), lp)
+    assert grad[0].item() == 0.0  # the clamp decided the value: no gradient
+    assert grad[1].item() == pytest.approx(1.0 if kind == "k1" else 0.5)
+
+
+@pytest.mark.parametrize("bound", [float("nan"), float("inf"), -1.0, 0.0, 81.0, "20", True, None])
+def test_log_ratio_bound_must_be_a_number_in_range(bound):
+    lp, ref = torch.zeros(2), torch.zeros(2)
+    with pytest.raises(ValueError, match=r"log_ratio_bound=.* must be a number in \(0, 80\]"):
+        kl_estimate(lp, ref, "k3", log_ratio_bound=bound)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(ref_log_probs=[0.0, 0.0]), r"ref_log_probs must be a torch.Tensor, got list"),
+        (dict(ref_log_probs=None), r"ref_log_probs must be a torch.Tensor, got NoneType"),
+        (dict(log_probs=(0.0, 0.0)), r"log_probs must be a torch.Tensor, got tuple"),
+        (dict(log_probs=torch.zeros(2, dtype=torch.long)), r"log_probs must be a floating-point tensor.*int64"),
+        (dict(old_log_probs=[0.0, 0.0], unbiased=True), r"old_log_probs must be a torch.Tensor or None, got list"),
+    ],
+)
+def test_bad_arguments_name_the_parameter(kwargs, match):
+    args = dict(log_probs=torch.zeros(2), ref_log_probs=torch.zeros(2))
+    args.update(kwargs)
+    lp, ref = args.pop("log_probs"), args.pop("ref_log_probs")
+    with pytest.raises(TypeError, match=match):
+        kl_estimate(lp, ref, "k3", **args)

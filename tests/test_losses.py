@@ -444,3 +444,46 @@ def test_config_knows_the_builtin_names_without_importing_the_math():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------- bad input names the parameter
+@pytest.mark.parametrize(
+    "override, exc, match",
+    [
+        (dict(cfg=None), TypeError, r"config must be a LossConfig, got NoneType"),
+        (dict(cfg={"policy_loss": "ppo"}), TypeError, r"config must be a LossConfig, got dict"),
+        (dict(den=5), TypeError, r"denominators must be a Denominators.*got int"),
+        (dict(den=(1.0, 1.0)), TypeError, r"denominators must be a Denominators.*got tuple"),
+        (dict(cu=[0, 5]), TypeError, r"cu_seqlens must be an integer torch.Tensor.*list"),
+        (dict(cu=None), TypeError, r"cu_seqlens must be an integer torch.Tensor.*NoneType"),
+        (dict(cu=torch.tensor([0.0, 5.0])), TypeError, r"cu_seqlens must be an integer torch.Tensor.*float32"),
+        (dict(cu=torch.tensor([], dtype=torch.long)), ValueError, r"cu_seqlens must be \[N\+1\]"),
+        (dict(advantages=[1.0] * 5), TypeError, r"advantages must be a torch.Tensor, got list"),
+    ],
+)
+def test_rl_loss_bad_arguments_are_named(override, exc, match):
+    args = dict(cfg=CFG, den=DEN, cu=CU, advantages=ADV)
+    args.update(override)
+    with pytest.raises(exc, match=match):
+        compute_rl_loss(LP, args["advantages"], ONES, args["cu"], args["cfg"], args["den"], old_log_probs=OLD)
+
+
+def test_rl_loss_log_probs_must_be_a_tensor():
+    with pytest.raises(TypeError, match=r"log_probs must be a torch.Tensor, got list"):
+        compute_rl_loss([0.0] * 5, ADV, ONES, CU, CFG, DEN, old_log_probs=OLD)
+
+
+def test_rl_loss_overflow_is_an_error_not_inf():
+    # ratio e^20 (the default ratio_log_bound) times A = -1e30 exceeds float32: a clear error, not inf.
+    lp, old = torch.tensor([0.0]), torch.tensor([-20.0])
+    with pytest.raises(ValueError, match=r"policy loss overflows torch.float32 on 1 token.*\|A\| = 1e\+30.*ratio_log_bound"):
+        compute_rl_loss(lp, torch.tensor([-1e30]), torch.ones(1), torch.tensor([0, 1]), CFG, Denominators(1, 1), old_log_probs=old)
+    # The same advantage on a token outside the loss mask is not an input to the loss: no error.
+    out = compute_rl_loss(
+        lp, torch.tensor([-1e30]), torch.zeros(1), torch.tensor([0, 1]), CFG, Denominators(1, 1), old_log_probs=old
+    )
+    assert torch.isfinite(out.loss)
+    # Large but representable: r = e^20 > 1 + eps_high and A > 0, so the clipped branch wins:
+    # max(-e^20 * A, -1.28 * A) = -1.28e20, finite.
+    out = compute_rl_loss(lp, torch.tensor([1e20]), torch.ones(1), torch.tensor([0, 1]), CFG, Denominators(1, 1), old_log_probs=old)
+    assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(-1.28e20, rel=1e-6)

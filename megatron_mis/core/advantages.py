@@ -33,6 +33,7 @@ Pure torch; nothing here imports Megatron or torch.distributed.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,6 +223,19 @@ def compute_advantages(
             non-finite reward with ``nonfinite_policy="error"``.
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    for name, value, optional in (("rewards", rewards, False), ("group_ids", group_ids, True), ("valid", valid, True)):
+        if not (isinstance(value, torch.Tensor) or (optional and value is None)):
+            raise TypeError(
+                f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(value).__name__}"
+            )
+    if rewards.dtype == torch.bool or rewards.is_complex():
+        raise TypeError(f"rewards must be a real-valued tensor, got dtype {rewards.dtype}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise TypeError(f"group_size must be an int >= 1, got {group_size!r} ({type(group_size).__name__})")
+    if isinstance(grpo_std_eps, bool) or not isinstance(grpo_std_eps, (int, float)) or not (
+        math.isfinite(grpo_std_eps) and grpo_std_eps >= 0
+    ):
+        raise ValueError(f"grpo_std_eps={grpo_std_eps!r} must be a finite number >= 0")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     n = rewards.shape[0]
@@ -263,15 +277,17 @@ def compute_advantages(
     _, group = torch.unique(group_ids.detach().cpu(), return_inverse=True)
     num_groups = int(group.max()) + 1 if n else 0
     adv, degenerate = fn(r, group, used, num_groups, std_normalization=grpo_std_normalization, eps=grpo_std_eps)
-    if not bool(torch.isfinite(adv).all()):
+    adv32 = adv.to(torch.float32)
+    if not bool(torch.isfinite(adv32).all()):
         raise ValueError(
-            f"advantages are not finite: the rewards span {float(r[used].min()) if bool(used.any()) else 0.0!r} .. "
-            f"{float(r[used].max()) if bool(used.any()) else 0.0!r}, beyond what float64 group statistics can hold"
+            f"rewards span {float(r[used].min()) if bool(used.any()) else 0.0!r} .. "
+            f"{float(r[used].max()) if bool(used.any()) else 0.0!r}: their advantages do not fit float32 "
+            "(rewards must differ within a group by less than about 3.4e38)"
         )
     stats = _GroupStats(r, group, used, num_groups)
     tied = stats.tied & (stats.count >= 2)
     return AdvantageResult(
-        advantages=adv.to(device=device, dtype=torch.float32),
+        advantages=adv32.to(device=device),
         valid=used.to(device),
         num_excluded_sequences=int((~used).sum()),
         num_nonfinite_rewards=num_nonfinite,

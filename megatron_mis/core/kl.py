@@ -3,9 +3,9 @@
 With ``log r = log pi_theta(y) - log pi_ref(y)`` for a sampled token ``y``
 (http://joschu.net/blog/kl-approx.html, names as in slime's ``--kl-loss-type``):
 
-- ``k1``: ``log r``; unbiased for KL(pi_theta || pi_ref) under samples from pi_theta, high variance,
+- ``k1``: ``log r`` (clamped to ``+-log_ratio_bound`` like every log-ratio here); unbiased for KL(pi_theta || pi_ref) under samples from pi_theta, high variance,
   can be negative;
-- ``k2``: ``(log r)^2 / 2``; biased, low variance;
+- ``k2``: ``(log r)^2 / 2`` (``log r`` clamped likewise); biased, low variance;
 - ``k3``: ``q - 1 - log q`` with ``q = pi_ref / pi_theta``; unbiased, non-negative;
 - ``low_var_kl``: ``k3`` clamped to ``[-10, 10]`` (verl's name).
 
@@ -17,7 +17,7 @@ policy), the ratio *not* detached: then ``E_{y~pi_old}[pi_theta/pi_old * k(y)] =
 E_{y~pi_theta}[k(y)]`` and its autograd gradient is exactly the gradient of KL(pi_theta || pi_ref)
 for ``k1`` and ``k3`` (``tests/test_kl.py`` checks this by exact enumeration).
 
-Clamps and gradients. Every log-ratio that goes into ``exp`` is clamped to
+Clamps and gradients. Every log-ratio (the one that goes into ``exp``, and k1's and k2's) is clamped to
 ``[-log_ratio_bound, log_ratio_bound]`` first, so nothing overflows, and ``low_var_kl`` clamps its
 value to ``[-10, 10]``. A token on which any of these clamps is active gets **exactly zero
 gradient** from the KL term, with or without the unbiased ratio; every other token gets the exact
@@ -46,7 +46,7 @@ import torch
 from megatron_mis.config.loss import KL_ESTIMATORS as _KL_REGISTRY
 from megatron_mis.registry import Registry
 
-__all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_estimate_terms", "KLEstimator", "KLTerms", "LOW_VAR_KL_CLAMP"]
+__all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_estimate_terms", "KLEstimator", "KLTerms", "LOW_VAR_KL_CLAMP", "MAX_LOG_RATIO_BOUND"]
 
 
 class KLTerms(NamedTuple):
@@ -68,6 +68,9 @@ KLEstimator = Callable[[torch.Tensor, torch.Tensor, float], "KLTerms | torch.Ten
 #: The registry is defined with the config (names only there); the estimators register here.
 KL_ESTIMATORS: Registry[KLEstimator] = _KL_REGISTRY
 
+#: Largest accepted ``log_ratio_bound``: ``exp(80)`` ~ 5.5e34 times a k3 value still fits float32.
+MAX_LOG_RATIO_BOUND = 80.0
+
 #: ``low_var_kl`` clamps the k3 estimate to ``[-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP]`` (as verl).
 LOW_VAR_KL_CLAMP = 10.0
 
@@ -76,16 +79,25 @@ def _no_clamp(values: torch.Tensor) -> KLTerms:
     return KLTerms(values, torch.zeros(values.shape, dtype=torch.bool, device=values.device))
 
 
+def _bounded_log_ratio(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
+    """``log pi_theta - log pi_ref`` clamped to ``+-log_ratio_bound`` and where the clamp is active."""
+    raw = log_probs - ref_log_probs
+    return KLTerms(raw.clamp(-log_ratio_bound, log_ratio_bound), ~(raw.detach().abs() <= log_ratio_bound))
+
+
 @KL_ESTIMATORS.register("k1")
 def k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
-    """``log pi_theta - log pi_ref`` per token; never clamped. Shapes ``[T], [T] -> [T]``."""
-    return _no_clamp(log_probs - ref_log_probs)
+    """``log pi_theta - log pi_ref`` per token, clamped to ``+-log_ratio_bound`` (like every
+    log-ratio here, so the value stays finite for any finite input). Shapes ``[T], [T] -> [T]``."""
+    return _bounded_log_ratio(log_probs, ref_log_probs, log_ratio_bound)
 
 
 @KL_ESTIMATORS.register("k2")
 def k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
-    """``(log pi_theta - log pi_ref)^2 / 2`` per token; never clamped. Shapes ``[T], [T] -> [T]``."""
-    return _no_clamp(0.5 * (log_probs - ref_log_probs).square())
+    """``(log pi_theta - log pi_ref)^2 / 2`` per token, the log-ratio clamped to
+    ``+-log_ratio_bound`` before squaring (finite for any finite input). Shapes ``[T], [T] -> [T]``."""
+    log_r, clamped = _bounded_log_ratio(log_probs, ref_log_probs, log_ratio_bound)
+    return KLTerms(0.5 * log_r.square(), clamped)
 
 
 @KL_ESTIMATORS.register("k3")
@@ -119,6 +131,24 @@ def kl_estimate_terms(
     """:func:`kl_estimate` and the ``[T]`` bool mask of tokens whose gradient was cut to 0 (an
     estimator clamp, or with ``unbiased`` the ratio's ``log_ratio_bound`` clamp)."""
     estimator = KL_ESTIMATORS.get(kind)
+    for name, value, optional in (
+        ("log_probs", log_probs, False),
+        ("ref_log_probs", ref_log_probs, False),
+        ("old_log_probs", old_log_probs, True),
+    ):
+        if not (isinstance(value, torch.Tensor) or (optional and value is None)):
+            raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor) and not value.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor of log-probs, got dtype {value.dtype}")
+    if (
+        isinstance(log_ratio_bound, bool)
+        or not isinstance(log_ratio_bound, (int, float))
+        or not (0.0 < log_ratio_bound <= MAX_LOG_RATIO_BOUND)
+    ):
+        raise ValueError(
+            f"log_ratio_bound={log_ratio_bound!r} must be a number in (0, {MAX_LOG_RATIO_BOUND:g}] "
+            "(exp of it must fit float32)"
+        )
     if log_probs.shape != ref_log_probs.shape:
         raise ValueError(
             f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} must have the same shape"
@@ -173,7 +203,9 @@ def kl_estimate(
 
     Raises:
         KeyError: for an unknown ``kind`` (listing the valid names).
-        ValueError: for mismatched shapes or ``unbiased`` without ``old_log_probs``.
+        TypeError: a log-prob argument that is not a floating-point tensor.
+        ValueError: for mismatched shapes, ``unbiased`` without ``old_log_probs``, or a
+            ``log_ratio_bound`` outside ``(0, 80]``.
     """
     return kl_estimate_terms(
         log_probs,

@@ -34,6 +34,7 @@ Pure torch; nothing here imports Megatron or torch.distributed.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -368,6 +369,18 @@ def compute_rl_loss(
             ``nonfinite_input_policy="error"``.
         KeyError: unknown loss / KL names (listing the valid ones).
     """
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+    if not isinstance(denominators, Denominators):
+        raise TypeError(
+            f"denominators must be a Denominators(num_tokens, num_sequences), got {type(denominators).__name__} "
+            f"{denominators!r:.80}"
+        )
+    if not isinstance(log_probs, torch.Tensor):
+        raise TypeError(f"log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        got = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {got} {cu_seqlens!r:.80}")
     policy = POLICY_LOSSES.get(config.policy_loss)
     if log_probs.dim() != 1:
         raise ValueError(f"log_probs must be 1-D [T], got shape {tuple(log_probs.shape)}")
@@ -383,7 +396,7 @@ def compute_rl_loss(
         ("keep_mask", keep_mask),
     ):
         _check_1d(name, t, n)
-    if cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0:
         raise ValueError(
             f"cu_seqlens must be [N+1] from 0 to the number of tokens ({n}), got {cu_seqlens.tolist()[:8]}"
         )
@@ -463,6 +476,14 @@ def compute_rl_loss(
 
     # ---- policy term
     terms = policy.fn(lp, old, adv, weights, config)
+    overflow = valid & ~torch.isfinite(terms.loss.detach())
+    if bool(overflow.any()):
+        biggest = float(adv[valid].abs().max())
+        raise ValueError(
+            f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}, "
+            f"and ratio * IS weight * A exceeds the float range (ratio up to exp(ratio_log_bound="
+            f"{config.ratio_log_bound}) = {math.exp(config.ratio_log_bound):.3g}); normalise the advantages"
+        )
     pg_mask = valid
     num_opsm_tokens = torch.zeros((), dtype=torch.float32)
     num_opsm_sequences = torch.zeros((), dtype=torch.float32)
