@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_mis.analysis.history import RATIO_EDGES, RowAccumulator, analysis_config, process_batch, replay_monitor
-from megatron_mis.analysis.readers import DumpBatch, DumpError, DumpReader, expand_paths
+from megatron_mis.analysis.readers import DumpBatch, DumpError, DumpReader, DumpSkipped, expand_paths
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core.engine import MISResult
 
@@ -72,6 +72,7 @@ def analyze_history(
     single: list[tuple[MISResult, Any]] = []
     unnumbered = 0
     engine_warnings: list[str] = []
+    skipped: list[DumpError] = []
 
     def sources():
         if sample is not None:
@@ -81,6 +82,9 @@ def analyze_history(
         for path in tqdm(files, desc="analyze", unit="file", disable=not progress or len(files) < 2, leave=False):
             try:
                 batches = reader.read(path)
+            except DumpSkipped as exc:
+                skipped.append(exc)
+                continue
             except DumpError as exc:
                 errors.append(exc)
                 continue
@@ -110,6 +114,7 @@ def analyze_history(
     _, pending_errors = reader.finish()
     errors.extend(pending_errors)
     if not rows:
+        errors.extend(skipped)
         if errors:
             raise errors[0] if len(errors) == 1 else DumpError(
                 errors[0].path, f"{errors[0].detail} (and {len(errors) - 1} more problem(s): no file could be analysed)"
@@ -117,6 +122,11 @@ def analyze_history(
         raise DumpError(", ".join(paths) or "(no path)", "no file to analyse")
     if unnumbered and len(rows) > 1:
         notes.append(f"{unnumbered} batch(es) carry no rollout id; numbered from 0 in file order")
+    if skipped:
+        notes.append(
+            f"{len(skipped)} file(s) without trainer log-probs skipped (pipeline stages other than the last), "
+            f"e.g. {skipped[0].path}"
+        )
     if reader.num_duplicates:
         notes.append(f"{reader.num_duplicates} duplicate sample copies (tensor-parallel ranks) skipped by sample index")
     notes.extend(engine_warnings)

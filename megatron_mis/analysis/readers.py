@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMATS", "DumpBatch", "DumpError", "DumpReader", "detect_format", "expand_paths"]
+__all__ = ["FORMATS", "DumpBatch", "DumpError", "DumpReader", "DumpSkipped", "detect_format", "expand_paths"]
 
 #: Format name -> one-line description (``--format`` choices besides ``auto``).
 FORMATS: dict[str, str] = {
@@ -72,6 +72,11 @@ class DumpError(ValueError):
         self.path = str(path)
         self.detail = message
         super().__init__(f"{path}: {message}")
+
+
+class DumpSkipped(DumpError):
+    """A per-rank file that carries no trainer log-probs by design (a pipeline stage other than
+    the last): skipped with a note, not an error, as long as other files carry them."""
 
 
 @dataclass
@@ -158,14 +163,16 @@ def _load_torch(path: Path, trust_pickle: bool) -> Any:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        if "weights_only" in text or "Unsupported global" in text:
-            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
             raise DumpError(
                 path,
-                f"holds Python objects that torch.load(weights_only=True) refuses ({first}); if you trust "
-                "the file, pass --trust-pickle to unpickle it fully",
+                f"holds a Python object ({found.group(1)}) that torch.load(weights_only=True) refuses; if you "
+                "trust the file, pass --trust-pickle to unpickle it fully",
             ) from None
-        raise DumpError(path, f"not a readable torch.save file (truncated or corrupt?): {text or type(exc).__name__}") from None
+        reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+        detail = reason.group(1).strip() if reason else (text.strip().splitlines() or [type(exc).__name__])[0]
+        raise DumpError(path, f"not a readable torch.save file (truncated or corrupt?): {detail}") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError, ImportError) as exc:
         raise DumpError(
             path, f"not a readable torch.save file (truncated or corrupt?): {type(exc).__name__}: {exc}"
@@ -471,7 +478,13 @@ class DumpReader:
         cols = data["rollout_data"]
         if not isinstance(cols, dict):
             raise DumpError(path, f"field 'rollout_data' must be a dict of per-sample lists, got {type(cols).__name__}")
-        self._no_logprobs_hint(path, "rollout_data", cols)
+        if cols.get("log_probs") is None:
+            raise DumpSkipped(
+                path,
+                "rollout_data has no 'log_probs' (the trainer's log-probs): written by a rank that did not compute "
+                "them (a pipeline stage other than the last), or by a run that skipped the recompute "
+                "(--use-rollout-logprobs); skipped",
+            )
         for key in ("rollout_log_probs", "loss_masks", "response_lengths"):
             if key not in cols:
                 raise DumpError(path, f"rollout_data: missing field {key!r}{_rollout_hint(key)}; found {_keys(cols)}")
