@@ -201,29 +201,25 @@ def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     ax = axes[1, 0]
     buckets = report["buckets"]
     edges = buckets["all"]["edges"]
-    centres = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        lo = max(lo, hi / 10.0) if lo <= 0 else lo
-        centres.append(math.sqrt(lo * hi))
-    labels = [f"[{lo:g}, {hi:g})" for lo, hi in zip(edges[:-1], edges[1:])]
+    xs_b = list(range(len(edges) - 1))
+    labels = [
+        f"[{lo:g}, {hi:g}{']' if i == len(edges) - 2 else ')'}\n{int(c)} tok"
+        for i, (lo, hi, c) in enumerate(zip(edges[:-1], edges[1:], buckets["all"]["num_tokens"]))
+    ]
     for name, style in (("all", "-"), ("first_third", "--"), ("last_third", ":")):
         b = buckets.get(name)
         if not b:
             continue
         y = [float("nan") if v is None or v <= 0 else v for v in b["mean_abs_log_ratio"]]
-        ax.plot(centres, y, style, marker="o", label=f"mean |log r|, {name.replace('_', ' ')} of rollouts")
-    ax.set_xscale("log")
+        ax.plot(xs_b, y, style, marker="o", label=f"mean |log r|, {name.replace('_', ' ')} of rollouts")
     ax.set_yscale("log")
-    ax.set_xlabel("rollout probability of the token (bucket)")
+    ax.set_xlabel("rollout probability of the token (bucket), tokens in the bucket")
     ax.set_ylabel("mean |log pi_train - log pi_rollout|")
-    ax.set_xticks(centres)
-    ax.set_xticklabels(labels, rotation=35, fontsize=7, ha="right")
-    counts = buckets["all"]["num_tokens"]
-    for x, c in zip(centres, counts):
-        ax.annotate(f"{int(c)}", (x, 1), xycoords=("data", "axes fraction"), xytext=(0, -12), textcoords="offset points",
-                    ha="center", fontsize=7, color="gray")
+    ax.set_xticks(xs_b)
+    ax.set_xticklabels(labels, rotation=30, fontsize=7, ha="right")
+    ax.set_xlim(-0.5, len(xs_b) - 0.5)
     ax.legend(fontsize=8)
-    ax.set_title("Mismatch vs rollout probability (seed 001; grey: tokens)")
+    ax.set_title("Mismatch vs rollout probability (seed 001: grows as p -> 0)")
 
     ax = axes[1, 1]
     w = report["weights"]
@@ -241,7 +237,7 @@ def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     ax.legend(fontsize=8)
     ax.set_title("IS-weight distribution (all rollouts)")
 
-    fig.suptitle(f"megatron-mis analyze: {report['num_files_analysed']} file(s), {len(rows)} rollout(s), config {Path(str(report['config'])).name}", fontsize=11)
+    fig.suptitle(f"megatron-mis analyze: {report['num_files_analysed']} file(s), {len(rows)} rollout(s), config {str(report['config']).split(' (')[0]}", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
