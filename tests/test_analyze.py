@@ -169,15 +169,30 @@ def test_row_metrics_equal_the_engine_and_merge_across_files(tmp_path):
         assert split["rows"][0][key] == pytest.approx(whole[key], rel=1e-9), key
 
 
+def test_fully_masked_rollout_gives_null_metrics(tmp_path, capsys):
+    samples = make_samples(2, 4, 0.1)
+    for s in samples:
+        s["mask"].zero_()
+    d = tmp_path / "m"
+    d.mkdir()
+    write_pt(d / "0.pt", samples, rollout_id=0)
+    write_pt(d / "1.pt", make_samples(2, 4, 0.1), rollout_id=1)
+    assert main(["analyze", str(d), "--json", "--no-progress"]) == 0
+    rep = _strict_json(capsys.readouterr().out)
+    row = rep["rows"][0]
+    assert row["num_loss_tokens"] == 0 and row["k3_mean"] is None and row["k3_p99"] is None and row["tv"] is None
+    assert rep["rows"][1]["k3_mean"] > 0 and "metrics" not in rep  # two batches: no single-batch metrics
+
+
 def test_accumulators_stay_bounded():
     samples = make_samples(40, 500, 0.3)
     from megatron_mis.analysis.history import process_batch
 
     row, _ = process_batch(0, "x", [s["train"] for s in samples], [s["rollout"] for s in samples],
                            [s["mask"] for s in samples], [500] * 40, {"config": MISConfig()}, "config")
-    sizes = [v.numel() for v in vars(row).values() if isinstance(v, torch.Tensor)] if hasattr(row, "__dict__") else []
-    sizes += [getattr(row, f).numel() for f in RowAccumulator.__dataclass_fields__ if isinstance(getattr(row, f), torch.Tensor)]
-    assert max(sizes) <= 200 and len(row.k3_hist.counts) <= 2600  # not 20,000 tokens
+    sizes = [getattr(row, f).numel() for f in RowAccumulator.__dataclass_fields__ if isinstance(getattr(row, f), torch.Tensor)]
+    assert sizes and max(sizes) <= 200  # histograms and bucket sums, not the 20,000 tokens
+    assert row.k3_hist.total == 40 * 499 and len(row.k3_hist.counts) < 1500
 
 
 # ------------------------------------------------------------------------------ what-if

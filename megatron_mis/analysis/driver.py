@@ -69,7 +69,8 @@ def analyze_history(
     reader = DumpReader(format, trust_pickle=trust_pickle)
     rows: dict[int, RowAccumulator] = {}
     analysed: list[str] = []
-    single: list[tuple[MISResult, Any]] = []
+    single: list[tuple[MISResult, Any]] = []  # kept only while one batch has been seen
+    num_batches = 0
     unnumbered = 0
     engine_warnings: list[str] = []
     skipped: list[DumpError] = []
@@ -105,8 +106,11 @@ def analyze_history(
                 )
                 result.scalars()  # emits the engine's non-finite warning, once
             engine_warnings.extend(f"{batch.source}: {w.message}" for w in caught)
-            if len(single) < 2:
+            num_batches += 1
+            if num_batches == 1:
                 single.append((result, batch))
+            else:
+                single.clear()  # several batches: no single-batch report; hold no token tensors
             if rid in rows:
                 rows[rid].merge(row)
             else:
@@ -200,7 +204,7 @@ def analyze_history(
         "notes": notes,
         "k3_p99_note": "p99 from a log-spaced histogram (100 bins per decade): within 1.2% of the exact quantile",
     }
-    only = single[0] if len(single) == 1 and len(analysed) == 1 else None
+    only = single[0] if single and len(analysed) == 1 else None
     if only is not None:
         report["metrics"] = only[0].scalars()
         report["bucket_table"] = {k: v.tolist() for k, v in only[0].bucket_table.items()}
