@@ -414,7 +414,7 @@ def test_directory_with_bad_and_mixed_files_analyses_the_rest(tmp_path, capsys):
 def test_forced_format_mismatch_is_clear(tmp_path, capsys):
     path = write_pt(tmp_path / "mine.pt", make_samples(2, 3, 0.1))
     assert main(["analyze", str(path), "--format", "slime", "--no-progress"]) == 2
-    assert "field 'format_version' is None" in capsys.readouterr().err
+    assert "mine.pt: missing top-level field 'format_version'" in capsys.readouterr().err
 
 
 def test_builtin_sample_history_and_png(tmp_path, capsys):

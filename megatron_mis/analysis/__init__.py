@@ -13,7 +13,7 @@ See ``docs/analyze.md``.
 
 from megatron_mis.analysis.driver import HistoryResult, analyze_history
 from megatron_mis.analysis.readers import FORMATS, DumpBatch, DumpError, DumpReader, detect_format, expand_paths
-from megatron_mis.analysis.report import format_history, json_safe, plot_history, to_json
+from megatron_mis.analysis.report import format_compare, format_history, json_safe, plot_history, to_json
 from megatron_mis.analysis.sample import builtin_sample
 from megatron_mis.analysis.single import LogProbSamples, analyze, format_report, load_samples
 
@@ -29,6 +29,7 @@ __all__ = [
     "builtin_sample",
     "detect_format",
     "expand_paths",
+    "format_compare",
     "format_history",
     "format_report",
     "json_safe",

@@ -59,8 +59,9 @@ class LogHistogram:
         self.total = 0
 
     def add(self, values: torch.Tensor) -> None:
-        """Add ``[n]`` finite values >= 0."""
+        """Add ``[n]`` values >= 0 (non-finite ones are ignored: they carry no quantile)."""
         values = values.to(torch.float64).reshape(-1)
+        values = values[torch.isfinite(values)]
         if values.numel() == 0:
             return
         positive = values[values > 0]

@@ -41,7 +41,6 @@ import json
 import math
 import pickle
 import re
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,22 +172,25 @@ def _load_torch(path: Path, trust_pickle: bool) -> Any:
         reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
         detail = reason.group(1).strip() if reason else (text.strip().splitlines() or [type(exc).__name__])[0]
         raise DumpError(path, f"not a readable torch.save file (truncated or corrupt?): {detail}") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError, ImportError) as exc:
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on corrupt input (IndexError, ...)
         raise DumpError(
             path, f"not a readable torch.save file (truncated or corrupt?): {type(exc).__name__}: {exc}"
         ) from None
 
 
-def detect_format(path: Path, data: Any = None) -> str:
+_NOT_LOADED = object()
+
+
+def detect_format(path: Path, data: Any = _NOT_LOADED) -> str:
     """The format of ``path`` (``data``: its loaded content for torch files).
 
     Raises:
         DumpError: for verl's text-only rollout dumps and for dicts no reader knows.
     """
-    if data is None:
+    if data is _NOT_LOADED:
         if _is_json_file(path):
             return "jsonl"
-        raise DumpError(path, "cannot detect the format without loading the file")
+        data = _load_torch(path, trust_pickle=False)
     if not isinstance(data, dict):
         raise DumpError(
             path,
@@ -206,6 +208,12 @@ def detect_format(path: Path, data: Any = None) -> str:
         f"dict with keys {_keys(data)} matches no format: expected 'format_version' + 'samples' (slime), "
         "'rollout_data' (slime-legacy / Miles) or 'train_log_probs' + 'rollout_log_probs' (megatron-mis)",
     )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` on one line, at most ``limit`` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _keys(data: dict) -> str:
@@ -233,7 +241,7 @@ def _vector(
         if at is not None:
             bad = value[at]
             raise DumpError(
-                path, f"{where}: field {name!r} must be a list of numbers, found {bad!r} ({type(bad).__name__}) at position {at}"
+                path, f"{where}: field {name!r} must be a list of numbers, found {_short(bad)} ({type(bad).__name__}) at position {at}"
             )
         t = torch.tensor([float(v) for v in value], dtype=torch.float32)
     else:
@@ -255,7 +263,7 @@ def _int(path: Path, where: str, name: str, value: Any) -> int:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = int(value.item())
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DumpError(path, f"{where}: field {name!r} must be an integer, got {value!r} ({type(value).__name__})")
+        raise DumpError(path, f"{where}: field {name!r} must be an integer, got {_short(value)} ({type(value).__name__})")
     if value < 0:
         raise DumpError(path, f"{where}: field {name!r} must be >= 0, got {value}")
     return value
@@ -314,7 +322,14 @@ class DumpReader:
         data = _load_torch(path, self.trust_pickle)
         kind = detect_format(path, data) if forced == "auto" else forced
         if kind == "slime":
-            version = data.get("format_version") if isinstance(data, dict) else None
+            if not isinstance(data, dict) or "format_version" not in data:
+                raise DumpError(
+                    path,
+                    "missing top-level field 'format_version' (slime's train dump carries format_version 2; per-rank "
+                    f"dumps without it have 'rollout_data': --format slime-legacy); found "
+                    f"{_keys(data) if isinstance(data, dict) else type(data).__name__}",
+                )
+            version = data["format_version"]
             self._check_kind(path, f"slime (format_version {version})", detail=version)
             return self._read_slime(path, data)
         self._check_kind(path, kind)
@@ -342,7 +357,7 @@ class DumpReader:
         if kind.startswith("slime (") and detail not in _SUPPORTED_SLIME_VERSIONS:
             raise DumpError(
                 path,
-                f"field 'format_version' is {detail!r}; this reader knows slime's train-dump format_version "
+                f"field 'format_version' is {_short(detail)}; this reader knows slime's train-dump format_version "
                 f"{', '.join(map(str, _SUPPORTED_SLIME_VERSIONS))} (files without it: --format slime-legacy)",
             )
         if self.kind is None:
@@ -539,7 +554,7 @@ class DumpReader:
 
         layout = data.get("qkv_format", "thd") or "thd"
         if layout not in ("thd", "bshd"):
-            raise DumpError(path, f"field 'qkv_format' is {layout!r}; expected 'thd' or 'bshd'")
+            raise DumpError(path, f"field 'qkv_format' is {_short(layout)}; expected 'thd' or 'bshd'")
         total_in = cols.get("total_lengths")
         if total_in is None:
             raise DumpError(path, "rollout_data: missing field 'total_lengths' (needed to place CP pieces, cp_size > 1)")

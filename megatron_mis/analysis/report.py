@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_mis.analysis.single import fmt
 
-__all__ = ["format_history", "to_json", "json_safe", "plot_history"]
+__all__ = ["format_compare", "format_history", "to_json", "json_safe", "plot_history"]
 
 _COLUMNS = (
     ("rollout", "rollout_id", 7),
@@ -100,20 +100,24 @@ def format_history(report: dict[str, Any]) -> str:
     for w in warnings:
         lines.append(f"  rollout {w['rollout_id']}: [{w['kind']}] {w['message']}")
     if report.get("compare"):
-        lines += ["", "What-if: each configuration on the same data (all rollouts)"]
-        head = f"{'config':<24}" + " ".join(f"{name:>{w}}" for name, _, w in _COMPARE_COLUMNS)
-        lines.append(head)
-        lines.append("-" * len(head))
-        for entry in report["compare"]:
-            lines.append(f"{entry['config'][:24]:<24}" + " ".join(_cell(entry.get(key), w) for _, key, w in _COMPARE_COLUMNS))
-        lines.append(
-            "ess = ESS of the kept tokens' final weights; eff_share = (sum w)^2 / (loss tokens x sum w^2) = ess x tok_share."
-        )
+        lines += ["", format_compare(report)]
     if report["errors"]:
         lines += ["", f"Skipped {len(report['errors'])} bad file(s) / sample group(s):"]
         lines += [f"  {e['error']}" for e in report["errors"]]
     if report.get("notes"):
         lines += [""] + [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)
+
+
+def format_compare(report: dict[str, Any]) -> str:
+    """The what-if table: one row per ``--compare`` configuration, over all rollouts."""
+    lines = ["What-if: each configuration on the same data (all rollouts)"]
+    head = f"{'config':<24}" + " ".join(f"{name:>{w}}" for name, _, w in _COMPARE_COLUMNS)
+    lines.append(head)
+    lines.append("-" * len(head))
+    for entry in report["compare"]:
+        lines.append(f"{entry['config'][:24]:<24}" + " ".join(_cell(entry.get(key), w) for _, key, w in _COMPARE_COLUMNS))
+    lines.append("ess = ESS of the kept tokens' final weights; eff_share = (sum w)^2 / (loss tokens x sum w^2) = ess x tok_share.")
     return "\n".join(lines)
 
 

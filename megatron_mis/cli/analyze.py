@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         DumpError,
         analyze_history,
         builtin_sample,
+        format_compare,
         format_history,
         format_report,
         plot_history,
@@ -137,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
         samples = LogProbSamples(batch.train_log_probs, batch.rollout_log_probs, batch.loss_masks, batch.source)
         print(format_report(samples, res, res.config, source))
         if report["compare"]:
-            text = format_history(report)
-            print("\n" + text[text.index("What-if"):].split("\n\nSkipped")[0].split("\n\nnote:")[0])
+            print("\n" + format_compare(report))
     else:
         print(format_history(report))
     return 1 if report["errors"] else 0
