@@ -16,7 +16,8 @@ from megatron_mis.analysis import DumpError, analyze_history, to_json
 from megatron_mis.config import MISConfig
 
 _KEYS = ["train_log_probs", "rollout_log_probs", "loss_mask", "loss_masks", "rollout_id", "step", "input", "output",
-         "format_version", "samples", "rollout_data", "response_lengths", "log_probs", "cp_size", "cp_rank"]
+         "format_version", "samples", "rollout_data", "response_lengths", "log_probs", "cp_size", "cp_rank",
+         "sample_indices", "qkv_format", "total_lengths"]
 
 _floats = st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from([-3e38, 3e38, -1e-45, 0.0, -0.5])
 _scalars = st.none() | st.booleans() | st.integers(-3, 2**70) | _floats | st.text(max_size=3)
@@ -84,7 +85,9 @@ def _near_valid(draw):
                 "total_lengths": [length + 3 for length in lengths], "sample_indices": list(range(n))}
         payload = {"rollout_id": 2, "rank": 0, "rollout_data": cols}
         if kind == "miles":
-            payload.update({"cp_rank": 0, "cp_size": 1, "qkv_format": "thd"})
+            cp_size = draw(st.sampled_from([1, 1, 2]))
+            payload.update({"cp_rank": draw(st.integers(0, cp_size - 1)), "cp_size": cp_size,
+                            "qkv_format": draw(st.sampled_from(["thd", "bshd"]))})
         target = cols if draw(st.booleans()) else payload
     if draw(st.booleans()):
         key = draw(st.sampled_from(sorted(target)))

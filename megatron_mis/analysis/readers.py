@@ -269,6 +269,17 @@ def _int(path: Path, where: str, name: str, value: Any) -> int:
     return value
 
 
+def _index(path: Path, where: str, value: Any) -> int | None:
+    """A sample index (``sample_indices`` entry): an int, or ``None`` when the host had none."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DumpError(path, f"{where}: field 'sample_indices' entries must be integers or None, got {_short(value)}")
+    return value
+
+
 def _column(path: Path, columns: dict, name: str, n: int, where: str = "rollout_data") -> list:
     value = columns[name]
     if isinstance(value, torch.Tensor) and value.dim() >= 1:
@@ -354,7 +365,9 @@ class DumpReader:
 
     # ------------------------------------------------------------------------------- helpers
     def _check_kind(self, path: Path, kind: str, detail: Any = None) -> None:
-        if kind.startswith("slime (") and detail not in _SUPPORTED_SLIME_VERSIONS:
+        if kind.startswith("slime (") and not (
+            isinstance(detail, int) and not isinstance(detail, bool) and detail in _SUPPORTED_SLIME_VERSIONS
+        ):
             raise DumpError(
                 path,
                 f"field 'format_version' is {_short(detail)}; this reader knows slime's train-dump format_version "
@@ -512,7 +525,11 @@ class DumpReader:
         rollout_in = _column(path, cols, "rollout_log_probs", n)
         masks_in = _column(path, cols, "loss_masks", n)
         indices = cols.get("sample_indices")
-        indices = _column(path, cols, "sample_indices", n) if indices is not None else [None] * n
+        indices = (
+            [_index(path, f"sample {i}", v) for i, v in enumerate(_column(path, cols, "sample_indices", n))]
+            if indices is not None
+            else [None] * n
+        )
         cp_size, cp_rank = 1, 0
         if kind == "miles":
             cp_size = _int(path, "top level", "cp_size", data.get("cp_size", 1))
@@ -552,8 +569,9 @@ class DumpReader:
     def _collect_cp(self, path, data, rid, cols, lengths, train_in, rollout_in, masks_in, indices, cp_size, cp_rank):
         from megatron_mis.parallel.layout import local_response_layout
 
-        layout = data.get("qkv_format", "thd") or "thd"
-        if layout not in ("thd", "bshd"):
+        layout = data.get("qkv_format")
+        layout = "thd" if layout is None else layout
+        if not isinstance(layout, str) or layout not in ("thd", "bshd"):
             raise DumpError(path, f"field 'qkv_format' is {_short(layout)}; expected 'thd' or 'bshd'")
         total_in = cols.get("total_lengths")
         if total_in is None:
