@@ -59,10 +59,11 @@ def test_analyze_bad_files(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"rollout_log_probs": [-1.0]}\n')
     assert main(["analyze", str(path)]) == 2
-    assert "missing key(s) ['train_log_probs']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "bad.jsonl: line 1: missing field(s) ['train_log_probs']" in err
     path.write_text('{"rollout_log_probs": [-1.0, -2.0], "train_log_probs": [-1.0]}\n')
     assert main(["analyze", str(path)]) == 2
-    assert "sample 0" in capsys.readouterr().err
+    assert "line 1: field 'rollout_log_probs' has 2 values, expected len(train_log_probs)=1" in capsys.readouterr().err
 
 
 def test_validate_combined_host_yaml(tmp_path, capsys):
