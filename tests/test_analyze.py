@@ -246,11 +246,12 @@ def test_history_table_with_known_surge(tmp_path, capsys):
     assert rep["rows"][0]["response_length"] == 100 and rep["rows"][30]["response_length"] == 400
     # Hand-derived with the default window_ratio detector (smoothing 3, patience 2, ratio 2, window 10):
     # smoothed length at rollout 25 is (100+100+400)/3 = 200 = 2 x the reference 100 (1st hit), at 26
-    # it is 300 (2nd hit): fires at rollout 26 = step 27; T = round(1.8 x 27) = 49; anchor 'start'
-    # halves first at step 49 = rollout 48.
+    # it is 300 (2nd hit): fires at rollout 26 = step 27. The run-up began at rollout 25 = step 26 (the
+    # onset), so T = round(1.8 x 26) = 47; anchor 'start' halves first at step 47 = rollout 46.
     surge = rep["surge"]
     assert surge["fired"] and surge["rollout_id"] == 26 and surge["step"] == 27
-    assert surge["decay_period"] == 49 and surge["first_decay_step"] == 49 and surge["first_decay_rollout_id"] == 48
+    assert surge["onset_step"] == 26 and surge["onset_rollout_id"] == 25
+    assert surge["decay_period"] == 47 and surge["first_decay_step"] == 47 and surge["first_decay_rollout_id"] == 46
     kinds = {(w["kind"], w["metric"]) for w in rep["monitor"]["warnings"]}
     assert ("length_surge", "response_length") in kinds
     assert ("trend", "mis_k3_kl") in kinds
@@ -260,8 +261,8 @@ def test_history_table_with_known_surge(tmp_path, capsys):
 
     assert main(["analyze", str(d / "train_*.pt"), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "Length surge (window_ratio): fired at rollout 26 (step 27)" in out
-    assert "first halving at step 49" in out and "[trend]" in out
+    assert "Length surge (window_ratio): fired at rollout 26 (step 27; run-up from rollout 25)" in out
+    assert "first halving at step 47" in out and "[trend]" in out
     assert out.count("\n") > 40
 
 

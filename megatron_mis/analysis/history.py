@@ -398,6 +398,8 @@ def replay_monitor(rows: list[dict[str, Any]], monitor_config, surge_config, dec
             {
                 "step": event.step,
                 "rollout_id": event.step - 1,
+                "onset_step": event.onset_step,
+                "onset_rollout_id": None if event.onset_step is None else event.onset_step - 1,
                 "smoothed_length": event.smoothed_length,
                 "reference_length": event.reference_length,
                 "ratio": event.ratio,

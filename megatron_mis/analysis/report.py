@@ -89,7 +89,8 @@ def format_history(report: dict[str, Any]) -> str:
                 f" (rollout {surge['first_decay_rollout_id']})"
             )
         lines.append(
-            f"Length surge ({surge['detector']}): fired at rollout {surge['rollout_id']} (step {surge['step']}): "
+            f"Length surge ({surge['detector']}): fired at rollout {surge['rollout_id']} (step {surge['step']}; "
+            f"run-up from rollout {surge['onset_rollout_id']}): "
             f"smoothed length {surge['smoothed_length']:.1f} = {surge['ratio']:.2f}x reference "
             f"{surge['reference_length']:.1f}{decay}"
         )
