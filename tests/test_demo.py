@@ -157,7 +157,7 @@ def test_bad_flags_are_reported_together(tmp_path, capsys):
 
 
 def test_help_documents_every_flag(capsys):
-    from megatron_mis.demo.config import DemoConfig
+    from megatron_mis.testbed.demo.config import DemoConfig
 
     with pytest.raises(SystemExit):
         main(["demo", "--help"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_mis.config.base import ConfigError
-from megatron_mis.demo.rollout import RolloutConfig, _filter, quantize_int8_per_channel
-from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.testbed.demo.rollout import RolloutConfig, _filter, quantize_int8_per_channel
+from megatron_mis.testbed.models.gpt import GPTSpec
 
 SPEC = GPTSpec(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, max_sequence_length=64)
 EOS = 3
@@ -26,7 +26,7 @@ def _model(tp: int, gated: bool):
     """A GPT with nonzero biases (the default init leaves them 0), identical on every rank."""
     import torch.nn.functional as F
 
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
 
     kwargs = dict(gated_linear_unit=True, activation_func=F.silu) if gated else {}
     model = build_gpt(SPEC, **kwargs)
@@ -46,9 +46,9 @@ def _k3(train: torch.Tensor, rollout: torch.Tensor) -> float:
 def _engine_vs_trainer(tp: int, precisions: list[str], gated: bool, temperature: float):
     from megatron.core import parallel_state as ps
 
-    from megatron_mis.demo.rollout import RolloutEngine, weights_from_megatron
-    from megatron_mis.demo.scoring import trainer_log_probs
-    from megatron_mis.models.packing import pack_sequences
+    from megatron_mis.testbed.demo.rollout import RolloutEngine, weights_from_megatron
+    from megatron_mis.testbed.demo.scoring import trainer_log_probs
+    from megatron_mis.parallel.packing import pack_sequences
     from megatron_mis.testing.distributed import megatron_parallel
 
     out = {}
@@ -106,9 +106,9 @@ def _aligned_vs_trainer(tp: int, micro_batch_size: int | None, gated: bool):
     from megatron.core import parallel_state as ps
 
     from megatron_mis.core.bitwise import compare_log_probs
-    from megatron_mis.demo.rollout import RolloutEngine
-    from megatron_mis.demo.scoring import trainer_log_probs
-    from megatron_mis.models.packing import pack_sequences
+    from megatron_mis.testbed.demo.rollout import RolloutEngine
+    from megatron_mis.testbed.demo.scoring import trainer_log_probs
+    from megatron_mis.parallel.packing import pack_sequences
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=tp, seed=4):
@@ -145,8 +145,8 @@ def test_true_on_policy_is_bitwise_equal_to_trainer(pool2, tp, micro_batch_size,
 
 
 def _unsupported():
-    from megatron_mis.demo.rollout import weights_from_megatron
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.demo.rollout import weights_from_megatron
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=1, seed=1):

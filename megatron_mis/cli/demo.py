@@ -62,7 +62,7 @@ def _help(field: str, docs: dict) -> str:
 
 
 def add_parser(sub) -> None:
-    from megatron_mis.demo.config import QUICK
+    from megatron_mis.testbed.demo.config import QUICK
 
     p = sub.add_parser(
         "demo",
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] =
     """The demo's flags (one per :class:`DemoConfig` field, help from the field docs, no default
     stored unless given) and ``--quick``; ``exclude`` names fields to leave out (the torchrun
     example derives ``dp`` from the world size)."""
-    from megatron_mis.demo.config import QUICK, DemoConfig
+    from megatron_mis.testbed.demo.config import QUICK, DemoConfig
 
     docs = DemoConfig.field_docs()
     for flag, field, extra in _VALUE_FLAGS:
@@ -122,7 +122,7 @@ def build_config(args: argparse.Namespace, **overrides):
     Raises:
         ConfigError: every problem with the flags at once.
     """
-    from megatron_mis.demo.config import QUICK, DemoConfig
+    from megatron_mis.testbed.demo.config import QUICK, DemoConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "run", "quick")}
     base = dict(QUICK) if getattr(args, "quick", False) else {}
@@ -132,11 +132,11 @@ def build_config(args: argparse.Namespace, **overrides):
 def report(cfg, results) -> None:
     """Print the per-run summaries (and the table under ``compare``), write ``report.png`` and
     ``summary.json`` into the run folder (the reporting rank's results of
-    :func:`megatron_mis.demo.train.run_rank`)."""
+    :func:`megatron_mis.testbed.demo.train.run_rank`)."""
     from pathlib import Path
 
-    from megatron_mis.demo.report import format_table, plot_report
-    from megatron_mis.demo.train import summarize
+    from megatron_mis.testbed.demo.report import format_table, plot_report
+    from megatron_mis.testbed.demo.train import summarize
 
     run_dir = Path(cfg.out_dir) / cfg.name
     summaries = {r.label: summarize(r) for r in results}
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
 
-    from megatron_mis.demo.launch import DemoError, launch
+    from megatron_mis.testbed.demo.launch import DemoError, launch
 
     print(describe(cfg), flush=True)
     try:

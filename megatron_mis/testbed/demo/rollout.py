@@ -453,7 +453,7 @@ class _FastModel:
 # ---------------------------------------------------------------------- true-on-policy path
 class _AlignedModel:
     """The trainer's forward, op for op (Megatron-Core GPTModel, local spec with
-    :class:`~megatron_mis.models.attention.SDPACoreAttention`, packed thd, CP = 1), with the
+    :class:`~megatron_mis.testbed.models.attention.SDPACoreAttention`, packed thd, CP = 1), with the
     tensor-parallel shards computed one after the other on this process and the row-parallel
     all-reduce replaced by the same sum."""
 
@@ -539,7 +539,7 @@ class _AlignedModel:
 
     def forward(self, tokens: torch.Tensor, cu: torch.Tensor, max_seqlen: int) -> list[torch.Tensor]:
         """``tokens [1, T]``, GLOBAL padded ``cu [N+1]`` -> per-TP-shard logits ``[1, T, V/tp]``."""
-        from megatron_mis.models.attention import sdpa_packed
+        from megatron_mis.testbed.models.attention import sdpa_packed
 
         a = self.arch
         ng_r = a.num_query_groups // self.tp
@@ -784,7 +784,7 @@ class RolloutEngine:
             if not 0 <= r <= s.numel() - 1:
                 raise ValueError(f"sequence {i}: response_length={r} must lie in [0, {s.numel() - 1}]")
         if cfg.true_on_policy:
-            from megatron_mis.models.packing import pack_sequences
+            from megatron_mis.parallel.packing import pack_sequences
 
             slot = slot_length or max(s.numel() for s in seqs)
             out = []

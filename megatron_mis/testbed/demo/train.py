@@ -4,7 +4,7 @@ Every rank runs :func:`run_rank` with an initialised ``torch.distributed`` proce
 Megatron-Core parallel state (TP x CP x PP x DP) is set up here and every collective runs on one
 of its explicit groups. One RL step:
 
-1. **weight sync**: :func:`megatron_mis.demo.rollout.weights_from_megatron` all-gathers the TP
+1. **weight sync**: :func:`megatron_mis.testbed.demo.rollout.weights_from_megatron` all-gathers the TP
    shards (and the pipeline stages) into the rollout engine, a separate pure-torch inference path;
 2. **rollout**: ``P`` prompts of the digit task, ``G`` samples each, sampled with a KV cache in
    the chosen precision (or through the trainer's kernels with ``true_on_policy``), log-probs
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from megatron_mis.demo.config import DemoConfig
+from megatron_mis.testbed.demo.config import DemoConfig
 
 __all__ = ["ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank", "summarize"]
 
@@ -164,10 +164,10 @@ class GRPOTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
-        from megatron_mis.demo.task import PAD, DigitTask, TaskConfig
+        from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine
+        from megatron_mis.testbed.demo.task import PAD, DigitTask, TaskConfig
         from megatron_mis.integrations.megatron_loss import MegatronRLLoss
-        from megatron_mis.models.gpt import GPTSpec, build_gpt
+        from megatron_mis.testbed.models.gpt import GPTSpec, build_gpt
         from megatron_mis.monitor import (
             LengthDecayConfig,
             LengthDecayParamScheduler,
@@ -251,7 +251,7 @@ class GRPOTrainer:
         self.pad = PAD
 
     def _weights(self):
-        from megatron_mis.demo.rollout import weights_from_megatron
+        from megatron_mis.testbed.demo.rollout import weights_from_megatron
 
         return weights_from_megatron(self.model, tp_group=self.tp_group, pp_group=self.pp_group)
 
@@ -403,7 +403,7 @@ class GRPOTrainer:
         every run of a seed: ``({"greedy_reward", "greedy_exact"}, a few decoded samples)``. Call on
         every rank: the weight sync gathers TP shards / pipeline stages; every rank then computes
         the same numbers."""
-        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
+        from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine
 
         cfg = {**self.rollout_config.to_dict(), "precision": "fp32", "top_k": 1, "true_on_policy": False, "micro_batch_size": None}
         engine = RolloutEngine(self._weights(), RolloutConfig(**cfg))
