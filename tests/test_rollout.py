@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_mis.config.base import ConfigError
-from megatron_mis.testbed.demo.rollout import RolloutConfig, _filter, quantize_int8_per_channel
+from megatron_mis.testbed.demo.rollout import RolloutConfig, _filter, quantize_int4_per_channel, quantize_int8_per_channel
 from megatron_mis.testbed.models.gpt import GPTSpec
 
 SPEC = GPTSpec(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, max_sequence_length=64)
@@ -174,6 +174,15 @@ def test_config_validation():
         warnings.simplefilter("always")
         RolloutConfig(micro_batch_size=4)
     assert any("no effect" in str(x.message) for x in w)
+
+
+def test_int4_quantisation_hand_values():
+    w = torch.tensor([[1.2, -2.0, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize_int4_per_channel(w)
+    assert q.dtype == torch.int8 and scale.tolist() == pytest.approx([2 / 7, 1.0])
+    # 1.2 / (2/7) = 4.2 -> 4; 0.5 / (2/7) = 1.75 -> 2; 0.1 / (2/7) = 0.35 -> 0
+    assert q.tolist() == [[4, -7, 2, 0], [0, 0, 0, 0]]
+    assert int(q.abs().max()) <= 7
 
 
 def test_int8_quantisation_hand_values():

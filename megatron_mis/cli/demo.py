@@ -18,7 +18,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--out-dir", "out_dir", {"metavar": "DIR"}),
     ("--seed", "seed", {"type": int, "metavar": "S"}),
     ("--correction", "correction", {"metavar": "PRESET"}),
-    ("--rollout-precision", "rollout_precision", {"choices": ("fp32", "bf16", "fp16", "int8")}),
+    ("--rollout-precision", "rollout_precision", {"choices": ("fp32", "bf16", "fp16", "int8", "int4")}),
     ("--temperature", "temperature", {"type": float, "metavar": "T"}),
     ("--task", "task", {"choices": ("copy", "reverse", "sort")}),
     ("--min-digits", "min_digits", {"type": int, "metavar": "N"}),
