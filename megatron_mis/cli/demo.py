@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
         epilog=(
             "examples:\n"
             "  megatron-mis demo                                   # token TIS against bf16 rollouts\n"
-            "  megatron-mis demo --compare                         # none vs token_tis, side by side\n"
+            "  megatron-mis demo --compare                         # none vs the study's correction in its setting\n"
+            "  megatron-mis demo --compare --preset bf16           # the same in another study setting\n"
             "  megatron-mis demo --true-on-policy                  # bitwise-equal log-probs, checked every step\n"
             "  megatron-mis demo --rollout-precision int8 --correction seed000_default\n"
             "  megatron-mis demo --tp 2 --steps 20                 # the same run over 2 processes (gloo)\n"
@@ -107,6 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] =
                 flag, dest=field, action="store_const", const=value, default=argparse.SUPPRESS,
                 help=(text or docs[field][2]).replace("%", "%%"),
             )
+    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
+
+    parser.add_argument(
+        "--preset",
+        choices=tuple(SETTINGS),
+        default=None,
+        help="A study setting (task + mismatch source, docs/study.md) as the starting values; explicit flags "
+        f"win. --compare without --preset uses '{DEFAULT_SETTING}' (the setting the study found).",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -123,9 +133,17 @@ def build_config(args: argparse.Namespace, **overrides):
         ConfigError: every problem with the flags at once.
     """
     from megatron_mis.testbed.demo.config import QUICK, DemoConfig
+    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "run", "quick")}
-    base = dict(QUICK) if getattr(args, "quick", False) else {}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "run", "quick", "preset")}
+    preset = getattr(args, "preset", None)
+    if preset is None and {**given, **overrides}.get("compare"):
+        preset = DEFAULT_SETTING
+    base = dict(SETTINGS[preset].demo_values()) if preset else {}
+    if {**given, **overrides}.get("true_on_policy"):
+        base.pop("rollout_precision", None)  # true on-policy is its own (fp32) rollout path
+    if getattr(args, "quick", False):
+        base.update(QUICK)
     return DemoConfig.from_dict({**base, **given, **overrides}, source="megatron-mis demo")
 
 

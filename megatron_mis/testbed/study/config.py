@@ -20,6 +20,12 @@ class Setting:
     name: str
     description: str
     overrides: dict[str, Any]
+    #: the correction ``megatron-mis demo --compare --preset NAME`` sets against none
+    demo_correction: str = "token_tis"
+
+    def demo_values(self) -> dict[str, Any]:
+        """The :class:`DemoConfig` values ``megatron-mis demo --preset NAME`` starts from."""
+        return {**self.overrides, "correction": self.demo_correction}
 
 
 @dataclass(frozen=True)
