@@ -46,13 +46,13 @@ _BASE: dict[str, Any] = {
     "vocab_size": 16,
     "prompts_per_step": 16,
     "samples_per_prompt": 8,
-    "micro_batch_size": 32,
+    "micro_batch_size": 64,
     "updates_per_step": 1,
     "hidden_size": 64,
     "num_layers": 2,
     "num_attention_heads": 4,
     "lr": 3e-3,
-    "steps": 100,
+    "steps": 80,
 }
 
 
@@ -76,13 +76,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         _setting(
             "int4-long",
-            "copy 8 digits (longer responses, seed 003's horizon argument); int4 rollouts",
-            rollout_precision="int4", min_digits=8, max_digits=8, steps=100,
+            "copy 6 digits (longer responses, seed 003's horizon argument); int4 rollouts",
+            rollout_precision="int4", min_digits=6, max_digits=6, steps=120,
         ),
         _setting(
             "bf16-long",
-            "copy 8 digits (longer responses); bf16 rollouts",
-            rollout_precision="bf16", min_digits=8, max_digits=8, steps=100,
+            "copy 6 digits (longer responses); bf16 rollouts",
+            rollout_precision="bf16", min_digits=6, max_digits=6, steps=120,
         ),
     )
 }
