@@ -156,6 +156,15 @@ def _fmt_diff(d: dict[str, Any] | None, fmt: str = "{:+.3f}") -> str:
     return f"{fmt.format(d['mean'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]{mark}"
 
 
+def _verdict(d: dict[str, Any], *, supported_if: str) -> str:
+    """``supported`` / ``contradicted`` when the paired CI excludes 0 (on the claimed side / the
+    other), else ``not resolved``."""
+    if not d["excludes_zero"]:
+        return f"not resolved (CI includes 0, n={d['n']})"
+    above = d["low"] > 0
+    return "supported" if above == (supported_if == "above") else "contradicted"
+
+
 def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfig) -> dict[str, str]:
     """The study's questions, answered from the numbers (sentences for the report)."""
     arms = summary["arms"]
@@ -170,7 +179,7 @@ def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfi
                                    confidence=study.confidence, resamples=study.bootstrap)
             if d is None:
                 continue
-            worse = d["high"] < 0
+            worse = d["excludes_zero"] and d["high"] < 0
             harmed |= worse
             parts.append(f"none - {r} final reward {_fmt_diff(d)} over {d['n']} seeds "
                          f"({'CI below 0: measurably worse' if worse else 'CI includes 0 or is above it: not measurably worse'})")
@@ -186,18 +195,30 @@ def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfi
             f"arms whose mean final reward lies within {ref}'s CI {_fmt_ci(ref_ci)}: "
             + (", ".join(f"{a} ({arms[a]['final_reward'][0]:.3f})" for a in within) if within else "none")
         )
+    if BASELINE in arms:
+        worse = [a for a, v in arms.items() if (v["vs_none"]["final_reward"] or {}).get("excludes_zero")
+                 and v["vs_none"]["final_reward"]["high"] < 0]
+        better = [a for a, v in arms.items() if (v["vs_none"]["final_reward"] or {}).get("excludes_zero")
+                  and v["vs_none"]["final_reward"]["low"] > 0]
+        out["arms_vs_none"] = (
+            "measurably worse than none (final reward): "
+            + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none']['final_reward'])}, rejected {arms[a]['rejected_fraction'][0]:.0%}"
+                         for a in worse) or "none of them")
+            + "; measurably better: " + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none']['final_reward'])}" for a in better)
+                                        or "none of them")
+        )
     if "sequence_mis" in arms and "token_mis" in arms:
         d = paired_differences({s: m["final_reward"] for s, m in metrics["sequence_mis"].items()},
                                {s: m["final_reward"] for s, m in metrics["token_mis"].items()},
                                confidence=study.confidence, resamples=study.bootstrap)
         if d:
-            verdict = "supported" if d["low"] > 0 else ("contradicted" if d["high"] < 0 else "not resolved (CI includes 0)")
+            verdict = _verdict(d, supported_if="above")
             out["seed001_sequence_beats_token"] = f"sequence_mis - token_mis final reward {_fmt_diff(d)}: {verdict}"
     for arm in ("token_mis", "sequence_mis"):
         if arm in arms and BASELINE in arms:
             d = arms[arm]["vs_none"]["k3_late_early"]
             if d:
-                verdict = "supported" if d["high"] < 0 else ("contradicted" if d["low"] > 0 else "not resolved (CI includes 0)")
+                verdict = _verdict(d, supported_if="below")
                 out[f"seed000_{arm}_suppresses_late_k3"] = (
                     f"{arm}: late/early K3 ratio {_fmt_ci(arms[arm]['k3_late_early'], '{:.2f}')} vs none "
                     f"{_fmt_ci(arms[BASELINE]['k3_late_early'], '{:.2f}')}, paired {_fmt_diff(d, '{:+.2f}')}: {verdict}"
@@ -205,7 +226,7 @@ def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfi
     if "length_decay" in arms and BASELINE in arms:
         d = arms["length_decay"]["vs_none"]["log10_k3_mean"]
         if d:
-            verdict = "supported" if d["high"] < 0 else ("contradicted" if d["low"] > 0 else "not resolved (CI includes 0)")
+            verdict = _verdict(d, supported_if="below")
             out["seed002_length_decay_keeps_k3_low"] = (
                 f"length_decay - none, log10 mean K3 {_fmt_diff(d, '{:+.2f}')}: {verdict}"
             )
