@@ -79,7 +79,7 @@ def _engine_vs_trainer(tp: int, precisions: list[str], gated: bool, temperature:
 
 @pytest.mark.parametrize("tp, gated, temperature", [(1, False, 1.0), (2, False, 0.7), (2, True, 1.0)])
 def test_fp32_rollout_matches_trainer_and_low_precision_does_not(pool2, tp, gated, temperature):
-    results = pool2.run(_engine_vs_trainer, tp, ["fp32", "bf16", "fp16", "int8"], gated, temperature)
+    results = pool2.run(_engine_vs_trainer, tp, ["fp32", "bf16", "fp16", "int8", "int4"], gated, temperature)
     assert results[0] == results[1]  # the engine is replicated on both ranks
     res = results[0]
     fp32 = res["fp32"]
@@ -87,11 +87,13 @@ def test_fp32_rollout_matches_trainer_and_low_precision_does_not(pool2, tp, gate
     # only (measured 4.8e-7 max on log-probs of magnitude ~3, K3 ~6e-15).
     assert fp32["max_abs"] < 5e-6
     assert fp32["k3"] < 1e-12
-    for precision in ("bf16", "fp16", "int8"):
+    for precision in ("bf16", "fp16", "int8", "int4"):
         # a real mismatch, orders of magnitude above fp32 rounding (measured max |diff| 1.9e-4
         # (fp16) .. 3.6e-3 (int8), K3 1.8e-9 (fp16) .. 5e-7 (int8))
         assert res[precision]["max_abs"] > 5e-5, precision
         assert res[precision]["k3"] > 1e-10 and res[precision]["k3"] > 100 * fp32["k3"], precision
+    # 4-bit weights (15 levels) against 8-bit (255): a quantisation step 17x coarser, a far larger K3
+    assert res["int4"]["k3"] > 10 * res["int8"]["k3"]
     # EOS handling: finished responses end with EOS and contain no other, the rest hit the cap
     for resp, done in zip(fp32["responses"], fp32["finished"]):
         if done:
