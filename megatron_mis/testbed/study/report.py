@@ -19,6 +19,7 @@ from megatron_mis.testbed.study.runner import load_run, run_path, study_dir
 from megatron_mis.testbed.study.stats import (
     bootstrap_ci,
     curve_band,
+    moving_mean,
     paired_differences,
     run_metrics,
     wilson_interval,
@@ -294,16 +295,19 @@ def plot_study(summary: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]
         return np.array([r[:width] for r in rows], dtype=np.float64)
 
     ax = axes[0, 0]
+    smooth = 5
     for arm in arms:
         x = curves(arm, "reward_mean")
+        if x.shape[1] >= smooth:  # each run's 5-step moving mean, then the band over runs
+            x = np.stack([moving_mean(row, smooth) for row in x])
         mean, low, high = curve_band(x, confidence=confidence)
-        steps = np.arange(1, mean.size + 1)
+        steps = np.arange(1, mean.size + 1) + (smooth - 1 if curves(arm, "reward_mean").shape[1] >= smooth else 0)
         lw = 2.2 if arm in emphasis else 1.0
         ls = "--" if arm in REFERENCES else "-"
         ax.plot(steps, mean, color=colors[arm], lw=lw, ls=ls, label=f"{arm} (n={x.shape[0]})")
         if arm in emphasis or len(arms) <= 4:
             ax.fill_between(steps, low, high, color=colors[arm], alpha=0.15, lw=0)
-    ax.set(title=f"reward per step: mean over seeds, {int(confidence * 100)}% bootstrap band (none, references)",
+    ax.set(title=f"reward ({smooth}-step moving mean): mean over seeds, {int(confidence * 100)}% bootstrap band (none, refs)",
            xlabel="RL step", ylabel="reward")
     ax.legend(fontsize=7, ncol=2)
     ax = axes[0, 1]
