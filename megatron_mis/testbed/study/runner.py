@@ -146,7 +146,7 @@ def _worker(tasks: Any, results: Any, threads: int) -> None:
                 if parent is not None and not parent.is_alive():
                     break  # the study was killed: do not run on as an orphan
                 continue
-            if job is None:
+            if job is None or (parent is not None and not parent.is_alive()):
                 break
             try:
                 _execute(job, scratch)
