@@ -55,12 +55,12 @@ def main() -> None:
 
     store = tempfile.mktemp(prefix="bench_rollout_")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine, weights_from_megatron
-    from megatron_mis.demo.scoring import trainer_log_probs
+    from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine, weights_from_megatron
+    from megatron_mis.testbed.demo.scoring import trainer_log_probs
     from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
-    from megatron_mis.models.cpu import cpu_compat
-    from megatron_mis.models.gpt import GPTSpec, build_gpt
-    from megatron_mis.models.packing import pack_sequences, pad_sequences
+    from megatron_mis.testbed.models.cpu import cpu_compat
+    from megatron_mis.testbed.models.gpt import GPTSpec, build_gpt
+    from megatron_mis.parallel.packing import pack_sequences, pad_sequences
     from megatron_mis.testing.distributed import megatron_parallel
 
     spec = GPTSpec(

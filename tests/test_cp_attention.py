@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.testbed.models.gpt import GPTSpec
 
 # Grouped-query attention (2 key/value heads for 4 query heads) so the group expansion after the
 # K/V all-gather is exercised too.
@@ -54,8 +54,8 @@ def _run(tp: int, cp: int, fmt: str):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from megatron_mis.models.gpt import build_gpt
-    from megatron_mis.models.packing import pack_sequences, pad_sequences, zigzag_bshd_global_index, zigzag_split
+    from megatron_mis.testbed.models.gpt import build_gpt
+    from megatron_mis.parallel.packing import pack_sequences, pad_sequences, zigzag_bshd_global_index, zigzag_split
     from megatron_mis.testing.distributed import megatron_parallel
 
     seqs, weights = _sequences(), _loss_weights()
@@ -133,7 +133,7 @@ def test_tp2_cp2_equals_unsharded(pool4, fmt):
 def _bad_cu(cp: int):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(cp=cp, seed=1):

@@ -156,8 +156,25 @@ def test_bad_flags_are_reported_together(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["bad.yaml"]  # nothing ran
 
 
+def test_preset_and_compare_start_from_the_study_setting():
+    from megatron_mis.cli.demo import build_config
+    from megatron_mis.cli import build_parser
+    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
+
+    parse = build_parser().parse_args
+    found = SETTINGS[DEFAULT_SETTING]
+    cfg = build_config(parse(["demo", "--compare"]))
+    assert cfg.compare and cfg.correction == found.demo_correction
+    assert all(getattr(cfg, k) == v for k, v in found.overrides.items())
+    cfg = build_config(parse(["demo", "--preset", "bf16", "--rollout-precision", "fp16", "--steps", "7", "--quick"]))
+    assert cfg.precision == "fp16" and cfg.steps == 7 and cfg.prompts_per_step == 4 and not cfg.compare
+    cfg = build_config(parse(["demo", "--compare", "--true-on-policy"]))  # the preset's precision yields
+    assert cfg.true_on_policy and cfg.precision == "fp32"
+    assert build_config(parse(["demo"])).precision == "bf16"  # no preset without --compare
+
+
 def test_help_documents_every_flag(capsys):
-    from megatron_mis.demo.config import DemoConfig
+    from megatron_mis.testbed.demo.config import DemoConfig
 
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
@@ -165,4 +182,4 @@ def test_help_documents_every_flag(capsys):
     for name in DemoConfig.field_names():
         flag = {"progress": "--no-progress", "plot": "--no-plot"}.get(name, "--" + name.replace("_", "-"))
         assert flag in text, flag
-    assert "--quick" in text
+    assert "--quick" in text and "--preset" in text

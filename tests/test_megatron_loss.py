@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_mis.config.base import ConfigError
-from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.testbed.models.gpt import GPTSpec
 from megatron_mis.testing.distributed import ProcessGroupPool
 
 SPEC = GPTSpec(vocab_size=48, hidden_size=32, num_layers=2, num_attention_heads=4, max_sequence_length=64)
@@ -97,7 +97,7 @@ def train(tp: int, micro_batches, loss_cfg: dict, mis_cfg: dict | None, return_n
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.config.mis import MISConfig
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=tp, cp=cp, seed=21):
@@ -313,7 +313,7 @@ def _first_step_loss_direct(batches, loss_cfg):
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.core.losses import compute_rl_loss
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss, response_positions
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
     from megatron_mis.testing.distributed import megatron_parallel
 
@@ -401,7 +401,7 @@ def _mismatched_denominators(batches):
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.core.aggregation import Denominators
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -441,7 +441,7 @@ def train_pp2_one_step(micro_batches, loss_cfg: dict, mis_cfg: dict | None):
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.config.mis import MISConfig
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=1, seed=21):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.testbed.models.gpt import GPTSpec
 
 SPEC = GPTSpec(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4, max_sequence_length=64)
 
@@ -16,7 +16,7 @@ def _logits(tp: int, tokens: torch.Tensor, packed: bool):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=tp, seed=7):
@@ -62,7 +62,7 @@ def test_packed_equals_separate_sequences(pool2):
 def test_cpu_compat_installs_and_removes():
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_mis.models.cpu import cpu_compat, cpu_compat_active
+    from megatron_mis.testbed.models.cpu import cpu_compat, cpu_compat_active
 
     original = torch.cuda.current_device
     original_sync = torch.cuda.synchronize

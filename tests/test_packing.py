@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_mis.models.packing import (
+from megatron_mis.parallel.packing import (
     pack_sequences,
     pad_sequences,
     zigzag_bshd_global_index,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_mis.config.base import ConfigError
-from megatron_mis.demo.rollout import RolloutConfig, _filter, quantize_int8_per_channel
-from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.testbed.demo.rollout import RolloutConfig, _filter, quantize_int4_per_channel, quantize_int8_per_channel
+from megatron_mis.testbed.models.gpt import GPTSpec
 
 SPEC = GPTSpec(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, max_sequence_length=64)
 EOS = 3
@@ -26,7 +26,7 @@ def _model(tp: int, gated: bool):
     """A GPT with nonzero biases (the default init leaves them 0), identical on every rank."""
     import torch.nn.functional as F
 
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
 
     kwargs = dict(gated_linear_unit=True, activation_func=F.silu) if gated else {}
     model = build_gpt(SPEC, **kwargs)
@@ -46,9 +46,9 @@ def _k3(train: torch.Tensor, rollout: torch.Tensor) -> float:
 def _engine_vs_trainer(tp: int, precisions: list[str], gated: bool, temperature: float):
     from megatron.core import parallel_state as ps
 
-    from megatron_mis.demo.rollout import RolloutEngine, weights_from_megatron
-    from megatron_mis.demo.scoring import trainer_log_probs
-    from megatron_mis.models.packing import pack_sequences
+    from megatron_mis.testbed.demo.rollout import RolloutEngine, weights_from_megatron
+    from megatron_mis.testbed.demo.scoring import trainer_log_probs
+    from megatron_mis.parallel.packing import pack_sequences
     from megatron_mis.testing.distributed import megatron_parallel
 
     out = {}
@@ -79,7 +79,7 @@ def _engine_vs_trainer(tp: int, precisions: list[str], gated: bool, temperature:
 
 @pytest.mark.parametrize("tp, gated, temperature", [(1, False, 1.0), (2, False, 0.7), (2, True, 1.0)])
 def test_fp32_rollout_matches_trainer_and_low_precision_does_not(pool2, tp, gated, temperature):
-    results = pool2.run(_engine_vs_trainer, tp, ["fp32", "bf16", "fp16", "int8"], gated, temperature)
+    results = pool2.run(_engine_vs_trainer, tp, ["fp32", "bf16", "fp16", "int8", "int4"], gated, temperature)
     assert results[0] == results[1]  # the engine is replicated on both ranks
     res = results[0]
     fp32 = res["fp32"]
@@ -87,11 +87,13 @@ def test_fp32_rollout_matches_trainer_and_low_precision_does_not(pool2, tp, gate
     # only (measured 4.8e-7 max on log-probs of magnitude ~3, K3 ~6e-15).
     assert fp32["max_abs"] < 5e-6
     assert fp32["k3"] < 1e-12
-    for precision in ("bf16", "fp16", "int8"):
+    for precision in ("bf16", "fp16", "int8", "int4"):
         # a real mismatch, orders of magnitude above fp32 rounding (measured max |diff| 1.9e-4
         # (fp16) .. 3.6e-3 (int8), K3 1.8e-9 (fp16) .. 5e-7 (int8))
         assert res[precision]["max_abs"] > 5e-5, precision
         assert res[precision]["k3"] > 1e-10 and res[precision]["k3"] > 100 * fp32["k3"], precision
+    # 4-bit weights (15 levels) against 8-bit (255): a quantisation step 17x coarser, a far larger K3
+    assert res["int4"]["k3"] > 10 * res["int8"]["k3"]
     # EOS handling: finished responses end with EOS and contain no other, the rest hit the cap
     for resp, done in zip(fp32["responses"], fp32["finished"]):
         if done:
@@ -106,9 +108,9 @@ def _aligned_vs_trainer(tp: int, micro_batch_size: int | None, gated: bool):
     from megatron.core import parallel_state as ps
 
     from megatron_mis.core.bitwise import compare_log_probs
-    from megatron_mis.demo.rollout import RolloutEngine
-    from megatron_mis.demo.scoring import trainer_log_probs
-    from megatron_mis.models.packing import pack_sequences
+    from megatron_mis.testbed.demo.rollout import RolloutEngine
+    from megatron_mis.testbed.demo.scoring import trainer_log_probs
+    from megatron_mis.parallel.packing import pack_sequences
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=tp, seed=4):
@@ -145,8 +147,8 @@ def test_true_on_policy_is_bitwise_equal_to_trainer(pool2, tp, micro_batch_size,
 
 
 def _unsupported():
-    from megatron_mis.demo.rollout import weights_from_megatron
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.demo.rollout import weights_from_megatron
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=1, seed=1):
@@ -174,6 +176,15 @@ def test_config_validation():
         warnings.simplefilter("always")
         RolloutConfig(micro_batch_size=4)
     assert any("no effect" in str(x.message) for x in w)
+
+
+def test_int4_quantisation_hand_values():
+    w = torch.tensor([[1.2, -2.0, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize_int4_per_channel(w)
+    assert q.dtype == torch.int8 and scale.tolist() == pytest.approx([2 / 7, 1.0])
+    # 1.2 / (2/7) = 4.2 -> 4; 0.5 / (2/7) = 1.75 -> 2; 0.1 / (2/7) = 0.35 -> 0
+    assert q.tolist() == [[4, -7, 2, 0], [0, 0, 0, 0]]
+    assert int(q.abs().max()) <= 7
 
 
 def test_int8_quantisation_hand_values():

@@ -31,7 +31,7 @@ def pool1():
 
 
 def _spec(num_layers=L):
-    from megatron_mis.models.gpt import GPTSpec
+    from megatron_mis.testbed.models.gpt import GPTSpec
 
     return GPTSpec(vocab_size=32, hidden_size=32, num_layers=num_layers, num_attention_heads=4,
                    max_sequence_length=64, num_moe_experts=E, moe_router_topk=K)
@@ -77,7 +77,7 @@ def _select_and_restore(backend, native_flag):
     from megatron.core.transformer.moe import router as router_mod
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import LEGACY_PATCH, RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 
@@ -147,7 +147,7 @@ def _select_and_restore(backend, native_flag):
 
 
 def _r2_roundtrip(backend):
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 
@@ -185,7 +185,7 @@ def _r2_roundtrip(backend):
 
 
 def _agreement_values():
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 
@@ -217,7 +217,7 @@ def _agreement_values():
 
 def _fallback_values(backend):
     """Tokens whose RouteShard.replayed is False route by the router's own top-k."""
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.routing.slicing import RouteShard
     from megatron_mis.testing.distributed import megatron_parallel
@@ -265,11 +265,11 @@ def _fallback_values(backend):
 
 
 def _recompute_reverse_order(backend, recompute):
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 
-    from megatron_mis.routing.cpu_moe import cpu_rng_shims
+    from megatron_mis.testbed.cpu_moe import cpu_rng_shims
 
     kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     with cpu_rng_shims(), megatron_parallel(seed=6):
@@ -297,14 +297,14 @@ def _recompute_reverse_order(backend, recompute):
 def _pipeline_recompute(vpp, recompute, backend):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 
     kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     if vpp:
         kw["virtual_pipeline_model_parallel_size"] = vpp
-    from megatron_mis.routing.cpu_moe import cpu_rng_shims
+    from megatron_mis.testbed.cpu_moe import cpu_rng_shims
 
     num_mb, n_tok = 4, 8
     with cpu_rng_shims(), megatron_parallel(pp=2, vpp=vpp, seed=7):
@@ -347,8 +347,8 @@ def _mtp_excluded():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_mis.routing.cpu_moe import cpu_moe_config
-    from megatron_mis.models.gpt import cpu_gpt_layer_spec
+    from megatron_mis.testbed.cpu_moe import cpu_moe_config
+    from megatron_mis.testbed.models.gpt import cpu_gpt_layer_spec
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 
@@ -367,7 +367,7 @@ def _mtp_excluded():
 
 
 def _errors():
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.routing.slicing import RouteShard
     from megatron_mis.testing.distributed import megatron_parallel

@@ -151,8 +151,8 @@ def _replayed_vs_reference(tp, sp, cp, pp, vpp, layout, moe_layer_freq, check_sc
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_mis.models.gpt import GPTSpec
-    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt, cpu_rng_shims
+    from megatron_mis.testbed.models.gpt import GPTSpec
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt, cpu_rng_shims
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.routing.slicing import scatter_route_shards, shard_spec_from_megatron
     from megatron_mis.testing.distributed import megatron_parallel

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_mis.config.base import ConfigError
-from megatron_mis.demo.task import BOS, DIGIT0, EOS, SEP, DigitTask, TaskConfig
+from megatron_mis.testbed.demo.task import BOS, DIGIT0, EOS, SEP, DigitTask, TaskConfig
 
 
 def _tok(digits):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mis.models.gpt import GPTSpec
+from megatron_mis.testbed.models.gpt import GPTSpec
 from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
 
 
@@ -86,7 +86,7 @@ def _gpt_logprobs(tp: int, tokens: torch.Tensor, targets: torch.Tensor, weights:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from megatron_mis.models.gpt import build_gpt
+    from megatron_mis.testbed.models.gpt import build_gpt
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(tp=tp, seed=11):

@@ -16,7 +16,7 @@ One machine, CPU only (gloo), two processes::
 What it does: reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the
 environment torchrun sets, initialises ``torch.distributed`` (nccl when CUDA is available, else
 gloo), sets up Megatron-Core's parallel state with the given TP / CP / PP sizes (the rest of the
-world is data parallel), and runs :func:`megatron_mis.demo.train.run_rank`: rollouts from a
+world is data parallel), and runs :func:`megatron_mis.testbed.demo.train.run_rank`: rollouts from a
 separate engine (``--rollout-precision``; ``--true-on-policy`` for bitwise-equal log-probs),
 rewards, GRPO advantages, the fp32 pi_old recompute through Megatron's schedule, and
 :class:`megatron_mis.integrations.megatron_loss.MegatronRLLoss` updates with Megatron's DDP
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
     from megatron_mis.config import ConfigError
-    from megatron_mis.demo.config import available_cpus
+    from megatron_mis.testbed.demo.config import available_cpus
 
     model_parallel = getattr(args, "tp", 1) * getattr(args, "cp", 1) * getattr(args, "pp", 1)
     if world % model_parallel:
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
     try:
         from megatron_mis.cli.demo import describe, report
-        from megatron_mis.demo.train import run_rank
-        from megatron_mis.models.cpu import cpu_compat
+        from megatron_mis.testbed.demo.train import run_rank
+        from megatron_mis.testbed.models.cpu import cpu_compat
 
         if rank == 0:
             print(describe(cfg).replace("on gloo", "on nccl" if use_cuda else "on gloo"), flush=True)

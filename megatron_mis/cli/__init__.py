@@ -1,4 +1,4 @@
-"""The ``megatron-mis`` command line: ``validate``, ``analyze`` and ``demo``.
+"""The ``megatron-mis`` command line: ``validate``, ``analyze``, ``demo`` and ``study``.
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``;
 this module only assembles them.
@@ -14,7 +14,7 @@ from megatron_mis._version import __version__
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = ("validate", "analyze", "demo")
+_COMMANDS = ("validate", "analyze", "demo", "study")
 
 
 def build_parser() -> argparse.ArgumentParser:

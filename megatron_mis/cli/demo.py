@@ -18,7 +18,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--out-dir", "out_dir", {"metavar": "DIR"}),
     ("--seed", "seed", {"type": int, "metavar": "S"}),
     ("--correction", "correction", {"metavar": "PRESET"}),
-    ("--rollout-precision", "rollout_precision", {"choices": ("fp32", "bf16", "fp16", "int8")}),
+    ("--rollout-precision", "rollout_precision", {"choices": ("fp32", "bf16", "fp16", "int8", "int4")}),
     ("--temperature", "temperature", {"type": float, "metavar": "T"}),
     ("--task", "task", {"choices": ("copy", "reverse", "sort")}),
     ("--min-digits", "min_digits", {"type": int, "metavar": "N"}),
@@ -62,7 +62,7 @@ def _help(field: str, docs: dict) -> str:
 
 
 def add_parser(sub) -> None:
-    from megatron_mis.demo.config import QUICK
+    from megatron_mis.testbed.demo.config import QUICK
 
     p = sub.add_parser(
         "demo",
@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
         epilog=(
             "examples:\n"
             "  megatron-mis demo                                   # token TIS against bf16 rollouts\n"
-            "  megatron-mis demo --compare                         # none vs token_tis, side by side\n"
+            "  megatron-mis demo --compare                         # none vs the study's correction in its setting\n"
+            "  megatron-mis demo --compare --preset bf16           # the same in another study setting\n"
             "  megatron-mis demo --true-on-policy                  # bitwise-equal log-probs, checked every step\n"
             "  megatron-mis demo --rollout-precision int8 --correction seed000_default\n"
             "  megatron-mis demo --tp 2 --steps 20                 # the same run over 2 processes (gloo)\n"
@@ -95,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] =
     """The demo's flags (one per :class:`DemoConfig` field, help from the field docs, no default
     stored unless given) and ``--quick``; ``exclude`` names fields to leave out (the torchrun
     example derives ``dp`` from the world size)."""
-    from megatron_mis.demo.config import QUICK, DemoConfig
+    from megatron_mis.testbed.demo.config import QUICK, DemoConfig
 
     docs = DemoConfig.field_docs()
     for flag, field, extra in _VALUE_FLAGS:
@@ -107,6 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] =
                 flag, dest=field, action="store_const", const=value, default=argparse.SUPPRESS,
                 help=(text or docs[field][2]).replace("%", "%%"),
             )
+    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
+
+    parser.add_argument(
+        "--preset",
+        choices=tuple(SETTINGS),
+        default=None,
+        help="A study setting (task + mismatch source, docs/study.md) as the starting values; explicit flags "
+        f"win. --compare without --preset uses '{DEFAULT_SETTING}' (the setting the study found).",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -122,21 +132,29 @@ def build_config(args: argparse.Namespace, **overrides):
     Raises:
         ConfigError: every problem with the flags at once.
     """
-    from megatron_mis.demo.config import QUICK, DemoConfig
+    from megatron_mis.testbed.demo.config import QUICK, DemoConfig
+    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "run", "quick")}
-    base = dict(QUICK) if getattr(args, "quick", False) else {}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "run", "quick", "preset")}
+    preset = getattr(args, "preset", None)
+    if preset is None and {**given, **overrides}.get("compare"):
+        preset = DEFAULT_SETTING
+    base = dict(SETTINGS[preset].demo_values()) if preset else {}
+    if {**given, **overrides}.get("true_on_policy"):
+        base.pop("rollout_precision", None)  # true on-policy is its own (fp32) rollout path
+    if getattr(args, "quick", False):
+        base.update(QUICK)
     return DemoConfig.from_dict({**base, **given, **overrides}, source="megatron-mis demo")
 
 
 def report(cfg, results) -> None:
     """Print the per-run summaries (and the table under ``compare``), write ``report.png`` and
     ``summary.json`` into the run folder (the reporting rank's results of
-    :func:`megatron_mis.demo.train.run_rank`)."""
+    :func:`megatron_mis.testbed.demo.train.run_rank`)."""
     from pathlib import Path
 
-    from megatron_mis.demo.report import format_table, plot_report
-    from megatron_mis.demo.train import summarize
+    from megatron_mis.testbed.demo.report import format_table, plot_report
+    from megatron_mis.testbed.demo.train import summarize
 
     run_dir = Path(cfg.out_dir) / cfg.name
     summaries = {r.label: summarize(r) for r in results}
@@ -205,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
 
-    from megatron_mis.demo.launch import DemoError, launch
+    from megatron_mis.testbed.demo.launch import DemoError, launch
 
     print(describe(cfg), flush=True)
     try:

@@ -18,7 +18,7 @@ One optimizer step::
 
 A micro-batch holds WHOLE sequences and full-length per-token tensors; under context
 parallelism every CP rank gets the same micro-batch and the forward step packs this rank's
-zigzag share (:func:`megatron_mis.models.packing.pack_sequences`: chunks ``r`` and
+zigzag share (:func:`megatron_mis.parallel.packing.pack_sequences`: chunks ``r`` and
 ``2cp-1-r`` of every sequence padded to a multiple of ``2cp``).
 
 What the loss function does per micro-batch (last pipeline stage only; the schedule never calls
@@ -280,7 +280,7 @@ class MegatronRLLoss:
             ValueError: ``slot_length`` with context parallelism (the fixed-slot layout is the
                 true-on-policy one, which needs CP = 1).
         """
-        from megatron_mis.models.packing import pack_sequences
+        from megatron_mis.parallel.packing import pack_sequences
         from megatron_mis.parallel.layout import local_response_layout
 
         if mb.slot_length is not None and self.cp.size > 1:

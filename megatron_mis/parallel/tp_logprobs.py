@@ -275,7 +275,7 @@ def log_probs_from_shards(
     reductions do not depend on how many tokens are processed together, so the results equal
     the chunked distributed computation on the same rows bit for bit (tested).
 
-    This is what the rollout engine's true-on-policy path records (:mod:`megatron_mis.demo.
+    This is what the rollout engine's true-on-policy path records (:mod:`megatron_mis.testbed.demo.
     rollout`): the trainer's log-probs by construction.
 
     Args:

@@ -3,11 +3,11 @@ Megatron-Core GPTModel (local layer spec), with its own numeric paths.
 
 The trainer (Megatron-Core, float32) and this engine share weights, not code:
 
-- **fast path** (``precision`` = ``fp32`` / ``bf16`` / ``fp16`` / ``int8``): batched
+- **fast path** (``precision`` = ``fp32`` / ``bf16`` / ``fp16`` / ``int8`` / ``int4``): batched
   autoregressive sampling with a KV cache, batch-first layout, fused ``F.linear``, grouped-query
   SDPA, RMSNorm accumulated in float32 and cast back, rotary embedding from the positions.
-  ``bf16`` / ``fp16`` keep weights and activations in that dtype; ``int8`` quantises every
-  linear weight per output channel (symmetric, weight-only) and multiplies with the dequantised
+  ``bf16`` / ``fp16`` keep weights and activations in that dtype; ``int8`` / ``int4`` quantise
+  every linear weight per output channel (symmetric, weight-only; 255 / 15 levels) and multiplies with the dequantised
   weight in float32. Log-probs are recorded the way SGLang returns them: the log-softmax, in
   float32, of ``logits / temperature`` at the sampled token, from the same forward that sampled
   it (before top-k / top-p filtering). The prefill runs the prompt as one block and every new
@@ -55,10 +55,11 @@ __all__ = [
     "RolloutEngine",
     "weights_from_megatron",
     "quantize_int8_per_channel",
+    "quantize_int4_per_channel",
 ]
 
-Precision = Literal["fp32", "bf16", "fp16", "int8"]
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+Precision = Literal["fp32", "bf16", "fp16", "int8", "int4"]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32, "int4": torch.float32}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,7 +69,7 @@ class RolloutConfig(ConfigBase):
     precision: Precision = doc(
         "bf16",
         "Numeric path of the fast engine: fp32, bf16 / fp16 (weights and activations in that dtype, "
-        "log-softmax in fp32), int8 (per-channel weight-only quantisation, dequantised fp32 matmul).",
+        "log-softmax in fp32), int8 / int4 (per-channel weight-only quantisation, dequantised fp32 matmul).",
     )
     max_new_tokens: int = doc(16, "Most tokens generated per prompt.")
     temperature: float = doc(1.0, "Sampling temperature (> 0); log-probs are those of logits / temperature.")
@@ -281,6 +282,19 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+def quantize_int4_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel 4-bit quantisation of ``weight [out, in]`` (levels -7 .. 7,
+    what weight-only W4 rollout kernels store; held in an int8 tensor here).
+
+    Returns ``(q [out, in] int8 in [-7, 7], scale [out] float32)`` with ``weight ~ q * scale[:, None]``;
+    an all-zero row gets scale 1."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-7, 7).to(torch.int8)
+    return q, scale
+
+
 # ----------------------------------------------------------------------------- batch type
 @dataclass
 class RolloutBatch:
@@ -341,8 +355,8 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
         dtype = _DTYPES[precision]
-        if precision == "int8":
-            q, scale = quantize_int8_per_channel(weight)
+        if precision in ("int8", "int4"):
+            q, scale = (quantize_int8_per_channel if precision == "int8" else quantize_int4_per_channel)(weight)
             self.qweight, self.scale = q, scale
             # dequantised once: numerically what a dequantise-in-the-GEMM kernel computes
             self.weight = q.float() * scale[:, None]
@@ -453,7 +467,7 @@ class _FastModel:
 # ---------------------------------------------------------------------- true-on-policy path
 class _AlignedModel:
     """The trainer's forward, op for op (Megatron-Core GPTModel, local spec with
-    :class:`~megatron_mis.models.attention.SDPACoreAttention`, packed thd, CP = 1), with the
+    :class:`~megatron_mis.testbed.models.attention.SDPACoreAttention`, packed thd, CP = 1), with the
     tensor-parallel shards computed one after the other on this process and the row-parallel
     all-reduce replaced by the same sum."""
 
@@ -539,7 +553,7 @@ class _AlignedModel:
 
     def forward(self, tokens: torch.Tensor, cu: torch.Tensor, max_seqlen: int) -> list[torch.Tensor]:
         """``tokens [1, T]``, GLOBAL padded ``cu [N+1]`` -> per-TP-shard logits ``[1, T, V/tp]``."""
-        from megatron_mis.models.attention import sdpa_packed
+        from megatron_mis.testbed.models.attention import sdpa_packed
 
         a = self.arch
         ng_r = a.num_query_groups // self.tp
@@ -784,7 +798,7 @@ class RolloutEngine:
             if not 0 <= r <= s.numel() - 1:
                 raise ValueError(f"sequence {i}: response_length={r} must lie in [0, {s.numel() - 1}]")
         if cfg.true_on_policy:
-            from megatron_mis.models.packing import pack_sequences
+            from megatron_mis.parallel.packing import pack_sequences
 
             slot = slot_length or max(s.numel() for s in seqs)
             out = []

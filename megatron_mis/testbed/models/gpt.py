@@ -64,7 +64,7 @@ def cpu_gpt_layer_spec(
     """Megatron-Core's local GPT layer spec with :class:`SDPACoreAttention` as core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_mis.models.attention import SDPACoreAttention
+    from megatron_mis.testbed.models.attention import SDPACoreAttention
 
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
@@ -124,7 +124,7 @@ def transformer_config(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float
 
 def build_gpt(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float32, layer_spec=None, **config_overrides):
     """Build a ``GPTModel`` for the current Megatron parallel state (call inside
-    :func:`megatron_mis.models.cpu.cpu_compat` on a CPU-only build).
+    :func:`megatron_mis.testbed.models.cpu.cpu_compat` on a CPU-only build).
 
     Args:
         spec: model shape.

@@ -34,7 +34,7 @@ def trainer_log_probs(
 
     Args:
         model: the GPTModel.
-        batch: a :class:`megatron_mis.models.packing.PackedBatch` for this CP rank.
+        batch: a :class:`megatron_mis.parallel.packing.PackedBatch` for this CP rank.
         response_lengths: ``[N]`` response lengths (the last tokens of every sequence).
         tp_group: the tensor-parallel group (explicit; ``None``: full vocabulary here).
         temperature: the rollout temperature.

@@ -4,7 +4,7 @@ Every rank runs :func:`run_rank` with an initialised ``torch.distributed`` proce
 Megatron-Core parallel state (TP x CP x PP x DP) is set up here and every collective runs on one
 of its explicit groups. One RL step:
 
-1. **weight sync**: :func:`megatron_mis.demo.rollout.weights_from_megatron` all-gathers the TP
+1. **weight sync**: :func:`megatron_mis.testbed.demo.rollout.weights_from_megatron` all-gathers the TP
    shards (and the pipeline stages) into the rollout engine, a separate pure-torch inference path;
 2. **rollout**: ``P`` prompts of the digit task, ``G`` samples each, sampled with a KV cache in
    the chosen precision (or through the trainer's kernels with ``true_on_policy``), log-probs
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from megatron_mis.demo.config import DemoConfig
+from megatron_mis.testbed.demo.config import DemoConfig
 
-__all__ = ["ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank", "summarize"]
+__all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank", "summarize"]
 
 
 # ----------------------------------------------------------------------------------- arms
@@ -58,7 +58,17 @@ class ArmSpec:
     mis: Any
 
 
+#: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
+BUILTIN_CORRECTIONS = ("none", "bypass_ppo", "decoupled_ppo")
+#: The "no bound" of ``decoupled_ppo``: larger than any weight exp(clamped log-ratio) reaches here.
+UNBOUNDED_WEIGHT = 1.0e6
+
+
 def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
+    """The loss and MIS configs of ``correction``: ``none`` (PPO against the recomputed pi_old, no
+    weight), ``bypass_ppo`` (PPO with pi_rollout as pi_old, no weight), ``decoupled_ppo`` (3-policy
+    PPO, unbounded token weight pi_old / pi_rollout), or a preset / mis.yaml (decoupled PPO with
+    the preset's weights and rejections)."""
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.config.mis import MISConfig
     from megatron_mis.presets import preset_path
@@ -69,8 +79,14 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
         loss_aggregation="seq_mean_token_mean",
         rollout_temperature=cfg.temperature,
     )
+    off = MISConfig(use_tis=False, use_rs=False)  # the engine only measures the mismatch
     if correction == "none":
-        return ArmSpec("none", "none", LossConfig(policy_loss="ppo", **common), MISConfig(use_tis=False, use_rs=False))
+        return ArmSpec("none", "none", LossConfig(policy_loss="ppo", **common), off)
+    if correction == "bypass_ppo":  # pi_rollout is the old policy: PPO's clip bounds pi_theta / pi_rollout
+        return ArmSpec("bypass_ppo", correction, LossConfig(policy_loss="bypass_ppo", **common), off)
+    if correction == "decoupled_ppo":  # 3-policy PPO with the raw weight pi_old / pi_rollout (no bound)
+        mis = MISConfig(use_tis=True, use_rs=False, tis_level="token", tis_mode="truncate", tis_upper_bound=UNBOUNDED_WEIGHT)
+        return ArmSpec("decoupled_ppo", correction, LossConfig(policy_loss="decoupled_ppo", **common), mis)
     path = preset_path(correction)
     label = path.stem
     return ArmSpec(label, correction, LossConfig(policy_loss="decoupled_ppo", **common), MISConfig.from_yaml(path))
@@ -164,10 +180,10 @@ class GRPOTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
-        from megatron_mis.demo.task import PAD, DigitTask, TaskConfig
+        from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine
+        from megatron_mis.testbed.demo.task import PAD, DigitTask, TaskConfig
         from megatron_mis.integrations.megatron_loss import MegatronRLLoss
-        from megatron_mis.models.gpt import GPTSpec, build_gpt
+        from megatron_mis.testbed.models.gpt import GPTSpec, build_gpt
         from megatron_mis.monitor import (
             LengthDecayConfig,
             LengthDecayParamScheduler,
@@ -251,7 +267,7 @@ class GRPOTrainer:
         self.pad = PAD
 
     def _weights(self):
-        from megatron_mis.demo.rollout import weights_from_megatron
+        from megatron_mis.testbed.demo.rollout import weights_from_megatron
 
         return weights_from_megatron(self.model, tp_group=self.tp_group, pp_group=self.pp_group)
 
@@ -403,7 +419,7 @@ class GRPOTrainer:
         every run of a seed: ``({"greedy_reward", "greedy_exact"}, a few decoded samples)``. Call on
         every rank: the weight sync gathers TP shards / pipeline stages; every rank then computes
         the same numbers."""
-        from megatron_mis.demo.rollout import RolloutConfig, RolloutEngine
+        from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine
 
         cfg = {**self.rollout_config.to_dict(), "precision": "fp32", "top_k": 1, "true_on_policy": False, "micro_batch_size": None}
         engine = RolloutEngine(self._weights(), RolloutConfig(**cfg))

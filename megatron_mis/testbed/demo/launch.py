@@ -1,8 +1,8 @@
 """Run the demo on one machine: one process in place, or ``tp x cp x pp x dp`` processes on gloo.
 
 Several processes are spawned (``multiprocessing`` "spawn"), meet through a file store in a
-temporary folder (no port to pick), run :func:`megatron_mis.demo.train.run_rank` under
-:func:`megatron_mis.models.cpu.cpu_compat`, and the reporting rank's results come back through a
+temporary folder (no port to pick), run :func:`megatron_mis.testbed.demo.train.run_rank` under
+:func:`megatron_mis.testbed.models.cpu.cpu_compat`, and the reporting rank's results come back through a
 pipe. A rank that fails takes the others down (they would wait in a collective otherwise) and
 its traceback is raised here.
 """
@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from megatron_mis.demo.config import DemoConfig
+from megatron_mis.testbed.demo.config import DemoConfig
 
 __all__ = ["launch", "DemoError"]
 
@@ -39,8 +39,8 @@ def _run_in_group(cfg: DemoConfig, rank: int, world: int, store: str):
     import torch
     import torch.distributed as dist
 
-    from megatron_mis.demo.train import run_rank
-    from megatron_mis.models.cpu import cpu_compat
+    from megatron_mis.testbed.demo.train import run_rank
+    from megatron_mis.testbed.models.cpu import cpu_compat
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.num_threads)
@@ -71,7 +71,7 @@ def _worker(cfg: DemoConfig, rank: int, world: int, store: str, conn: Any) -> No
 
 def launch(cfg: DemoConfig):
     """Run ``cfg`` and return the reporting rank's list of
-    :class:`~megatron_mis.demo.train.RunResult` (one per arm).
+    :class:`~megatron_mis.testbed.demo.train.RunResult` (one per arm).
 
     Raises:
         DemoError: a rank raised (its traceback) or died.

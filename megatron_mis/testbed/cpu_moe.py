@@ -1,6 +1,6 @@
 """Tiny Megatron-Core MoE GPT models for CPU tests and benchmarks of routing replay.
 
-Builds on :mod:`megatron_mis.models.gpt` with the extra CPU facts MoE needs (checked on
+Builds on :mod:`megatron_mis.testbed.models.gpt` with the extra CPU facts MoE needs (checked on
 megatron-core 0.16.1, torch CPU, gloo):
 
 - the ``alltoall`` token dispatcher creates a ``torch.cuda.Stream`` in its constructor, so it
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_mis.models.gpt import GPTSpec, transformer_config
+from megatron_mis.testbed.models.gpt import GPTSpec, transformer_config
 
 __all__ = ["SequenceParallelRMSNorm", "RoutingOnlyAttention", "cpu_moe_config", "build_cpu_moe_gpt", "cpu_rng_shims"]
 
@@ -113,7 +113,7 @@ def build_cpu_moe_gpt(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_mis.models.attention import SDPACoreAttention
+    from megatron_mis.testbed.models.attention import SDPACoreAttention
 
     config = cpu_moe_config(spec, **config_overrides)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=spec.normalization, vp_stage=vp_stage)

@@ -77,7 +77,7 @@ def zigzag_thd_global_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_ra
         raise ValueError(
             f"packed sequence {i} has padded length {int(lengths[i])}, not a multiple of "
             f"2*cp_size={unit}: pad every sequence (cu_seqlens_q_padded) to a multiple of 2*cp, "
-            "e.g. with megatron_mis.models.packing.pack_sequences"
+            "e.g. with megatron_mis.parallel.packing.pack_sequences"
         )
     chunk = lengths // unit  # [N]
     local_len = 2 * chunk

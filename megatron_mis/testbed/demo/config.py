@@ -21,7 +21,7 @@ QUICK: dict[str, object] = {
     "updates_per_step": 1,
 }
 
-_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
 def available_cpus() -> int:
@@ -47,7 +47,9 @@ class DemoConfig(ConfigBase):
         "Mismatch correction: a preset of configs/presets/ (e.g. token_tis, seed000_default), a mis.yaml "
         "path, or none. A preset trains with decoupled PPO, IS weights pi_old/pi_rollout from the MIS "
         "engine; none trains with plain PPO against the recomputed pi_old (no IS weight, nothing "
-        "rejected) while the engine still measures the mismatch.",
+        "rejected) while the engine still measures the mismatch; bypass_ppo: PPO with pi_rollout as "
+        "pi_old (its clip bounds pi_theta / pi_rollout); decoupled_ppo: 3-policy PPO with the unbounded "
+        "token weight pi_old / pi_rollout.",
     )
     compare: bool = doc(
         False,
@@ -55,9 +57,9 @@ class DemoConfig(ConfigBase):
         "table and overlay both in the report.",
     )
     # ---- rollout -------------------------------------------------------------------------
-    rollout_precision: Literal["fp32", "bf16", "fp16", "int8"] | None = doc(
+    rollout_precision: Literal["fp32", "bf16", "fp16", "int8", "int4"] | None = doc(
         None,
-        "Numeric path of the rollout engine: fp32, bf16, fp16 or int8 (per-channel weight-only). null: "
+        "Numeric path of the rollout engine: fp32, bf16, fp16, int8 or int4 (per-channel weight-only). null: "
         "bf16, or fp32 with true_on_policy. The trainer always recomputes pi_old in fp32.",
     )
     true_on_policy: bool = doc(
@@ -208,7 +210,7 @@ class DemoConfig(ConfigBase):
         return out
 
     def _correction_problems(self) -> list[str]:
-        if self.correction == "none":
+        if self.correction in ("none", "bypass_ppo", "decoupled_ppo"):  # train.BUILTIN_CORRECTIONS
             return []
         from megatron_mis.config.base import ConfigError
         from megatron_mis.config.mis import MISConfig

@@ -1,0 +1,133 @@
+"""``megatron-mis study``: the demo's GRPO run over arms x seeds in one mismatch setting, run in
+parallel processes (resumable), with bootstrap statistics, paired differences against no
+correction, a markdown report and a PNG. See ``docs/study.md``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_mis.config import ConfigError
+
+# (flag, StudyConfig field, argparse extras); help texts come from the config's field docs
+_VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
+    ("--setting", "setting", {"metavar": "NAME"}),
+    ("--seeds", "seeds", {"type": int, "metavar": "N"}),
+    ("--first-seed", "first_seed", {"type": int, "metavar": "S"}),
+    ("--steps", "steps", {"type": int, "metavar": "N"}),
+    ("--jobs", "jobs", {"type": int, "metavar": "N"}),
+    ("--threads", "threads", {"type": int, "metavar": "N"}),
+    ("--out-dir", "out_dir", {"metavar": "DIR"}),
+    ("--last-k", "last_k", {"type": int, "metavar": "K"}),
+    ("--threshold", "threshold", {"type": float, "metavar": "R"}),
+    ("--collapse-fraction", "collapse_fraction", {"type": float, "metavar": "F"}),
+    ("--bootstrap", "bootstrap", {"type": int, "metavar": "B"}),
+    ("--confidence", "confidence", {"type": float, "metavar": "C"}),
+)
+
+
+def add_parser(sub) -> None:
+    from megatron_mis.testbed.study.config import QUICK, StudyConfig
+
+    docs = StudyConfig.field_docs()
+    p = sub.add_parser(
+        "study",
+        help="arms x seeds of the demo in one mismatch setting: bootstrap CIs, paired differences, report",
+        description=(
+            "Runs the demo's GRPO loop (Megatron-Core GPT on CPU, a separate rollout engine with a real numeric "
+            "mismatch) for every arm (no correction, the correction presets, bypass / decoupled PPO, length-decay "
+            "LR, the no-mismatch references fp32 and true on-policy) and seed, in parallel worker processes. Each "
+            "run is written to OUT_DIR/SETTING/ARM/seed-S.jsonl and reused when the study is run again. The "
+            "report (report.md, report.png, summary.json) gives per arm the final reward, greedy reward, collapse "
+            "rate, steps to a threshold, K3 KL, with bootstrap CIs and paired differences against none."
+        ),
+        epilog=(
+            "examples:\n"
+            "  megatron-mis study                          # the default setting, every arm, 8 seeds\n"
+            "  megatron-mis study --quick                  # smoke run: 2 seeds x 4 small steps\n"
+            "  megatron-mis study --setting bf16 --arms none,token_tis,ref_fp32 --seeds 4\n"
+            "  megatron-mis study --report-only            # re-read the finished runs, rewrite the report\n"
+            "  megatron-mis study --list                   # settings and arms"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, field, extra in _VALUE_FLAGS:
+        _, default, text = docs[field]
+        p.add_argument(flag, dest=field, default=None, help=f"{text} (default: {default})".replace("%", "%%"), **extra)
+    p.add_argument("--arms", default=None, metavar="A,B,..", help="Comma-separated arms (default: every arm; see --list).")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="A further demo setting for every run (e.g. --set lr=0.005); repeatable.")
+    p.add_argument("--quick", action="store_true", default=None,
+                   help=f"Smoke mode: {QUICK['seeds']} seeds x {QUICK['steps']} steps of 4 prompts x 4 samples (explicit flags win).")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="Hide the progress bar.")
+    p.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="Do not write report.png.")
+    p.add_argument("--report-only", action="store_true", help="Do not run anything: write the report from the finished runs.")
+    p.add_argument("--list", action="store_true", help="List the settings and arms and exit.")
+    p.set_defaults(run=run)
+
+
+def _parse_extra(items: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("StudyConfig", [f"--set {item!r} must read KEY=VALUE"])
+        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
+def build_config(args: argparse.Namespace):
+    from megatron_mis.testbed.study.config import QUICK, StudyConfig
+
+    values = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
+    if args.arms is not None:
+        values["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.extra:
+        values["extra"] = _parse_extra(args.extra)
+    for name in ("progress", "plot"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.quick:
+        values = {**{k: v for k, v in QUICK.items() if k != "steps"}, **values, "quick": True}
+    return StudyConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_mis.testbed.study.config import ARMS, SETTINGS
+
+    if args.list:
+        print("settings:")
+        for name, s in SETTINGS.items():
+            print(f"  {name:14s} {s.description}")
+        print("arms:")
+        for name, a in ARMS.items():
+            print(f"  {name:20s} {a.description}")
+        return 0
+    try:
+        study = build_config(args)
+    except ConfigError as exc:
+        print(f"megatron-mis study: {exc}", file=sys.stderr)
+        return 2
+    from megatron_mis.testbed.study.report import format_markdown, write_report
+    from megatron_mis.testbed.study.runner import StudyError, run_study, study_dir
+
+    if not args.report_only:
+        print(f"study {study.setting}: {len(study.arms)} arms x {study.seeds} seeds, {study.resolved_steps} steps each, "
+              f"{study.num_jobs} runs in parallel x {study.threads} thread(s) -> {study_dir(study)}", file=sys.stderr)
+        try:
+            done = run_study(study)
+        except StudyError as exc:
+            print(f"megatron-mis study: {exc}", file=sys.stderr)
+            return 1
+        print(f"ran {done['ran']} runs, reused {done['reused']}, {done['wall_s']:.0f} s", file=sys.stderr)
+    summary = write_report(study)
+    if not summary["arms"]:
+        print("megatron-mis study: no finished runs to report", file=sys.stderr)
+        return 1
+    print(format_markdown(summary))
+    out = study_dir(study)
+    print(f"wrote {out / 'report.md'}, {out / 'summary.json'}" + (f", {out / 'report.png'}" if study.plot else ""),
+          file=sys.stderr)
+    return 0

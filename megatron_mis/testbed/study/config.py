@@ -1,0 +1,223 @@
+"""``StudyConfig``, the settings (a task and a mismatch source) and the arms (a correction or a
+no-mismatch reference) of ``megatron-mis study``. Importing this module imports neither torch
+nor Megatron, so the command line validates its flags and prints ``--help`` at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_mis.config.base import ConfigBase, doc
+from megatron_mis.testbed.demo.config import DemoConfig, available_cpus
+
+__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "Arm", "Setting", "StudyConfig", "run_config"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A task and a mismatch source: the :class:`DemoConfig` fields every arm of the study shares."""
+
+    name: str
+    description: str
+    overrides: dict[str, Any]
+    #: the correction ``megatron-mis demo --compare --preset NAME`` sets against none
+    demo_correction: str = "token_tis"
+
+    def demo_values(self) -> dict[str, Any]:
+        """The :class:`DemoConfig` values ``megatron-mis demo --preset NAME`` starts from."""
+        return {**self.overrides, "correction": self.demo_correction}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: the :class:`DemoConfig` fields it changes on top of the setting (a correction, a
+    schedule, or a no-mismatch rollout path)."""
+
+    name: str
+    description: str
+    overrides: dict[str, Any]
+    reference: bool = False  # a no-mismatch reference (its rollouts carry no bf16/int mismatch)
+
+
+_BASE: dict[str, Any] = {
+    "task": "copy",
+    "min_digits": 3,
+    "max_digits": 3,
+    "vocab_size": 16,
+    "prompts_per_step": 16,
+    "samples_per_prompt": 8,
+    "micro_batch_size": 64,
+    "updates_per_step": 1,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "lr": 3e-3,
+    "steps": 80,
+}
+
+
+def _setting(name: str, description: str, **changes: Any) -> Setting:
+    return Setting(name, description, {**_BASE, **changes})
+
+
+#: The settings (mismatch sources). Every one keeps the trainer in fp32; only the rollout differs.
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        _setting("int4", "copy 3 digits; rollouts with 4-bit per-channel weight-only quantised linears", rollout_precision="int4"),
+        _setting("int8", "copy 3 digits; rollouts with int8 per-channel weight-only quantised linears", rollout_precision="int8"),
+        _setting("bf16", "copy 3 digits; bf16 rollouts (weights and activations), fp32 trainer", rollout_precision="bf16"),
+        _setting("fp16", "copy 3 digits; fp16 rollouts (weights and activations), fp32 trainer", rollout_precision="fp16"),
+        _setting(
+            "batch-variant",
+            "copy 3 digits; fp32 rollouts whose only difference is the reduction order (KV-cache decode "
+            "shapes [B, 1] and fused linears vs the trainer's packed full-sequence forward)",
+            rollout_precision="fp32",
+        ),
+        _setting(
+            "int4-long",
+            "copy 6 digits (longer responses, seed 003's horizon argument); int4 rollouts",
+            rollout_precision="int4", min_digits=6, max_digits=6, steps=120,
+        ),
+        _setting(
+            "bf16-long",
+            "copy 6 digits (longer responses); bf16 rollouts",
+            rollout_precision="bf16", min_digits=6, max_digits=6, steps=120,
+        ),
+    )
+}
+DEFAULT_SETTING = "int4"
+
+
+def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:
+    return Arm(name, description, overrides, reference)
+
+
+#: Every arm. ``reference`` arms replace the setting's rollout path by a mismatch-free one.
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        _arm("none", "PPO against the recomputed fp32 pi_old, no IS weight (the mismatch uncorrected)", correction="none"),
+        _arm("token_tis", "decoupled PPO, token IS weight truncated at 2", correction="token_tis"),
+        _arm("token_mis", "decoupled PPO, token IS weight masked outside [0.5, 5] (IcePop)", correction="token_mis"),
+        _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
+        _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
+        _arm("geo_rs_token_tis", "geometric RS [0.999, 1.001] + token TIS 2", correction="geometric_rs_token_tis"),
+        _arm("seed000_default", "seed 000's default: token TIS 1.5 + geometric RS [0.99, 1.001] + veto 1e-4, normalised", correction="seed000_default"),
+        _arm("bypass_ppo", "PPO with pi_rollout as pi_old (its clip bounds pi_theta / pi_rollout), no weight", correction="bypass_ppo"),
+        _arm("decoupled_ppo", "3-policy PPO with the unbounded token weight pi_old / pi_rollout", correction="decoupled_ppo"),
+        _arm(
+            "length_decay", "none + seed 002's length-decay LR (surge pinned at step 20: the task has no length surge)",
+            correction="none", lr_schedule="length-decay", lr_surge_step=20,
+        ),
+        _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), none", True,
+             correction="none", rollout_precision="fp32"),
+        _arm("ref_true_on_policy", "no-mismatch reference: true on-policy rollouts (bitwise equal log-probs), none", True,
+             correction="none", rollout_precision="fp32", true_on_policy=True),
+    )
+}
+DEFAULT_ARMS: tuple[str, ...] = tuple(ARMS)
+
+#: ``--quick``: a smoke run (explicit flags win).
+QUICK: dict[str, Any] = {"seeds": 2, "steps": 4}
+_QUICK_RUN: dict[str, Any] = {"prompts_per_step": 4, "samples_per_prompt": 4, "micro_batch_size": 8}
+
+
+@dataclass(kw_only=True, slots=True)
+class StudyConfig(ConfigBase):
+    """Arms x seeds of the demo's GRPO run in one setting, with statistics (``docs/study.md``)."""
+
+    setting: str = doc(DEFAULT_SETTING, "The task and mismatch source (see SETTINGS / --list).")
+    arms: list[str] = doc(list(DEFAULT_ARMS), "Arms to run (the first 'none' is the paired baseline).")
+    seeds: int = doc(8, "Seeds per arm (seed s of every arm starts from the same weights and prompts).")
+    first_seed: int = doc(0, "The first seed (seeds first_seed .. first_seed + seeds - 1).")
+    steps: int | None = doc(None, "RL steps per run; null: the setting's.")
+    jobs: int | None = doc(None, "Runs in parallel (worker processes); null: the available cores.")
+    threads: int = doc(1, "Intra-op threads per worker process.")
+    out_dir: str = doc("runs/study", "Folder of the study: OUT_DIR/SETTING/ARM/seed-S.jsonl, report.md, report.png, summary.json.")
+    last_k: int = doc(10, "Final reward = mean reward of the last k steps.")
+    threshold: float = doc(0.5, "Steps to threshold: first step whose k-step moving mean reward reaches it.")
+    collapse_fraction: float = doc(
+        0.5,
+        "Collapse: a run that gained at least 0.1 reward (peak k-step moving mean - first k-step mean) "
+        "and then lost more than this fraction of the gain by the end (final - start < (1 - f) x "
+        "(peak - start)).",
+    )
+    bootstrap: int = doc(10000, "Bootstrap resamples per confidence interval.")
+    confidence: float = doc(0.95, "Confidence level of the intervals.")
+    quick: bool = doc(False, "Smoke mode: 2 seeds x 4 steps of 4 prompts x 4 samples (explicit flags win).")
+    progress: bool = doc(True, "Show the tqdm bar over runs.")
+    plot: bool = doc(True, "Write report.png.")
+    extra: dict[str, Any] = doc({}, "Further DemoConfig fields for every run (--set KEY=VALUE), applied last.")
+
+    def _check(self) -> list[str]:
+        out: list[str] = []
+        if self.setting not in SETTINGS:
+            out.append(f"setting={self.setting!r} is not one of {sorted(SETTINGS)}")
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            out.append(f"arms {unknown} are not among {list(ARMS)}")
+        if not self.arms:
+            out.append("arms is empty: name at least one arm")
+        if len(set(self.arms)) != len(self.arms):
+            out.append(f"arms={self.arms!r} repeats an arm")
+        if self.seeds < 1:
+            out.append(f"seeds={self.seeds!r} must be >= 1")
+        if self.first_seed < 0:
+            out.append(f"first_seed={self.first_seed!r} must be >= 0")
+        if self.steps is not None and self.steps < 1:
+            out.append(f"steps={self.steps!r} must be >= 1 or null")
+        if self.jobs is not None and self.jobs < 1:
+            out.append(f"jobs={self.jobs!r} must be >= 1 or null")
+        if self.threads < 1:
+            out.append(f"threads={self.threads!r} must be >= 1")
+        if self.last_k < 1:
+            out.append(f"last_k={self.last_k!r} must be >= 1")
+        if not 0 < self.collapse_fraction < 1:
+            out.append(f"collapse_fraction={self.collapse_fraction!r} must lie in (0, 1)")
+        if self.bootstrap < 100:
+            out.append(f"bootstrap={self.bootstrap!r} must be >= 100")
+        if not 0.5 < self.confidence < 1:
+            out.append(f"confidence={self.confidence!r} must lie in (0.5, 1)")
+        bad = sorted(set(self.extra) - set(DemoConfig.field_names()))
+        if bad:
+            out.append(f"extra keys {bad} are not DemoConfig fields")
+        if not out:
+            for arm in self.arms:  # every run's DemoConfig validates (e.g. a batch that does not split)
+                try:
+                    run_config(self, arm, self.first_seed)
+                except ValueError as exc:
+                    out.append(f"arm {arm!r}: {exc}")
+                    break
+        return out
+
+    @property
+    def num_jobs(self) -> int:
+        return self.jobs if self.jobs is not None else max(1, available_cpus() // self.threads)
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.first_seed, self.first_seed + self.seeds))
+
+    @property
+    def resolved_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        return int(QUICK["steps"]) if self.quick else int(SETTINGS[self.setting].overrides["steps"])
+
+
+def run_config(study: StudyConfig, arm: str, seed: int, *, out_dir: str = "runs/study/.scratch") -> DemoConfig:
+    """The :class:`DemoConfig` of one run: the setting, then the arm, then ``--quick``, then the
+    study's ``extra`` overrides and ``steps``."""
+    values: dict[str, Any] = dict(SETTINGS[study.setting].overrides)
+    values.update(ARMS[arm].overrides)
+    if study.quick:
+        values.update(_QUICK_RUN)
+    values.update(study.extra)
+    values.update(
+        steps=study.resolved_steps, seed=seed, name=f"{arm}-seed-{seed}", out_dir=out_dir,
+        threads=study.threads, progress=False, plot=False, compare=False,
+    )
+    if values.get("lr_surge_step") is not None and values["lr_surge_step"] > values["steps"]:
+        values["lr_surge_step"] = max(1, values["steps"] // 5)
+    return DemoConfig(**values)

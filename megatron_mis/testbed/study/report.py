@@ -1,0 +1,354 @@
+"""A study's summary (``summary.json``), its markdown report (``report.md``: the table, the paired
+differences, the answers to the study's questions) and its PNG (reward curves with bootstrap
+bands, K3 KL curves, forest plots of the paired differences against ``none``).
+
+The PNG uses matplotlib's Agg canvas (no pyplot)."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig
+from megatron_mis.testbed.study.runner import load_run, run_path, study_dir
+from megatron_mis.testbed.study.stats import (
+    bootstrap_ci,
+    curve_band,
+    moving_mean,
+    paired_differences,
+    run_metrics,
+    wilson_interval,
+)
+
+__all__ = ["collect", "summarize_study", "format_markdown", "plot_study", "write_report"]
+
+BASELINE = "none"
+REFERENCES = ("ref_fp32", "ref_true_on_policy")
+
+
+def collect(study: StudyConfig) -> dict[str, dict[int, dict[str, Any]]]:
+    """``{arm: {seed: run}}`` of the finished runs (missing ones are skipped)."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for arm in study.arms:
+        for seed in study.seed_list:
+            run = load_run(run_path(study, arm, seed))
+            if run is not None:
+                out.setdefault(arm, {})[seed] = run
+    return out
+
+
+def _ci(values: list[float], study: StudyConfig, seed: int = 0) -> list[float] | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None
+    return list(bootstrap_ci(vals, confidence=study.confidence, resamples=study.bootstrap, seed=seed))
+
+
+def _machine() -> dict[str, Any]:
+    import os
+
+    from megatron_mis.testbed.demo.config import available_cpus
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": available_cpus(), "load_average_1m_at_report": load, "python": platform.python_version()}
+
+
+def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Per-arm statistics and paired differences of a (possibly partial) study."""
+    runs = collect(study) if runs is None else runs
+    metrics = {
+        arm: {
+            seed: run_metrics(run["records"], run["end"], last_k=study.last_k, threshold=study.threshold,
+                              collapse_fraction=study.collapse_fraction)
+            for seed, run in by_seed.items()
+        }
+        for arm, by_seed in runs.items()
+    }
+
+    def per_seed(arm: str, key: str, transform=None) -> dict[int, float]:
+        out = {}
+        for seed, m in metrics.get(arm, {}).items():
+            v = m.get(key)
+            if v is not None:
+                out[seed] = transform(v) if transform else v
+        return out
+
+    def paired(arm: str, base: str, key: str, transform=None) -> dict[str, Any] | None:
+        if arm == base or base not in metrics:
+            return None
+        return paired_differences(per_seed(arm, key, transform), per_seed(base, key, transform),
+                                  confidence=study.confidence, resamples=study.bootstrap)
+
+    log10 = lambda v: math.log10(max(v, 1e-30))  # noqa: E731
+    arms: dict[str, Any] = {}
+    for i, arm in enumerate(study.arms):
+        ms = list(metrics.get(arm, {}).values())
+        if not ms:
+            continue
+        n = len(ms)
+        collapses = sum(m["collapsed"] for m in ms)
+        reached = [m["steps_to_threshold"] for m in ms if m["steps_to_threshold"] is not None]
+        ref = next((r for r in REFERENCES if r in metrics and r != arm), None)
+        arms[arm] = {
+            "description": ARMS[arm].description,
+            "reference": ARMS[arm].reference,
+            "n": n,
+            "seeds": sorted(metrics[arm]),
+            "final_reward": _ci([m["final_reward"] for m in ms], study, i),
+            "greedy_reward": _ci([m["greedy_reward"] for m in ms], study, i),
+            "greedy_exact": _ci([m["greedy_exact"] for m in ms], study, i),
+            "peak_reward": _ci([m["peak_reward"] for m in ms], study, i),
+            "collapse": {"k": collapses, "n": n, "rate": collapses / n,
+                         "interval": list(wilson_interval(collapses, n, confidence=study.confidence))},
+            "steps_to_threshold": {"reached": len(reached), "n": n, "mean": _ci(reached, study, i)},
+            "k3_mean": _ci([m["k3_mean"] for m in ms], study, i),
+            "k3_max": _ci([m["k3_max"] for m in ms], study, i),
+            "k3_token_max": max((m["k3_token_max"] or 0.0) for m in ms),
+            "k3_late_early": _ci([m["k3_late_early"] for m in ms], study, i),
+            "rejected_fraction": _ci([m["rejected_fraction"] for m in ms], study, i),
+            "wall_s": float(np.mean([m["wall_s"] for m in ms])),
+            "vs_none": {
+                "final_reward": paired(arm, BASELINE, "final_reward"),
+                "greedy_reward": paired(arm, BASELINE, "greedy_reward"),
+                "log10_k3_mean": paired(arm, BASELINE, "k3_mean", log10),
+                "k3_late_early": paired(arm, BASELINE, "k3_late_early"),
+            },
+            "vs_reference": {"reference": ref, "final_reward": paired(arm, ref, "final_reward") if ref else None},
+            "per_seed": {str(s): metrics[arm][s] for s in sorted(metrics[arm])},
+        }
+    summary = {
+        "setting": study.setting,
+        "setting_description": SETTINGS[study.setting].description,
+        "study": study.to_dict(),
+        "steps": study.resolved_steps,
+        "machine": _machine(),
+        "threads_per_run": study.threads,
+        "parallel_runs": study.num_jobs,
+        "arms": arms,
+    }
+    summary["answers"] = _answers(summary, metrics, study)
+    return summary
+
+
+def _fmt_ci(ci: list[float] | None, fmt: str = "{:.3f}") -> str:
+    if ci is None:
+        return "-"
+    return f"{fmt.format(ci[0])} [{fmt.format(ci[1])}, {fmt.format(ci[2])}]"
+
+
+def _fmt_diff(d: dict[str, Any] | None, fmt: str = "{:+.3f}") -> str:
+    if d is None:
+        return "-"
+    mark = " *" if d["excludes_zero"] else ""
+    return f"{fmt.format(d['mean'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]{mark}"
+
+
+def _verdict(d: dict[str, Any], *, supported_if: str) -> str:
+    """``supported`` / ``contradicted`` when the paired CI excludes 0 (on the claimed side / the
+    other), else ``not resolved``."""
+    if not d["excludes_zero"]:
+        return f"not resolved (CI includes 0, n={d['n']})"
+    above = d["low"] > 0
+    return "supported" if above == (supported_if == "above") else "contradicted"
+
+
+def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfig) -> dict[str, str]:
+    """The study's questions, answered from the numbers (sentences for the report)."""
+    arms = summary["arms"]
+    out: dict[str, str] = {}
+    refs = [r for r in REFERENCES if r in arms]
+    if BASELINE in arms and refs:
+        parts = []
+        harmed = False
+        for r in refs:
+            d = paired_differences({s: m["final_reward"] for s, m in metrics[BASELINE].items()},
+                                   {s: m["final_reward"] for s, m in metrics[r].items()},
+                                   confidence=study.confidence, resamples=study.bootstrap)
+            if d is None:
+                continue
+            worse = d["excludes_zero"] and d["high"] < 0
+            harmed |= worse
+            parts.append(f"none - {r} final reward {_fmt_diff(d)} over {d['n']} seeds "
+                         f"({'CI below 0: measurably worse' if worse else 'CI includes 0 or is above it: not measurably worse'})")
+        c = arms[BASELINE]["collapse"]
+        majority = c["k"] > c["n"] / 2
+        parts.append(f"none collapsed in {c['k']}/{c['n']} seeds" + (" (a clear majority)" if majority else ""))
+        out["a_mismatch_hurts"] = ("YES: " if harmed or majority else "NO: ") + "; ".join(parts)
+        ref = refs[0]
+        ref_ci = arms[ref]["final_reward"]
+        within = [a for a, s in arms.items() if a not in (BASELINE, *REFERENCES) and s["final_reward"]
+                  and ref_ci[1] <= s["final_reward"][0] <= ref_ci[2]]
+        out["b_correction_recovers"] = (
+            f"arms whose mean final reward lies within {ref}'s CI {_fmt_ci(ref_ci)}: "
+            + (", ".join(f"{a} ({arms[a]['final_reward'][0]:.3f})" for a in within) if within else "none")
+        )
+    if BASELINE in arms:
+        worse = [a for a, v in arms.items() if (v["vs_none"]["final_reward"] or {}).get("excludes_zero")
+                 and v["vs_none"]["final_reward"]["high"] < 0]
+        better = [a for a, v in arms.items() if (v["vs_none"]["final_reward"] or {}).get("excludes_zero")
+                  and v["vs_none"]["final_reward"]["low"] > 0]
+        out["arms_vs_none"] = (
+            "measurably worse than none (final reward): "
+            + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none']['final_reward'])}, rejected {arms[a]['rejected_fraction'][0]:.0%}"
+                         for a in worse) or "none of them")
+            + "; measurably better: " + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none']['final_reward'])}" for a in better)
+                                        or "none of them")
+        )
+    if "sequence_mis" in arms and "token_mis" in arms:
+        d = paired_differences({s: m["final_reward"] for s, m in metrics["sequence_mis"].items()},
+                               {s: m["final_reward"] for s, m in metrics["token_mis"].items()},
+                               confidence=study.confidence, resamples=study.bootstrap)
+        if d:
+            verdict = _verdict(d, supported_if="above")
+            out["seed001_sequence_beats_token"] = f"sequence_mis - token_mis final reward {_fmt_diff(d)}: {verdict}"
+    for arm in ("token_mis", "sequence_mis"):
+        if arm in arms and BASELINE in arms:
+            d = arms[arm]["vs_none"]["k3_late_early"]
+            if d:
+                verdict = _verdict(d, supported_if="below")
+                out[f"seed000_{arm}_suppresses_late_k3"] = (
+                    f"{arm}: late/early K3 ratio {_fmt_ci(arms[arm]['k3_late_early'], '{:.2f}')} vs none "
+                    f"{_fmt_ci(arms[BASELINE]['k3_late_early'], '{:.2f}')}, paired {_fmt_diff(d, '{:+.2f}')}: {verdict}"
+                )
+    if "length_decay" in arms and BASELINE in arms:
+        d = arms["length_decay"]["vs_none"]["log10_k3_mean"]
+        if d:
+            verdict = _verdict(d, supported_if="below")
+            out["seed002_length_decay_keeps_k3_low"] = (
+                f"length_decay - none, log10 mean K3 {_fmt_diff(d, '{:+.2f}')}: {verdict}"
+            )
+    return out
+
+
+def format_markdown(summary: dict[str, Any]) -> str:
+    """The report: setting, machine, the per-arm table, paired differences, answers."""
+    s = summary
+    st = s["study"]
+    lines = [
+        f"# Study: setting `{s['setting']}`",
+        "",
+        f"{s['setting_description']}. {s['steps']} RL steps per run, seeds {st['first_seed']}..{st['first_seed'] + st['seeds'] - 1}; "
+        f"machine: {s['machine']['cpu']}, {s['machine']['cores']} cores, {s['parallel_runs']} runs in parallel x "
+        f"{s['threads_per_run']} thread(s). Means with {int(st['confidence'] * 100)}% percentile-bootstrap CIs "
+        f"({st['bootstrap']} resamples); final reward = mean of the last {st['last_k']} steps; collapse: gained >= 0.1 "
+        f"then lost > {st['collapse_fraction']:.0%} of the gain; threshold {st['threshold']}. "
+        "Paired differences are per seed against `none`; `*` marks a CI that excludes 0.",
+        "",
+        "| arm | n | final reward | greedy reward | collapse | reached threshold (steps) | K3 mean | K3 max (step mean) | late/early K3 | rejected | final - none | greedy - none |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, a in s["arms"].items():
+        c = a["collapse"]
+        t = a["steps_to_threshold"]
+        reach = f"{t['reached']}/{t['n']}" + (f" ({t['mean'][0]:.0f})" if t["mean"] else "")
+        lines.append(
+            f"| {arm} | {a['n']} | {_fmt_ci(a['final_reward'])} | {_fmt_ci(a['greedy_reward'])} | "
+            f"{c['k']}/{c['n']} | {reach} | {_fmt_ci(a['k3_mean'], '{:.1e}')} | {_fmt_ci(a['k3_max'], '{:.1e}')} | "
+            f"{_fmt_ci(a['k3_late_early'], '{:.2f}')} | {a['rejected_fraction'][0]:.2%} | "
+            f"{_fmt_diff(a['vs_none']['final_reward'])} | {_fmt_diff(a['vs_none']['greedy_reward'])} |"
+        )
+    lines += ["", "## Answers", ""]
+    for key, text in s["answers"].items():
+        lines.append(f"- **{key}**: {text}")
+    lines += ["", "## Arms", ""]
+    for arm, a in s["arms"].items():
+        lines.append(f"- `{arm}`: {a['description']} (mean wall time per run {a['wall_s']:.0f} s)")
+    return "\n".join(lines) + "\n"
+
+
+def plot_study(summary: dict[str, Any], runs: dict[str, dict[int, dict[str, Any]]], path: str | Path,
+               *, confidence: float = 0.95) -> None:
+    """Four panels: reward per step (mean over seeds, bootstrap band), K3 KL per step (mean over
+    seeds, log axis), and forest plots of the paired differences against none (final reward,
+    greedy reward)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    arms = [a for a in summary["arms"] if a in runs]
+    fig = Figure(figsize=(15, 10), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    cmap = __import__("matplotlib").colormaps["tab20"]
+    order = [0, 6, 4, 2, 8, 10, 12, 14, 16, 18, 1, 7, 5, 3, 9, 11, 13, 15, 17, 19]  # strong colours first
+    colors = {a: cmap(order[i % 20]) for i, a in enumerate(arms)}
+    emphasis = {BASELINE, *REFERENCES}
+
+    def curves(arm: str, key: str) -> np.ndarray:
+        rows = []
+        for run in runs[arm].values():
+            rows.append([r.get(key) if r.get(key) is not None else np.nan for r in run["records"]])
+        width = min(len(r) for r in rows)
+        return np.array([r[:width] for r in rows], dtype=np.float64)
+
+    ax = axes[0, 0]
+    smooth = 5
+    for arm in arms:
+        x = curves(arm, "reward_mean")
+        if x.shape[1] >= smooth:  # each run's 5-step moving mean, then the band over runs
+            x = np.stack([moving_mean(row, smooth) for row in x])
+        mean, low, high = curve_band(x, confidence=confidence)
+        steps = np.arange(1, mean.size + 1) + (smooth - 1 if curves(arm, "reward_mean").shape[1] >= smooth else 0)
+        lw = 2.2 if arm in emphasis else 1.0
+        ls = "--" if arm in REFERENCES else "-"
+        ax.plot(steps, mean, color=colors[arm], lw=lw, ls=ls, label=f"{arm} (n={x.shape[0]})")
+        if arm in emphasis or len(arms) <= 4:
+            ax.fill_between(steps, low, high, color=colors[arm], alpha=0.15, lw=0)
+    ax.set(title=f"reward ({smooth}-step moving mean): mean over seeds, {int(confidence * 100)}% bootstrap band (none, refs)",
+           xlabel="RL step", ylabel="reward")
+    ax.legend(fontsize=7, ncol=2)
+    ax = axes[0, 1]
+    for arm in arms:
+        x = curves(arm, "mis_k3_kl")
+        mean = np.nanmean(x, axis=0)
+        steps = np.arange(1, mean.size + 1)
+        if np.nanmax(mean) <= 0:
+            continue
+        ax.plot(steps, np.where(mean > 0, mean, np.nan), color=colors[arm], lw=2.2 if arm in emphasis else 1.0,
+                ls="--" if arm in REFERENCES else "-", label=arm)
+    ax.set_yscale("log")
+    zero = [a for a in arms if a in runs and np.nanmax(curves(a, "mis_k3_kl")) <= 0]
+    ax.set(title="K3 KL(pi_old || pi_rollout) per step, mean over seeds" + (f" ({', '.join(zero)}: exactly 0)" if zero else ""),
+           xlabel="RL step", ylabel="K3 KL")
+    ax.legend(fontsize=7, ncol=2)
+    for ax, key, title in ((axes[1, 0], "final_reward", "final reward"), (axes[1, 1], "greedy_reward", "greedy reward")):
+        rows = [(a, summary["arms"][a]["vs_none"][key]) for a in arms if summary["arms"][a]["vs_none"].get(key)]
+        for i, (arm, d) in enumerate(rows):
+            y = len(rows) - 1 - i
+            color = "#d62728" if d["excludes_zero"] and d["mean"] < 0 else ("#2ca02c" if d["excludes_zero"] else "#444444")
+            ax.errorbar(d["mean"], y, xerr=[[d["mean"] - d["low"]], [d["high"] - d["mean"]]], fmt="o", color=color, capsize=3)
+            ax.scatter(list(d["diffs"].values()), [y] * len(d["diffs"]), s=8, color=colors[arm], alpha=0.6)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_yticks(range(len(rows)), [a for a, _ in reversed(rows)], fontsize=8)
+        ax.set(title=f"paired difference vs none, {title} (mean, {int(confidence * 100)}% CI, per-seed dots)",
+               xlabel=f"{title} - none (same seed)")
+    fig.suptitle(f"megatron-mis study: {summary['setting']} — {summary['setting_description']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+def write_report(study: StudyConfig) -> dict[str, Any]:
+    """Write ``summary.json``, ``report.md`` (and ``report.png``) into the study's folder; returns
+    the summary."""
+    runs = collect(study)
+    summary = summarize_study(study, runs)
+    out = study_dir(study)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(format_markdown(summary), encoding="utf-8")
+    if study.plot and runs:
+        plot_study(summary, runs, out / "report.png", confidence=study.confidence)
+    return summary

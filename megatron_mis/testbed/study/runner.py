@@ -1,0 +1,240 @@
+"""Run a study's arms x seeds: worker processes (one intra-op thread each by default) take runs
+from a queue, each run's records go to ``OUT_DIR/SETTING/ARM/seed-S.jsonl`` (written to a
+temporary name and renamed when complete), and a run whose file already exists with the same
+resolved configuration is reused, so an interrupted study resumes where it stopped.
+
+A run's JSONL file: a ``{"type": "run", ...}`` header (setting, arm, seed, the resolved
+``DemoConfig``), one ``{"type": "step", ...}`` line per RL step (the demo's metrics record), and an
+``{"type": "end", ...}`` line (greedy evaluation, decoded samples, LR schedule, wall time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_mis.testbed.study.config import StudyConfig, run_config
+
+__all__ = ["RunJob", "StudyError", "load_run", "run_path", "run_study"]
+
+
+class StudyError(RuntimeError):
+    """A run of the study failed; the message holds its traceback."""
+
+
+@dataclass(frozen=True)
+class RunJob:
+    setting: str
+    arm: str
+    seed: int
+    config: dict[str, Any]
+    path: str
+
+
+def study_dir(study: StudyConfig) -> Path:
+    return Path(study.out_dir) / study.setting
+
+
+def run_path(study: StudyConfig, arm: str, seed: int) -> Path:
+    return study_dir(study) / arm / f"seed-{seed}.jsonl"
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """The configuration keys that decide a run's numbers (not where it writes or what it shows)."""
+    return {k: v for k, v in config.items() if k not in ("name", "out_dir", "progress", "plot")}
+
+
+def load_run(path: str | Path) -> dict[str, Any] | None:
+    """A finished run's ``{"header", "records", "end"}``, or ``None`` when the file is missing or
+    incomplete."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    header, records, end = None, [], None
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            kind = rec.pop("type", None)
+            if kind == "run":
+                header = rec
+            elif kind == "step":
+                records.append(rec)
+            elif kind == "end":
+                end = rec
+    if header is None or end is None:
+        return None
+    return {"header": header, "records": records, "end": end}
+
+
+def _finished(job: RunJob) -> bool:
+    run = load_run(job.path)
+    return run is not None and _comparable(run["header"]["config"]) == _comparable(job.config)
+
+
+def _execute(job: RunJob, scratch: str) -> None:
+    """Run one job in this process (torch.distributed world of 1, initialised or not) and write
+    its JSONL file atomically."""
+    from megatron_mis.testbed.demo.config import DemoConfig
+    from megatron_mis.testbed.demo.launch import _run_in_group
+
+    cfg = DemoConfig.from_dict({**job.config, "out_dir": scratch})
+    t0 = time.perf_counter()
+    # a fresh file store per run (used only when this process has no process group yet)
+    # the demo prints the mismatch monitor's messages; here they are in the JSONL (monitor_warnings)
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        results = _run_in_group(cfg, 0, 1, os.path.join(scratch, f"store-{job.arm}-{job.seed}-{time.monotonic_ns()}"))
+    wall = time.perf_counter() - t0
+    (result,) = results
+    out = Path(job.path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        header = {"type": "run", "setting": job.setting, "arm": job.arm, "seed": job.seed, "config": job.config}
+        f.write(json.dumps(header) + "\n")
+        for rec in result.records:
+            f.write(json.dumps(_jsonable({"type": "step", **rec})) + "\n")
+        end = {"type": "end", "evaluation": result.evaluation, "samples": result.samples,
+               "schedule": result.schedule, "wall_s": wall, "label": result.label}
+        f.write(json.dumps(_jsonable(end)) + "\n")
+    os.replace(tmp, out)
+    shutil.rmtree(os.path.join(scratch, cfg.name), ignore_errors=True)
+
+
+def _jsonable(value: Any) -> Any:
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _worker(tasks: Any, results: Any, threads: int) -> None:
+    """A worker process: one gloo world of size 1 for its whole life (Megatron imported once),
+    runs taken from ``tasks`` until ``None``."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    scratch = tempfile.mkdtemp(prefix="megatron_mis_study_")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(scratch, 'store')}", rank=0, world_size=1)
+        parent = mp.parent_process()
+        while True:
+            try:
+                job = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    break  # the study was killed: do not run on as an orphan
+                continue
+            if job is None or (parent is not None and not parent.is_alive()):
+                break
+            try:
+                _execute(job, scratch)
+                results.put(("ok", job, ""))
+            except BaseException:  # noqa: BLE001 - reported to the parent, which stops the study
+                results.put(("err", job, traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def plan(study: StudyConfig) -> list[RunJob]:
+    """Every run of the study, seed-major (all arms of the first seed first), so that a partial
+    study holds complete pairs."""
+    jobs = []
+    for seed in study.seed_list:
+        for arm in study.arms:
+            cfg = run_config(study, arm, seed)
+            jobs.append(RunJob(study.setting, arm, seed, cfg.to_dict(), str(run_path(study, arm, seed))))
+    return jobs
+
+
+def run_study(study: StudyConfig) -> dict[str, Any]:
+    """Run (or reuse) every run of ``study``; returns ``{"ran": n, "reused": m, "wall_s": t}``.
+
+    Raises:
+        StudyError: a run raised (its traceback) or a worker died; finished runs stay on disk.
+    """
+    from tqdm.auto import tqdm
+
+    jobs = plan(study)
+    todo = [j for j in jobs if not _finished(j)]
+    reused = len(jobs) - len(todo)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(jobs), initial=reused, desc=f"study {study.setting}", unit="run",
+               disable=not study.progress, dynamic_ncols=True)
+    try:
+        if todo and study.num_jobs == 1:
+            scratch = tempfile.mkdtemp(prefix="megatron_mis_study_")
+            try:
+                for job in todo:
+                    try:
+                        _execute(job, scratch)
+                    except Exception as exc:
+                        raise StudyError(f"run {job.arm} seed {job.seed} failed: {exc}") from exc
+                    bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
+                    bar.update(1)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        elif todo:
+            _run_pool(study, todo, bar)
+    finally:
+        bar.close()
+    return {"ran": len(todo), "reused": reused, "wall_s": time.perf_counter() - t0}
+
+
+def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
+    ctx = mp.get_context("spawn")
+    tasks, results = ctx.Queue(), ctx.Queue()
+    n = min(study.num_jobs, len(todo))
+    for job in todo:
+        tasks.put(job)
+    for _ in range(n):
+        tasks.put(None)
+    procs = [ctx.Process(target=_worker, args=(tasks, results, study.threads), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    pending = len(todo)
+    try:
+        while pending:
+            try:
+                kind, job, payload = results.get(timeout=1.0)
+            except queue.Empty:  # check the workers are alive
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise StudyError(f"a study worker died (exit code {dead[0].exitcode})") from None
+                if all(not p.is_alive() for p in procs):
+                    raise StudyError(f"the workers stopped with {pending} runs left") from None
+                continue
+            if kind == "err":
+                raise StudyError(f"run {job.arm} seed {job.seed} failed:\n{payload}")
+            pending -= 1
+            bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
+            bar.update(1)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not pending else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -1,0 +1,73 @@
+"""``megatron-mis study`` end to end on a tiny budget: 2 arms x 2 seeds x 2 small steps in 2
+worker processes, the JSONL files, resuming (finished runs reused), the report, flag validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_mis.cli import main
+from megatron_mis.config import ConfigError
+from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig, run_config
+
+
+def test_study_config_validation():
+    with pytest.raises(ConfigError) as e:
+        StudyConfig(setting="int3", arms=["none", "nope", "none"], seeds=0, last_k=0, collapse_fraction=1.5,
+                    confidence=0.3, extra={"not_a_field": 1})
+    text = str(e.value)
+    for part in ("setting='int3'", "['nope']", "seeds=0", "last_k=0", "collapse_fraction=1.5", "confidence=0.3",
+                 "not_a_field"):
+        assert part in text, part
+    # a run's DemoConfig is validated up front (a batch that does not split into micro-batches)
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        StudyConfig(arms=["none"], extra={"micro_batch_size": 7})
+
+
+def test_run_config_layers_setting_arm_quick_extra():
+    study = StudyConfig(setting="bf16", arms=["ref_true_on_policy", "length_decay"], quick=True, extra={"lr": 0.004})
+    cfg = run_config(study, "ref_true_on_policy", 3)
+    assert cfg.true_on_policy and cfg.precision == "fp32" and cfg.correction == "none"
+    assert cfg.seed == 3 and cfg.steps == 4 and cfg.prompts_per_step == 4 and cfg.lr == 0.004 and cfg.threads == 1
+    cfg = run_config(study, "length_decay", 0)
+    assert cfg.precision == "bf16" and cfg.lr_schedule == "length-decay" and cfg.lr_surge_step == 1  # pinned within 4 steps
+    assert all(a.overrides.get("rollout_precision") in (None, "fp32") for a in ARMS.values())
+    assert {s.overrides["rollout_precision"] for s in SETTINGS.values()} >= {"bf16", "fp16", "int8", "int4", "fp32"}
+
+
+def test_study_smoke_runs_resumes_and_reports(tmp_path, capsys):
+    argv = ["study", "--arms", "none,token_tis", "--seeds", "2", "--steps", "2", "--jobs", "2", "--quick",
+            "--out-dir", str(tmp_path), "--bootstrap", "200", "--last-k", "1", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "ran 4 runs, reused 0" in out.err
+    root = tmp_path / "int4"
+    for arm in ("none", "token_tis"):
+        for seed in (0, 1):
+            lines = [json.loads(x) for x in (root / arm / f"seed-{seed}.jsonl").read_text().splitlines()]
+            assert [x["type"] for x in lines] == ["run", "step", "step", "end"]
+            assert lines[0]["config"]["seed"] == seed and lines[0]["config"]["rollout_precision"] == "int4"
+            assert lines[1]["mis_k3_kl"] > 0  # int4 rollouts: a real mismatch
+            assert "greedy_reward" in lines[-1]["evaluation"]
+    summary = json.loads((root / "summary.json").read_text())
+    assert set(summary["arms"]) == {"none", "token_tis"} and summary["arms"]["none"]["n"] == 2
+    diff = summary["arms"]["token_tis"]["vs_none"]["final_reward"]
+    assert diff["n"] == 2 and diff["low"] <= diff["mean"] <= diff["high"]
+    assert "| token_tis | 2 |" in out.out and (root / "report.png").stat().st_size > 10_000
+    # run again: every run is reused; a changed setting (more steps) is not
+    assert main(argv) == 0
+    assert "ran 0 runs, reused 4" in capsys.readouterr().err
+    argv_more = [*argv[:argv.index("--steps") + 1], "3", *argv[argv.index("--steps") + 2:], "--arms", "none", "--seeds", "1",
+                 "--jobs", "1", "--no-plot"]
+    assert main(argv_more) == 0
+    assert "ran 1 runs, reused 0" in capsys.readouterr().err
+
+
+def test_study_cli_errors_and_list(capsys):
+    assert main(["study", "--arms", "none,bogus", "--seeds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "seeds=0" in err
+    assert main(["study", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "int4" in out and "ref_true_on_policy" in out
