@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import warnings
 from pathlib import Path
 
@@ -269,3 +270,10 @@ def test_host_args_yaml_with_duplicate_key(tmp_path):
     ns = argparse.Namespace(use_tis=False, custom_config_path=str(path))
     with pytest.raises(ConfigError, match="duplicate key 'use_tis' at line 2"):
         MISConfig.from_host_args(ns)
+
+
+@pytest.mark.parametrize("key", ["tis_upper_bound", "tis_lower_bound", "rs_lower_bound", "rs_upper_bound"])
+@pytest.mark.parametrize("value", [1e39, 1e-39])
+def test_ratio_bounds_fit_float32(key, value):
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} must lie in [2.939e-39, 3.403e+38] (float32")):
+        MISConfig(**{key: value})

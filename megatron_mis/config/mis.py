@@ -19,6 +19,8 @@ ISMode = Literal["truncate", "clip", "mask"]
 #: exp(x) overflows float32 just above 88; keep every exponent well inside.
 MAX_LOG_RATIO_BOUND = 80.0
 
+_F32_MAX = 3.4028234663852886e38  # largest finite float32
+
 _RATIO_BOUNDS = ("tis_lower_bound", "tis_upper_bound", "rs_lower_bound", "rs_upper_bound")
 
 #: Keys slime and Miles already use in ``mis.yaml``.
@@ -167,6 +169,15 @@ class MISConfig(ConfigBase):
         uses both (use_tis with clip / mask), the RS bounds only where RS is on: a bound that
         nothing reads cannot be wrong (``use_tis, tis_upper_bound=1.0`` truncates at 1)."""
         problems = []
+        for name in _RATIO_BOUNDS:
+            value = getattr(self, name)
+            if value is not None and not 1.0 / _F32_MAX <= value <= _F32_MAX:
+                problems.append(
+                    f"{name}={value!r} must lie in [{1.0 / _F32_MAX:.4g}, {_F32_MAX:.4g}] (float32, in which the "
+                    "weights are computed, must hold the bound and its reciprocal)"
+                )
+        if problems:
+            return problems
         if self.use_tis and self.tis_mode != "truncate" and not self.tis_lower < self.tis_upper_bound:
             problems.append(
                 f"tis_lower_bound={self.tis_lower!r} must be < tis_upper_bound={self.tis_upper_bound!r}"
