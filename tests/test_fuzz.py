@@ -717,9 +717,28 @@ def advantage_cases(draw) -> Case:
         problems = _finite("advantages", res.advantages)
         if tuple(res.advantages.shape) != (n,):
             problems.append(f"advantages shape {tuple(res.advantages.shape)}")
+        valid = kw.get("valid")
+        if not problems and isinstance(valid, torch.Tensor) is False and "group_ids" not in kw:
+            problems += _spread_kept(rewards, res.advantages, g, kw["estimator"])
         return problems
 
     return Case("compute_advantages", label, call, expect, names, check)
+
+
+def _spread_kept(rewards: torch.Tensor, adv: torch.Tensor, g: int, estimator: str) -> list[str]:
+    """A group (the whole batch for reinforce_baseline) of finite rewards that clearly differ must
+    not come back with all-zero advantages (an overflowed mean or std does that)."""
+    size = rewards.numel() if estimator == "reinforce_baseline" else g
+    if size < 2 or not bool(torch.isfinite(rewards).all()):
+        return []
+    r64 = rewards.double().reshape(-1, size)
+    a = adv.double().reshape(-1, size)
+    for i in range(r64.shape[0]):
+        spread = float(r64[i].max() - r64[i].min())
+        scale = float(r64[i].abs().max())
+        if spread > 1e-3 * scale and spread > 1e-20 and bool((a[i] == 0).all()):
+            return [f"group {i} rewards {r64[i].tolist()} differ but every advantage is 0"]
+    return []
 
 
 @st.composite
@@ -1320,7 +1339,7 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
         "host_fsdp_mask_two": lambda: _host_case("compute_mis_weights_fsdp", ("loss_mask",), "either", masks=[_tensor([2.0, 1.0, 0.0])]),
         "host_cp_mask_nan": lambda: _host_case("compute_mis_weights_with_cp", ("loss_mask",), masks=[_tensor([math.nan, 1.0, 0.0])]),
         "host_cp_total_lengths_fraction": lambda: _host_case(
-            "compute_mis_weights_with_cp", ("total_lengths", "total_length"), total_lengths=[3.7]),
+            "compute_mis_weights_with_cp", ("total_lengths", "total_length"), total_lengths=[5.5]),
         "host_cp_total_lengths_string": lambda: _host_case(
             "compute_mis_weights_with_cp", ("total_lengths", "total_length"), total_lengths="5"),
         "host_cp_layout_foo": lambda: _host_case("compute_mis_weights_with_cp", ("cp_layout",), cp_layout="foo"),
@@ -1329,10 +1348,16 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
         # the RL loss, advantages, KL, routing
         "rl_loss_cu_seqlens_list": lambda: _known(
             "compute_rl_loss", "cu_seqlens=[0, 2] (a list)", lambda: _rl_loss_call(cu=[0, 2]), "error", ("cu_seqlens",)),
-        "advantages_rewards_overflow": lambda: _known(
-            "compute_advantages", "rewards=[3e38, -3e38] group_size=2",
-            lambda: compute_advantages(_tensor([3e38, -3e38]), group_size=2), "ok",
+        "advantages_mean_overflow": lambda: _known(
+            "compute_advantages", "rewards=[3e38, 3e38] group_size=2 (grpo)",
+            lambda: compute_advantages(_tensor([3e38, 3e38]), group_size=2), "ok",
             check=lambda res: _finite("advantages", res.advantages)),
+        "advantages_std_overflow": lambda: _known(
+            "compute_advantages", "rewards=[1e30, 2e30] group_size=2 (grpo)",
+            lambda: compute_advantages(_tensor([1e30, 2e30]), group_size=2), "ok",
+            check=lambda res: _finite("advantages", res.advantages) + _spread_kept(_tensor([1e30, 2e30]), res.advantages, 2, "grpo")),
+        "advantages_group_size_bool": lambda: _known(
+            "compute_advantages", "group_size=True", lambda: compute_advantages(torch.zeros(3), group_size=True), "error", ("group_size",)),
         "advantages_group_size_zero": lambda: _known(
             "compute_advantages", "group_size=0", lambda: compute_advantages(torch.zeros(4), group_size=0), "error", ("group_size",)),
         "kl_bound_nan": lambda: _known(
@@ -1342,6 +1367,26 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
             "decode_routed_experts", "meta_info=None",
             lambda: __import__("megatron_mis.routing.sglang", fromlist=["x"]).decode_routed_experts(
                 None, num_tokens=3, num_layers=1, topk=1, num_experts=4), "error", ("meta_info", "routed_experts")),
+        "rl_loss_ppo_ratio_times_advantage_overflow": lambda: _known(
+            "compute_rl_loss", "ppo, log_probs=[0], old_log_probs=[-20], advantages=[-1e30]",
+            lambda: _rl_loss_call(cu=torch.tensor([0, 1]), n=1, advantages=_tensor([-1e30]), old_log_probs=_tensor([-20.0])),
+            "ok", check=lambda out: _finite("loss", out.loss.detach())),
+        "kl_k2_unclamped": lambda: _known(
+            "kl_estimate", "k2, log_probs=[0], ref_log_probs=[-1e20]",
+            lambda: kl_estimate(torch.zeros(1), _tensor([-1e20]), "k2"), "ok", check=lambda out: _finite("kl", out)),
+        "kl_ref_list": lambda: _known(
+            "kl_estimate", "ref_log_probs=[0.0] (a list)", lambda: kl_estimate(torch.zeros(1), [0.0], "k3"), "error", ("ref_log_probs",)),
+        "routing_num_experts_huge": lambda: _known(
+            "decode_routed_experts", "num_experts=2**70",
+            lambda: __import__("megatron_mis.routing.sglang", fromlist=["x"]).decode_routed_experts(
+                {"routed_experts": base64.b64encode(np.array([1], dtype="<i4").tobytes()).decode()},
+                num_tokens=2, num_layers=1, topk=1, num_experts=2**70), "either", ("num_experts",),
+            check=lambda out: [] if out.tolist() == [[[1]]] else [f"decoded {out.tolist()}"]),
+        "analyze_json_infinity": lambda: _analyze_case(
+            b'{"rollout_log_probs": [3e38, 3e38], "train_log_probs": [-3e38, -3e38]}\n', "ok"),
+        "analyze_row_not_object": lambda: _analyze_case(b"3\n", "error"),
+        "analyze_garbage_pt": lambda: _analyze_case(b"not a torch file", "error", ".pt"),
+        "analyze_bool_log_prob": lambda: _analyze_case(b'{"rollout_log_probs": [0.0], "train_log_probs": [true]}\n', "error"),
         # configs (this suite's own fixes; kept as regressions)
         "config_tis_upper_1_rs_off": lambda: _known("MISConfig", "use_tis, tis_upper_bound=1.0",
                                                     lambda: MISConfig(use_tis=True, tis_upper_bound=1.0), "ok", check=_check_config),
@@ -1350,13 +1395,28 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
     }
 
 
-def _rl_loss_call(cu: Any):
+def _rl_loss_call(cu: Any, n: int = 2, advantages: torch.Tensor | None = None, **kw):
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.core.aggregation import Denominators
     from megatron_mis.core.losses import compute_rl_loss
 
-    lp = torch.zeros(2, requires_grad=True)
-    return compute_rl_loss(lp, torch.ones(2), torch.ones(2), cu, LossConfig(policy_loss="ppo"), Denominators(2.0, 1.0))
+    lp = torch.zeros(n, requires_grad=True)
+    adv = torch.ones(n) if advantages is None else advantages
+    return compute_rl_loss(lp, adv, torch.ones(n), cu, LossConfig(policy_loss="ppo"), Denominators(float(n), 1.0), **kw)
+
+
+def _analyze_case(content: bytes, expect: str, suffix: str = ".jsonl") -> Case:
+    path, cleanup = _write_case_file(content, "", suffix)
+
+    def check(result):
+        try:
+            _strict_json(result[0])
+        except ValueError as exc:
+            return [f"--json printed invalid JSON ({exc})"]
+        return []
+
+    return Case("cli analyze", f"{suffix} {content!r}", _cli_call(["analyze", path, "--json"], path), expect, (path,),
+                check, [cleanup])
 
 
 KNOWN_CASES = _known_cases()
