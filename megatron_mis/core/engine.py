@@ -281,10 +281,13 @@ def _token_stage(
         values.append((SumCol.SUM_W_KEPT, w_kept))
     if full_metrics:
         r_v = torch.where(valid, r, zero)
-        r64 = r_v.to(f64)
+        # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
+        # r^2 - 1 = (r - 1)(r + 1) in float64: the chi-square from log space, accurate for tiny
+        # mismatches and finite up to log_ratio_bound 80 (e^160)
+        em1 = torch.where(valid, tokens_em1 := torch.expm1(log_r), zero).to(f64)
         values += [
             (SumCol.SUM_TRAIN_LP, train_v), (SumCol.SUM_ROLLOUT_LP, rollout_v), (SumCol.SUM_K3, torch.where(valid, k3, zero)),
-            (SumCol.SUM_R, r_v), (SumCol.SUM_R2, r64 * r64), (SumCol.SUM_ABS_R1, torch.where(valid, (r - 1.0).abs(), zero)),
+            (SumCol.SUM_R, r_v), (SumCol.SUM_R2, em1 * (em1 + 2.0)), (SumCol.SUM_ABS_R1, em1.abs()),
         ]
         if plan.token_is:
             # the hosts' after-bound weight: bounded (truncate / clip), the raw ratio in mask mode
@@ -326,7 +329,7 @@ def _token_stage(
         seq_ids=seq_ids, mask=mask, valid=valid, nonfinite=nonfinite, train=train_v, rollout=rollout_v,
         log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
-        flags=flags,
+        flags=flags, r_minus_1=tokens_em1 if full_metrics else None,
     )
     return tokens, sums, mins, maxs
 
@@ -603,6 +606,11 @@ def compute_mis(
             the parameter, the value and what is allowed).
     """
     config = _check_config(config)
+    if reduce_stats is not None and not callable(reduce_stats):
+        raise TypeError(
+            f"reduce_stats must be None or a callable SequenceStatistics -> SequenceStatistics "
+            f"(megatron_mis.parallel.cp_mis.cp_stats_reducer), got {type(reduce_stats).__name__} ({reduce_stats!r:.40})"
+        )
     if config.normalizes and config.tis_batch_normalize_scope == "global" and global_normalizer is None:
         raise ValueError(
             "tis_batch_normalize_scope='global' needs the step's global mean: compute it once per step with "

@@ -233,12 +233,13 @@ def build_metrics(
     seq("mis_log_ppl_diff", diff)
     seq("mis_log_ppl_abs_diff", diff.abs())
     seq("mis_ppl_ratio", _exp(diff))
-    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SumCol.SUM_R2), n_valid) - 1.0, torch.zeros_like(n_valid)))
+    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SumCol.SUM_R2), n_valid), torch.zeros_like(n_valid)))
     seq_log = seqs.level_log_r["sequence"]
     # float64: exp(2 * 80) is finite there
     seq("mis_chi2_seq", torch.where(n_valid > 0, torch.expm1(2.0 * seq_log), torch.zeros_like(n_valid)))
-    tok("mis_tv", 0.5 * (tokens.r - 1.0).abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
-    sum_r, sum_r2, nv = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum(), n_valid.sum()
+    tok("mis_tv", 0.5 * tokens.r_minus_1.abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
+    nv = n_valid.sum()
+    sum_r, sum_r2 = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum() + nv
     batch("mis_ess_token", torch.where(nv > 0, _safe_div(sum_r.square(), nv * sum_r2), torch.ones_like(nv)))
     has_valid = (n_valid > 0).to(f64)
     w_seq_raw = torch.exp(seq_log) * has_valid  # float64: e^80 squared stays finite

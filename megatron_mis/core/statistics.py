@@ -30,8 +30,8 @@ class SumCol(IntEnum):
     SUM_ROLLOUT_LP = 5
     SUM_K3 = 6  # r - 1 - log r (clamped log r)
     SUM_R = 7
-    SUM_R2 = 8  # r^2 summed in float64 (r <= e^80, r^2 <= e^160: finite)
-    SUM_ABS_R1 = 9  # |r - 1|
+    SUM_R2 = 8  # r^2 - 1 = expm1(log r) (expm1(log r) + 2) summed in float64 (finite up to e^160)
+    SUM_ABS_R1 = 9  # |r - 1| = |expm1(log r)|
     N_TOK_REJECTED = 10  # loss-mask tokens rejected by a token-level decision (N_MASK - N_TOK_KEPT)
     N_TOK_KEPT = 11  # loss-mask tokens not rejected at token level
     SUM_W_KEPT = 12  # token-level IS: bounded weight over token-kept tokens
@@ -112,6 +112,8 @@ class TokenQuantities:
     #: float32 copies of the 0/1 flags, keyed by :class:`SumCol`, made once and shared by the
     #: per-sequence counts and the indicator metrics
     flags: dict = field(default_factory=dict)
+    #: ``expm1(log r)`` (0 where invalid), float32 to relative accuracy; ``None`` without metrics
+    r_minus_1: torch.Tensor | None = None
 
 
 @dataclass
