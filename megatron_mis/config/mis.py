@@ -112,6 +112,28 @@ class MISConfig(ConfigBase):
         "rollout", "Which policy's token probability the probability veto looks at."
     )
 
+    # ---- engine output and speed (megatron-mis) -------------------------------------------------
+    mis_metrics: Literal["standard", "full", "none"] = doc(
+        "standard",
+        "Which metrics the engine builds: standard (every metric a dashboard plots, the hosts' names "
+        "with the hosts' definitions), full (standard plus rarely read ones: megatron-mis' kept-token "
+        "variants of the final-weight statistics and of the after-bound weight) or none (weights and "
+        "masks only: the fastest path; the host drop-ins then return an empty metrics dict).",
+    )
+    compile_engine: bool = doc(
+        False,
+        "Run the engine's token and sequence stages through torch.compile(fullgraph=True, "
+        "dynamic=True). Faster on long batches once compiled (see benchmarks/README.md); the first "
+        "call of a process compiles (seconds to minutes).",
+    )
+    rs_without_tis: bool = doc(
+        False,
+        "Host drop-ins only: slime and Miles also call the TIS function when only "
+        "--get-mismatch-metrics is set (use_tis false); by default that call reports metrics and "
+        "leaves the loss and masks unchanged (use_rs and the vetoes then have no effect, with a "
+        "warning). true: apply rejection sampling and the vetoes in that case too (weights stay 1).",
+    )
+
     # ---------------------------------------------------------------------------- resolved bounds
     @property
     def tis_lower(self) -> float:
