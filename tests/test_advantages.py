@@ -121,3 +121,42 @@ def test_bad_inputs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compute_advantages(torch.zeros(0), group_size=1)
+
+
+# ------------------------------------------------------------------ ties: exactly zero, float64 statistics
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_baseline"])
+@pytest.mark.parametrize("value", [7.7, 0.1, -3.3, 1e6 + 0.3, 1 / 3])
+@pytest.mark.parametrize("size", [3, 7, 16])
+def test_tied_groups_get_exactly_zero(estimator, value, size):
+    # Non-dyadic rewards: with float32 statistics 16 x 7.7 gave +0.4805 for every member (GRPO).
+    res = compute_advantages(torch.full((size,), value), group_size=size, estimator=estimator)
+    assert res.advantages.tolist() == [0.0] * size
+    assert res.num_tied_groups == 1 and res.num_degenerate_groups == 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        res = compute_advantages(torch.full((size,), value, dtype=dtype), group_size=size, estimator=estimator)
+        assert res.advantages.tolist() == [0.0] * size
+
+
+def test_issue_example_and_tie_next_to_a_live_group():
+    res = compute_advantages(torch.full((16,), 7.7), group_size=16)
+    assert res.advantages.abs().max().item() == 0.0
+    rewards = torch.tensor([7.7, 7.7, 7.7, 0.0, 1.0, 0.5, 9.9, 9.9, 9.9])
+    valid = torch.tensor([True, True, True, True, True, True, True, False, True])
+    for estimator in ("grpo", "rloo"):
+        res = compute_advantages(rewards, group_size=3, valid=valid, estimator=estimator)
+        assert res.advantages[[0, 1, 2, 6, 7, 8]].tolist() == [0.0] * 6
+        assert res.num_tied_groups == 2 and res.metrics()["adv_num_tied_groups"] == 2.0
+        ref = compute_advantages(rewards[3:6], group_size=3, estimator=estimator)
+        torch.testing.assert_close(res.advantages[3:6], ref.advantages)
+    # a tie among the valid members only: the invalid 5.0 does not break it
+    res = compute_advantages(torch.tensor([0.3, 5.0, 0.3]), group_size=3, valid=torch.tensor([True, False, True]))
+    assert res.advantages.tolist() == [0.0, 0.0, 0.0] and res.num_tied_groups == 1
+
+
+def test_statistics_are_float64():
+    # Rewards 1e7 + {0, 0.25, 0.5, 0.75} in float64: a float32 mean would lose the offsets.
+    r = torch.tensor([1e7, 1e7 + 0.25, 1e7 + 0.5, 1e7 + 0.75], dtype=torch.float64)
+    res = compute_advantages(r, group_size=4, grpo_std_normalization=False)
+    torch.testing.assert_close(res.advantages, torch.tensor([-0.375, -0.125, 0.125, 0.375]), rtol=0, atol=0)
+    res = compute_advantages(r, group_size=4, estimator="rloo")
+    torch.testing.assert_close(res.advantages, torch.tensor([-0.5, -1 / 6, 1 / 6, 0.5]), rtol=1e-7, atol=0)

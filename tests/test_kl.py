@@ -133,3 +133,87 @@ def test_unbiased_k2_is_not_the_kl_gradient():
     theta, log_old, log_ref = _policies(4)
     got = _expected_estimator_grad(theta, log_old, log_ref, "k2", unbiased=True)
     assert (got - _true_kl_grad(theta, log_ref)).norm() > 1e-3
+
+
+# ------------------------------------------------------------------ clamps: true gradient or exactly 0
+def test_issue_examples_clamped_tokens_get_zero_gradient():
+    # low_var_kl, log pi = 0, log ref = 3, log old = 1: k3 = e^3 - 4 = 16.09 > 10 (clamped).
+    lp = torch.tensor([0.0], dtype=torch.float64, requires_grad=True)
+    out = kl_estimate(lp, torch.tensor([3.0], dtype=torch.float64), "low_var_kl",
+                      old_log_probs=torch.tensor([1.0], dtype=torch.float64), unbiased=True)
+    assert out.item() == pytest.approx(math.exp(-1) * 10.0, rel=1e-12)  # value: ratio * clamp(k3)
+    out.sum().backward()
+    assert lp.grad.item() == 0.0  # was +3.679 (ratio * 10), the wrong sign
+    # k3, log pi = -25, log ref = -3, log old = -25: |log q| = 22 > 20 (exp guard active).
+    lp = torch.tensor([-25.0], dtype=torch.float64, requires_grad=True)
+    out = kl_estimate(lp, torch.tensor([-3.0], dtype=torch.float64), "k3",
+                      old_log_probs=torch.tensor([-25.0], dtype=torch.float64), unbiased=True)
+    assert out.item() == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-12)
+    out.sum().backward()
+    assert lp.grad.item() == 0.0  # was +4.85e8
+
+
+def _per_token_true_grad(kind, lp, ref, old):
+    """d/d log pi of ratio * k, derived by hand: k1 -> ratio (k1 + 1); k2 -> ratio (k2 + log r);
+    k3 / low_var_kl (unclamped) -> ratio * (log pi - log ref)."""
+    ratio = (lp - old).exp()
+    d = lp - ref
+    if kind == "k1":
+        return ratio * (d + 1)
+    if kind == "k2":
+        return ratio * (0.5 * d * d + d)
+    return ratio * d
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+def test_every_token_gets_the_true_gradient_or_zero(kind):
+    g = torch.Generator().manual_seed(7)
+    n = 4000
+    # Wide log-ratios so that both clamps (|log q| > 20 and k3 > 10) and the ratio clamp are hit.
+    lp = -torch.rand(n, dtype=torch.float64, generator=g) * 30
+    ref = -torch.rand(n, dtype=torch.float64, generator=g) * 30
+    old = lp + torch.randn(n, dtype=torch.float64, generator=g) * 8
+    x = lp.clone().requires_grad_()
+    out = kl_estimate(x, ref, kind, old_log_probs=old, unbiased=True, log_ratio_bound=20.0)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    true = _per_token_true_grad(kind, lp, ref, old)
+    k3 = torch.expm1(ref - lp) - (ref - lp)
+    cut = (lp - old).abs() > 20
+    if kind in ("k3", "low_var_kl"):
+        cut |= (ref - lp).abs() > 20
+    if kind == "low_var_kl":
+        cut |= k3.abs() > 10
+    assert 50 < int(cut.sum()) < n - 50  # the clamps are really active on many tokens
+    assert bool((grad[cut] == 0).all())
+    # autograd's k3 derivative cancels ratio*(q - 1) against ratio*(1 - q), q up to e^20: the
+    # float64 rounding of that is ~1e-16 * q / |log q| relative, below 1e-8 here.
+    torch.testing.assert_close(grad[~cut], true[~cut], rtol=1e-8, atol=0)
+    # never the wrong sign against the true per-token gradient
+    assert bool((grad * true >= 0).all())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl"])
+def test_unbiased_kl_gradient_with_active_clamps_by_enumeration(seed, kind):
+    """A reference that puts large mass where pi_theta puts little makes k3 > 10 (and for one
+    outcome |log q| > bound); the expected gradient must be the KL gradient of the unclamped
+    outcomes alone, derived here without kl_estimate."""
+    theta, log_old, _ = _policies(seed, k=8)
+    with torch.no_grad():
+        theta[0] -= 12.0  # pi_theta(0) tiny
+        theta[1] -= 30.0  # pi_theta(1) below e^-20 of ref: the exp guard is active
+    log_ref = torch.log_softmax(torch.tensor([4.0, 4.0, 0, 0, 0, 0, 0, 0], dtype=torch.float64), 0)
+    log_old = torch.log_softmax(theta.detach() + torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)), 0)
+    bound = 20.0
+    log_pi = torch.log_softmax(theta, 0)
+    lp_d = log_pi.detach()
+    k3 = torch.expm1(log_ref - lp_d) - (log_ref - lp_d)
+    cut = ((log_ref - lp_d).abs() > bound) | ((lp_d - log_old).abs() > bound)
+    if kind == "low_var_kl":
+        cut |= k3 > 10
+    assert bool(cut[1]) and bool(cut[0]) == (kind == "low_var_kl") and not bool(cut[2:].any())
+    got = _expected_estimator_grad(theta, log_old, log_ref, kind, unbiased=True)
+    # sum over unclamped outcomes of old(y) * d/dtheta[pi/old * k3]: pi(y) (log pi - log ref) dlog pi.
+    keep = (~cut).to(torch.float64)
+    (want,) = torch.autograd.grad((keep * lp_d.exp() * (lp_d - log_ref) * log_pi).sum(), theta)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

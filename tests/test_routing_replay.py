@@ -215,6 +215,55 @@ def _agreement_values():
     return results
 
 
+def _fallback_values(backend):
+    """Tokens whose RouteShard.replayed is False route by the router's own top-k."""
+    from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.routing.replay import RoutingReplay
+    from megatron_mis.routing.slicing import RouteShard
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    out = {}
+    with megatron_parallel(seed=5):
+        model = build_cpu_moe_gpt(_spec())
+        tokens, pos = _batch()
+        seen = []
+        hooks = _capture(model, seen)
+        with torch.no_grad():
+            natural_out = model(tokens, pos, None)
+        nat = _as_routes([m for _, _, m in sorted(seen, key=lambda x: x[0])])  # [16, L, K]
+        others = torch.stack([torch.tensor([e for e in range(E) if e not in row.tolist()][:K])
+                              for row in nat.view(-1, K)]).view_as(nat)
+        fall = torch.arange(16) % 2 == 1  # odd tokens: no rollout route
+        replayed = (~fall).view(-1, 1).expand(16, L).clone()
+        for agreement in (True, False):
+            seen.clear()
+            with RoutingReplay(model, routing_replay_mode="r3", routing_replay_backend=backend,
+                               routing_replay_agreement=agreement) as replay:
+                replay.set_routes(0, RouteShard(others.to(torch.uint8), (0, 1), None, replayed))
+                replay.begin_pass()
+                with torch.no_grad():
+                    model(tokens, pos, None)
+                layer0 = [m for l, _, m in seen if l == 0][0]
+                want = torch.where(fall.view(-1, 1), nat[:, 0], others[:, 0])
+                out[f"layer0_choice_{agreement}"] = torch.equal(
+                    layer0, torch.zeros(16, E, dtype=torch.bool).scatter(1, want, True))
+                out[f"fallback_{agreement}"] = replay.fallback_counts()
+                out[f"agreement_{agreement}"] = replay.agreement()
+                if agreement:
+                    out["stats"] = replay.agreement_stats()[1]
+        # no token has a rollout route: exactly the natural model
+        with RoutingReplay(model, routing_replay_mode="r3", routing_replay_backend=backend) as replay:
+            replay.set_routes(0, RouteShard(others.to(torch.uint8), (0, 1), None, torch.zeros(16, L, dtype=torch.bool)))
+            replay.begin_pass()
+            with torch.no_grad():
+                out["all_fallback_identical"] = torch.equal(model(tokens, pos, None), natural_out)
+            out["all_fallback_agreement"] = replay.agreement()
+            out["all_fallback_counts"] = replay.fallback_counts()
+        for h in hooks:
+            h.remove()
+    return out
+
+
 def _recompute_reverse_order(backend, recompute):
     from megatron_mis.routing.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
@@ -393,6 +442,19 @@ def test_agreement_metric_values(pool1):
     assert r["half"][0] == 0.5
     assert r["masked"][0] == 1.0  # padding rows (disjoint) are left out
     assert r["masked_stats"][:, 1].tolist() == [8.0, 8.0]
+
+
+@pytest.mark.parametrize("backend", ["native", "legacy"])
+def test_tokens_without_rollout_route_use_the_routers_choice(pool1, backend):
+    r = pool1.run(_fallback_values, backend)[0]
+    for agreement in (True, False):
+        assert r[f"layer0_choice_{agreement}"]  # odd tokens natural, even tokens the given (disjoint) routes
+        assert r[f"fallback_{agreement}"] == {0: 8, 1: 8}
+    assert r["agreement_True"][0] == 0.0  # only the 8 replayed (disjoint) tokens are compared
+    assert r["stats"][:, 1].tolist() == [8.0, 8.0]
+    assert r["agreement_False"] == {}
+    assert r["all_fallback_identical"] and r["all_fallback_agreement"] == {}
+    assert r["all_fallback_counts"] == {0: 16, 1: 16}
 
 
 @pytest.mark.parametrize("backend", ["native", "legacy"])

@@ -143,3 +143,67 @@ def test_multi_turn_append_gives_last_token_its_real_route():
     u = SampleRoutes(num_layers=2, topk=2, num_experts=8)
     u.load_state_dict(state)
     assert torch.equal(u.routes, s.routes)
+
+
+# ------------------------------------------------------------------ unrouted (negative) ids, bad arguments
+def test_negative_ids_are_unrouted_positions():
+    neg = ROUTES.copy()
+    neg[1, 0, :] = -1  # row 1, layer 0: not routed
+    neg[2, 1, 1] = -7  # row 2, layer 1: one id missing -> the whole (row, layer) is unrouted
+    meta = {"routed_experts": _b64(neg.astype("<i4"))}
+    routes, routed = decode_routed_experts(meta, num_tokens=4, num_layers=2, topk=2, num_experts=8, with_mask=True)
+    assert routed.tolist() == [[True, True], [False, True], [True, False]]
+    assert routes.dtype == torch.uint8
+    keep = routed.unsqueeze(2).expand_as(routes)
+    assert torch.equal(routes.long()[keep], torch.from_numpy(ROUTES)[keep])
+    filler = spread_padding_routes(3, 2, 2, 8)
+    assert torch.equal(routes[1, 0], filler[1, 0]) and torch.equal(routes[2, 1], filler[2, 1])
+    # without the mask a negative id still refuses (a caller would replay the filler on real tokens)
+    with pytest.raises(ValueError, match="with_mask=True"):
+        decode_routed_experts(meta, num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    # a clean payload: all routed
+    _, ok = decode_routed_experts({"routed_experts": _b64(ROUTES.astype("<i4"))}, num_tokens=4, num_layers=2,
+                                  topk=2, num_experts=8, with_mask=True)
+    assert bool(ok.all())
+
+
+def test_decoder_bad_arguments_name_the_parameter():
+    good = {"routed_experts": _b64(ROUTES.astype("<i4"))}
+    kw = dict(num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(TypeError, match="meta_info must be the response's meta_info dict .*got NoneType"):
+        decode_routed_experts(None, **kw)
+    with pytest.raises(TypeError, match="meta_info must be .*got str"):
+        decode_routed_experts("abc", **kw)
+    with pytest.raises(TypeError, match=r"meta_info\['routed_experts'\] must be base64 text, bytes or an integer array"):
+        decode_routed_experts({"routed_experts": {"a": 1}}, **kw)
+    with pytest.raises(ValueError, match="routed_experts: expert ids must be integers"):
+        decode_routed_experts({"routed_experts": [0.5] * 12}, **kw)
+    for name, bad in (("num_tokens", None), ("num_layers", 0), ("topk", 1.5), ("num_experts", True), ("start_len", -1)):
+        with pytest.raises(ValueError, match=f"{name}="):
+            decode_routed_experts(good, **{**kw, name: bad})
+    with pytest.raises(TypeError, match="with_mask='yes' must be a bool"):
+        decode_routed_experts(good, **kw, with_mask="yes")
+
+
+def test_sample_routes_mask_through_finalize_and_shard():
+    from megatron_mis.routing.slicing import RouteShardSpec, shard_routes
+
+    neg = ROUTES.copy()
+    neg[1, 1, :] = -1
+    s = SampleRoutes(num_layers=2, topk=2, num_experts=8)
+    s.extend_from_response({"routed_experts": _b64(neg.astype("<i4"))}, num_tokens=4)
+    assert s.num_unrouted == 1
+    routes, routed = s.finalize(6, with_mask=True)  # 2 tokens appended after the last request
+    assert routes.shape == (6, 2, 2) and torch.equal(routes, s.finalize(6))
+    assert routed.tolist() == [[True, True], [True, False], [True, True], [False, False], [False, False], [False, False]]
+    state = s.state_dict()
+    t = SampleRoutes(num_layers=2, topk=2, num_experts=8)
+    t.load_state_dict(state)
+    assert torch.equal(t.routed, s.routed)
+
+    shard = shard_routes([routes], [6], RouteShardSpec(layer_ids=(1, 0), num_experts=8), sample_routed=[routed])
+    assert shard.valid.tolist() == [True, True, True, False, False, False]
+    assert shard.replayed.tolist() == [[True, True], [False, True], [True, True]] + [[False, False]] * 3
+    assert shard.num_not_replayed == 7
+    with pytest.raises(ValueError, match="sample 0: sample_routed must be a bool"):
+        shard_routes([routes], [6], RouteShardSpec(layer_ids=(0,), num_experts=8), sample_routed=[routed[:3]])

@@ -280,3 +280,18 @@ def test_each_rank_receives_only_its_shard(pool4):
     for checked, _, _, received, _ in results:
         assert checked > 0
         assert received < full_int32 / 4  # a quarter of the tokens, 1 byte per id (+ mask)
+
+
+def test_filler_row_of_the_last_token_is_not_valid():
+    """Issue 13's repro: SGLang gives T-1 rows; the filled last row is not a rollout route."""
+    shard = shard_routes([torch.tensor([[[0, 1]], [[2, 3]]])], [3], RouteShardSpec(layer_ids=(0,), num_experts=8))
+    assert shard.valid.tolist() == [True, True, False]
+    assert shard.replayed.tolist() == [[True], [True], [False]]  # the router chooses for the last token
+    # with padding: padding rows replay their filler (replayed) but are not valid either
+    shard = shard_routes([torch.tensor([[[0, 1]], [[2, 3]]]), torch.tensor([[[4, 5]]])], [3, 2],
+                         RouteShardSpec(layer_ids=(0,), num_experts=8, pad_multiple=4))
+    assert shard.valid.tolist() == [True, True, False, True, False, False, False, False]
+    assert shard.replayed.view(-1).tolist() == [True, True, False, True, False, True, True, True]
+    # full rows (T rows given): everything valid and replayed, no mask sent
+    shard = shard_routes([torch.tensor([[[0, 1]], [[2, 3]], [[4, 5]]])], [3], RouteShardSpec(layer_ids=(0,), num_experts=8))
+    assert shard.valid.tolist() == [True, True, True] and shard.replayed is None

@@ -17,7 +17,16 @@ statistics):
   get advantage 0 and the group is counted in ``num_degenerate_groups``. (GRPO's unbiased std of
   one sample is undefined; slime sets ``grpo_std_normalization`` off when
   ``n_samples_per_prompt == 1`` for this reason.)
-- a group whose valid rewards are all equal gets advantage 0 (GRPO divides 0 by ``std + eps``).
+- a group whose valid rewards are all equal (a *tied* group: no signal) gets advantage exactly 0
+  from every estimator, and is counted in ``num_tied_groups``. Group statistics are computed in
+  float64 from rewards shifted by the group's minimum, so a tie is detected exactly (its spread
+  ``max - min`` is 0) and never turns into rounding noise divided by ``std + eps`` (with float32
+  statistics 16 rewards of 7.7 gave +0.48 each).
+
+Groups of size 1 (``group_size=1``, one sample per prompt) are degenerate for ``grpo`` and
+``rloo`` (advantage 0 for everything, no learning signal); use ``reinforce_baseline`` there, which
+compares with the batch mean. slime also gives ``r - mean = 0`` to a group of one (GRPO); verl
+instead uses mean 0 and std 1 for a single-sample group, i.e. the raw reward as its advantage.
 
 Pure torch; nothing here imports Megatron or torch.distributed.
 """
@@ -60,6 +69,8 @@ class AdvantageResult:
         num_excluded_sequences: sequences left out of the statistics (invalid or non-finite).
         num_nonfinite_rewards: sequences whose reward was NaN or +-inf.
         num_degenerate_groups: groups with fewer than two valid members.
+        num_tied_groups: groups with two or more valid members whose valid rewards are all
+            equal (advantage exactly 0, no learning signal).
     """
 
     advantages: torch.Tensor
@@ -67,6 +78,7 @@ class AdvantageResult:
     num_excluded_sequences: int
     num_nonfinite_rewards: int
     num_degenerate_groups: int
+    num_tied_groups: int = 0
 
     def token_advantages(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``[T]``: each sequence's advantage repeated over its tokens (``cu_seqlens [N+1]``)."""
@@ -78,6 +90,7 @@ class AdvantageResult:
             "adv_num_excluded_sequences": float(self.num_excluded_sequences),
             "adv_num_nonfinite_rewards": float(self.num_nonfinite_rewards),
             "adv_num_degenerate_groups": float(self.num_degenerate_groups),
+            "adv_num_tied_groups": float(self.num_tied_groups),
         }
 
 
@@ -104,13 +117,30 @@ def expand_to_tokens(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Te
     return torch.repeat_interleave(values, lengths)
 
 
-def _group_stats(rewards: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, num_groups: int):
-    w = valid.to(rewards.dtype)
-    r = torch.where(valid, rewards, torch.zeros_like(rewards))
-    count = torch.zeros(num_groups, dtype=rewards.dtype).index_add(0, group, w)
-    total = torch.zeros(num_groups, dtype=rewards.dtype).index_add(0, group, r)
-    mean = torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))
-    return count, total, mean
+class _GroupStats:
+    """float64 statistics of the valid rewards of each group, from rewards shifted by the group's
+    minimum valid reward (so a tied group has shifted rewards exactly 0).
+
+    Attributes (``G`` groups, ``N`` sequences): ``shifted [N]`` (0 where invalid), ``count [G]``,
+    ``total [G]`` (sum of shifted), ``mean [G]`` (of shifted), ``tied [G]`` (count >= 1 and
+    max == min).
+    """
+
+    __slots__ = ("shifted", "count", "total", "mean", "tied")
+
+    def __init__(self, rewards: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, num_groups: int):
+        r = rewards.to(torch.float64)
+        inf = torch.full((num_groups,), float("inf"), dtype=torch.float64)
+        lo = inf.scatter_reduce(0, group, torch.where(valid, r, torch.full_like(r, float("inf"))), "amin")
+        hi = (-inf).scatter_reduce(0, group, torch.where(valid, r, torch.full_like(r, float("-inf"))), "amax")
+        w = valid.to(torch.float64)
+        self.count = torch.zeros(num_groups, dtype=torch.float64).index_add(0, group, w)
+        has = self.count > 0
+        base = torch.where(has, lo, torch.zeros_like(lo))
+        self.shifted = torch.where(valid, r - base[group], torch.zeros_like(r))
+        self.total = torch.zeros(num_groups, dtype=torch.float64).index_add(0, group, self.shifted)
+        self.mean = torch.where(has, self.total / self.count.clamp_min(1), torch.zeros_like(self.total))
+        self.tied = has & (hi == lo)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -124,36 +154,41 @@ def grpo(
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: ``(r - mean_g) / (std_g + eps)`` with the unbiased (Bessel) std of the group's
-    valid rewards, or ``r - mean_g`` without std normalisation (Dr. GRPO)."""
-    count, _, mean = _group_stats(rewards, group, valid, num_groups)
-    centred = torch.where(valid, rewards - mean[group], torch.zeros_like(rewards))
-    degenerate = count < 2
+    valid rewards, or ``r - mean_g`` without std normalisation (Dr. GRPO). float64; exactly 0
+    for a tied group. Returns ``(advantages [N] float64, degenerate [G] bool)``."""
+    st = _GroupStats(rewards, group, valid, num_groups)
+    centred = torch.where(valid, st.shifted - st.mean[group], torch.zeros_like(st.shifted))
+    degenerate = st.count < 2
     if std_normalization:
-        sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add(0, group, centred.square())
-        std = torch.sqrt(sq / (count - 1).clamp_min(1))
+        sq = torch.zeros(num_groups, dtype=torch.float64).index_add(0, group, centred.square())
+        std = torch.sqrt(sq / (st.count - 1).clamp_min(1))
         centred = centred / (std[group] + eps)
-    adv = torch.where(degenerate[group], torch.zeros_like(centred), centred)
+    adv = torch.where((degenerate | st.tied)[group], torch.zeros_like(centred), centred)
     return adv, degenerate
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo(rewards: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, num_groups: int, **_: object):
-    """RLOO: ``r_i - mean_{j != i} r_j`` over the valid members of the group."""
-    count, total, _ = _group_stats(rewards, group, valid, num_groups)
-    degenerate = count < 2
-    loo = (total[group] - torch.where(valid, rewards, torch.zeros_like(rewards))) / (count[group] - 1).clamp_min(1)
-    adv = torch.where(valid & ~degenerate[group], rewards - loo, torch.zeros_like(rewards))
+    """RLOO: ``r_i - mean_{j != i} r_j`` over the valid members of the group (float64; exactly 0
+    for a tied group). Returns ``(advantages [N] float64, degenerate [G] bool)``."""
+    st = _GroupStats(rewards, group, valid, num_groups)
+    degenerate = st.count < 2
+    loo = (st.total[group] - st.shifted) / (st.count[group] - 1).clamp_min(1)
+    keep = valid & ~(degenerate | st.tied)[group]
+    adv = torch.where(keep, st.shifted - loo, torch.zeros_like(st.shifted))
     return adv, degenerate
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_baseline")
 def reinforce_baseline(rewards: torch.Tensor, group: torch.Tensor, valid: torch.Tensor, num_groups: int, **_: object):
     """REINFORCE with a baseline: ``r - b`` with ``b`` the mean reward of the valid sequences of
-    the whole batch (groups are ignored; the batch counts as one group for ``degenerate``)."""
+    the whole batch (groups are ignored; the batch counts as one group for ``degenerate`` and a
+    tie). Returns ``(advantages [N] float64, degenerate [1] bool)``."""
     whole = torch.zeros_like(group)
-    count, _, mean = _group_stats(rewards, whole, valid, 1)
-    degenerate = count < 2
-    adv = torch.where(valid & ~degenerate[0], rewards - mean[0], torch.zeros_like(rewards))
+    st = _GroupStats(rewards, whole, valid, 1)
+    degenerate = st.count < 2
+    keep = valid & ~(degenerate[0] | st.tied[0])
+    adv = torch.where(keep, st.shifted - st.mean[0], torch.zeros_like(st.shifted))
     return adv, degenerate
 
 
@@ -204,7 +239,7 @@ def compute_advantages(
         raise ValueError(f"nonfinite_policy={nonfinite_policy!r} must be 'neutralize' or 'error'")
 
     device = rewards.device
-    r = rewards.detach().to(torch.float32).cpu()
+    r = rewards.detach().to(torch.float64).cpu()
     valid = valid.detach().bool().cpu()
     finite = torch.isfinite(r)
     num_nonfinite = int((~finite).sum())
@@ -226,13 +261,20 @@ def compute_advantages(
     _, group = torch.unique(group_ids.detach().cpu(), return_inverse=True)
     num_groups = int(group.max()) + 1 if n else 0
     adv, degenerate = fn(r, group, used, num_groups, std_normalization=grpo_std_normalization, eps=grpo_std_eps)
-    assert bool(torch.isfinite(adv).all()), "advantage estimator produced a non-finite value"
+    if not bool(torch.isfinite(adv).all()):
+        raise ValueError(
+            f"advantages are not finite: the rewards span {float(r[used].min()) if bool(used.any()) else 0.0!r} .. "
+            f"{float(r[used].max()) if bool(used.any()) else 0.0!r}, beyond what float64 group statistics can hold"
+        )
+    stats = _GroupStats(r, group, used, num_groups)
+    tied = stats.tied & (stats.count >= 2)
     return AdvantageResult(
-        advantages=adv.to(device),
+        advantages=adv.to(device=device, dtype=torch.float32),
         valid=used.to(device),
         num_excluded_sequences=int((~used).sum()),
         num_nonfinite_rewards=num_nonfinite,
         num_degenerate_groups=int(degenerate.sum()),
+        num_tied_groups=int(tied.sum()),
     )
 
 

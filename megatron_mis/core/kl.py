@@ -17,8 +17,21 @@ policy), the ratio *not* detached: then ``E_{y~pi_old}[pi_theta/pi_old * k(y)] =
 E_{y~pi_theta}[k(y)]`` and its autograd gradient is exactly the gradient of KL(pi_theta || pi_ref)
 for ``k1`` and ``k3`` (``tests/test_kl.py`` checks this by exact enumeration).
 
-Every log-ratio that goes into ``exp`` is clamped to ``[-log_ratio_bound, log_ratio_bound]``
-first, so nothing overflows; a clamped token gets no gradient through that ``exp``.
+Clamps and gradients. Every log-ratio that goes into ``exp`` is clamped to
+``[-log_ratio_bound, log_ratio_bound]`` first, so nothing overflows, and ``low_var_kl`` clamps its
+value to ``[-10, 10]``. A token on which any of these clamps is active gets **exactly zero
+gradient** from the KL term, with or without the unbiased ratio; every other token gets the exact
+derivative of its term. Without the ratio this is what autograd gives anyway (a clamped value is
+constant). With the ratio it is not: ``ratio * constant`` would still have the gradient
+``ratio * constant`` through the ratio, which pushes ``log pi_theta`` *down* on a clamped token,
+away from the reference (``low_var_kl`` at log pi = 0, log ref = 3, log old = 1: +3.68 where the
+KL gradient is -1.10). :func:`kl_estimate` therefore detaches the whole term on clamped tokens. The
+*value* keeps the form ``ratio * clamp(k3)``; slime and Miles clamp after multiplying,
+``clamp(ratio * k3)`` (docs/losses.md compares the two).
+
+Each registered estimator returns :class:`KLTerms`: the values and the mask of tokens on which a
+clamp is active. A plain ``[T]`` tensor is accepted from a user-registered estimator and means "no
+clamp" (its autograd gradient is then used everywhere).
 
 Pure torch; nothing here imports Megatron or torch.distributed.
 """
@@ -26,15 +39,30 @@ Pure torch; nothing here imports Megatron or torch.distributed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from megatron_mis.registry import Registry
 
-__all__ = ["KL_ESTIMATORS", "kl_estimate", "KLEstimator", "LOW_VAR_KL_CLAMP"]
+__all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_estimate_terms", "KLEstimator", "KLTerms", "LOW_VAR_KL_CLAMP"]
 
-#: A KL estimator maps ``(log_probs [T], ref_log_probs [T], log_ratio_bound)`` to ``[T]``.
-KLEstimator = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+class KLTerms(NamedTuple):
+    """Per-token estimates and where a clamp decided them.
+
+    Attributes:
+        values: ``[T]`` float, the estimate per token.
+        clamped: ``[T]`` bool, tokens on which a clamp is active (their value is a constant).
+    """
+
+    values: torch.Tensor
+    clamped: torch.Tensor
+
+
+#: A KL estimator maps ``(log_probs [T], ref_log_probs [T], log_ratio_bound)`` to
+#: :class:`KLTerms` (or, for user estimators without a clamp, a ``[T]`` tensor).
+KLEstimator = Callable[[torch.Tensor, torch.Tensor, float], "KLTerms | torch.Tensor"]
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
@@ -42,30 +70,80 @@ KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 LOW_VAR_KL_CLAMP = 10.0
 
 
+def _no_clamp(values: torch.Tensor) -> KLTerms:
+    return KLTerms(values, torch.zeros(values.shape, dtype=torch.bool, device=values.device))
+
+
 @KL_ESTIMATORS.register("k1")
-def k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> torch.Tensor:
-    """``log pi_theta - log pi_ref`` per token. Shapes ``[T], [T] -> [T]``."""
-    return log_probs - ref_log_probs
+def k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
+    """``log pi_theta - log pi_ref`` per token; never clamped. Shapes ``[T], [T] -> [T]``."""
+    return _no_clamp(log_probs - ref_log_probs)
 
 
 @KL_ESTIMATORS.register("k2")
-def k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> torch.Tensor:
-    """``(log pi_theta - log pi_ref)^2 / 2`` per token. Shapes ``[T], [T] -> [T]``."""
-    return 0.5 * (log_probs - ref_log_probs).square()
+def k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
+    """``(log pi_theta - log pi_ref)^2 / 2`` per token; never clamped. Shapes ``[T], [T] -> [T]``."""
+    return _no_clamp(0.5 * (log_probs - ref_log_probs).square())
 
 
 @KL_ESTIMATORS.register("k3")
-def k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> torch.Tensor:
-    """``q - 1 - log q`` with ``log q = log pi_ref - log pi_theta`` (clamped before exp).
+def k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
+    """``q - 1 - log q`` with ``log q = log pi_ref - log pi_theta``, ``log q`` clamped to
+    ``+-log_ratio_bound`` before ``exp`` (clamped where ``|log q| > log_ratio_bound``).
     Shapes ``[T], [T] -> [T]``."""
-    log_q = (ref_log_probs - log_probs).clamp(-log_ratio_bound, log_ratio_bound)
-    return torch.expm1(log_q) - log_q
+    raw = ref_log_probs - log_probs
+    log_q = raw.clamp(-log_ratio_bound, log_ratio_bound)
+    return KLTerms(torch.expm1(log_q) - log_q, raw.detach().abs() > log_ratio_bound)
 
 
 @KL_ESTIMATORS.register("low_var_kl")
-def low_var_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> torch.Tensor:
-    """``k3`` clamped to ``[-10, 10]``. Shapes ``[T], [T] -> [T]``."""
-    return k3(log_probs, ref_log_probs, log_ratio_bound).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+def low_var_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, log_ratio_bound: float) -> KLTerms:
+    """``k3`` clamped to ``[-10, 10]`` (clamped where k3's ``log q`` clamp is active or
+    ``k3 > 10``). Shapes ``[T], [T] -> [T]``."""
+    values, clamped = k3(log_probs, ref_log_probs, log_ratio_bound)
+    out_of_range = values.detach().abs() > LOW_VAR_KL_CLAMP
+    return KLTerms(values.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP), clamped | out_of_range)
+
+
+def kl_estimate_terms(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kind: str = "k3",
+    *,
+    old_log_probs: torch.Tensor | None = None,
+    unbiased: bool = False,
+    log_ratio_bound: float = 20.0,
+) -> KLTerms:
+    """:func:`kl_estimate` and the ``[T]`` bool mask of tokens whose gradient was cut to 0 (an
+    estimator clamp, or with ``unbiased`` the ratio's ``log_ratio_bound`` clamp)."""
+    estimator = KL_ESTIMATORS.get(kind)
+    if log_probs.shape != ref_log_probs.shape:
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} must have the same shape"
+        )
+    if unbiased:
+        if old_log_probs is None:
+            raise ValueError("unbiased KL needs old_log_probs (the sampling policy's log-probs)")
+        if old_log_probs.shape != log_probs.shape:
+            raise ValueError(
+                f"old_log_probs {tuple(old_log_probs.shape)} and log_probs {tuple(log_probs.shape)} must have the same shape"
+            )
+    out = estimator(log_probs, ref_log_probs.to(log_probs.dtype), log_ratio_bound)
+    kl, clamped = out if isinstance(out, tuple) else _no_clamp(out)
+    if kl.shape != log_probs.shape or clamped.shape != log_probs.shape:
+        raise ValueError(
+            f"KL estimator {kind!r} returned shapes {tuple(kl.shape)} / {tuple(clamped.shape)}, "
+            f"expected {tuple(log_probs.shape)}"
+        )
+    clamped = clamped.bool()
+    if unbiased:
+        raw = log_probs - old_log_probs.to(log_probs.dtype).detach()
+        clamped = clamped | (raw.detach().abs() > log_ratio_bound)
+        kl = torch.exp(raw.clamp(-log_ratio_bound, log_ratio_bound)) * kl
+        # On a clamped token the term is ratio * constant: its gradient through the ratio is not
+        # the KL's (it has the wrong sign for k3 > 10). Cut it to exactly 0 instead.
+        kl = torch.where(clamped, kl.detach(), kl)
+    return KLTerms(kl, clamped)
 
 
 def kl_estimate(
@@ -88,25 +166,18 @@ def kl_estimate(
         log_ratio_bound: clamp for every log-ratio that goes into ``exp``.
 
     Returns:
-        ``[T]`` float tensor, differentiable in ``log_probs``.
+        ``[T]`` float tensor, differentiable in ``log_probs``: the exact derivative of each
+        token's term, except exactly 0 on tokens where a clamp is active (module docstring).
 
     Raises:
         KeyError: for an unknown ``kind`` (listing the valid names).
         ValueError: for mismatched shapes or ``unbiased`` without ``old_log_probs``.
     """
-    estimator = KL_ESTIMATORS.get(kind)
-    if log_probs.shape != ref_log_probs.shape:
-        raise ValueError(
-            f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} must have the same shape"
-        )
-    kl = estimator(log_probs, ref_log_probs.to(log_probs.dtype), log_ratio_bound)
-    if unbiased:
-        if old_log_probs is None:
-            raise ValueError("unbiased KL needs old_log_probs (the sampling policy's log-probs)")
-        if old_log_probs.shape != log_probs.shape:
-            raise ValueError(
-                f"old_log_probs {tuple(old_log_probs.shape)} and log_probs {tuple(log_probs.shape)} must have the same shape"
-            )
-        log_ratio = (log_probs - old_log_probs.to(log_probs.dtype).detach()).clamp(-log_ratio_bound, log_ratio_bound)
-        kl = torch.exp(log_ratio) * kl
-    return kl
+    return kl_estimate_terms(
+        log_probs,
+        ref_log_probs,
+        kind,
+        old_log_probs=old_log_probs,
+        unbiased=unbiased,
+        log_ratio_bound=log_ratio_bound,
+    ).values

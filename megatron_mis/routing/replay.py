@@ -18,6 +18,11 @@ Modes (``routing_replay_mode``):
 Replay gathers the router's scores at the given experts, so the router weights still receive
 gradients through the gathered probabilities; only the discrete choice is fixed.
 
+Tokens without a rollout route (``RouteShard.replayed`` False: a sample's last token, tokens
+appended after the last request, negative ids from SGLang) are routed by the router's own top-k,
+exactly as without replay; they are left out of the agreement metric and counted per layer
+(:meth:`RoutingReplay.fallback_counts`). Padding rows replay their spread filler routes.
+
 Backends (``routing_replay_backend``):
 
 ``native`` (megatron-core >= 0.16, or an older core patched with ``patches/``)
@@ -117,8 +122,11 @@ class _ReplayHook(_NativeRouterReplay or object):  # type: ignore[misc]
         self.action: str | None = None
         self.target: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
+        self.fallback: torch.Tensor | None = None  # [N] bool: the router's own top-k here
+        self.fallback_count = None  # [1] float64 on the device, this call's fallback tokens
         self.recorded: torch.Tensor | None = None
         self.collect_agreement = False
+        self.count_fallback = False
         self.agreement = None  # [2] float64 accumulated on the device
         self.used = False  # set when the router consulted the hook during the current call
         # attributes the native RouterReplay code reads
@@ -147,11 +155,22 @@ class _ReplayHook(_NativeRouterReplay or object):  # type: ignore[misc]
                 f"layer {self.layer_id}: replay routes have shape {tuple(target.shape)} but the router "
                 f"scores {scores.shape[0]} tokens with topk={topk}"
             )
-        if self.collect_agreement:
+        fallback = self.fallback
+        if fallback is not None or self.collect_agreement:
             with torch.no_grad():
                 _, natural = default_compute_topk(scores.detach(), topk, num_groups, group_topk)
-                stats = agreement_counts(target, natural, self.valid)
+            natural = natural.to(target.dtype)
+        if self.collect_agreement:
+            with torch.no_grad():
+                valid = self.valid
+                if fallback is not None:
+                    valid = ~fallback if valid is None else valid.to(fallback.device) & ~fallback
+                stats = agreement_counts(target, natural, valid)
+                if fallback is not None:
+                    self.fallback_count = fallback.sum().to(torch.float64).view(1)
             self.agreement = stats if self.agreement is None else self.agreement + stats
+        if fallback is not None:
+            target = torch.where(fallback.unsqueeze(1), natural, target)
         if _NativeAction is not None:
             self.router_replay_action = _NativeAction.REPLAY_FORWARD
             self.target_topk_idx = target
@@ -401,6 +420,7 @@ class RoutingReplay:
         self._current_key: Any = None
         self._in_backward = False
         self._agreement: dict[int, torch.Tensor] = {}
+        self._fallback: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------ install / remove
     @property
@@ -553,9 +573,12 @@ class RoutingReplay:
                 f"micro-batch {key!r}: the shard has layers {shard.layer_ids} but this rank replays "
                 f"routers of layers {missing} too (slice with local_moe_layer_ids / shard_spec_from_megatron)"
             )
+        if shard.replayed is not None and bool(shard.replayed.all()):
+            shard = RouteShard(shard.routes, shard.layer_ids, shard.valid)  # nothing falls back
         if self._entries:
             device = next(iter(self._entries.values())).router.weight.device
-            shard = RouteShard(shard.routes.to(device, non_blocking=True), shard.layer_ids, shard.valid.to(device))
+            replayed = None if shard.replayed is None else shard.replayed.to(device)
+            shard = RouteShard(shard.routes.to(device, non_blocking=True), shard.layer_ids, shard.valid.to(device), replayed)
         self._routes[key] = shard
 
     def load_routes(self, shards: Sequence[RouteShard], *, first_key: int = 0) -> None:
@@ -602,24 +625,38 @@ class RoutingReplay:
         return agreement_fractions(reduce_agreement(full.to(device), group))
 
     def reset_agreement(self) -> None:
+        """Forget the agreement statistics and the fallback counts."""
         self._agreement.clear()
+        self._fallback.clear()
+
+    def fallback_counts(self) -> dict[int, int]:
+        """``{layer_id: tokens}`` routed by the router's own top-k because they had no rollout
+        route (``RouteShard.replayed`` False), summed over forward passes (not backward
+        recomputation) since the last :meth:`reset_agreement`; this rank's figures. One host
+        synchronisation per call."""
+        return {i: int(round(float(v.sum()))) for i, v in sorted(self._fallback.items())}
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Routes, R2 recordings and agreement statistics (CPU tensors)."""
         return {
             "mode": self.mode,
-            "routes": {k: (s.routes.cpu(), s.layer_ids, s.valid.cpu()) for k, s in self._routes.items()},
+            "routes": {
+                k: (s.routes.cpu(), s.layer_ids, s.valid.cpu(), None if s.replayed is None else s.replayed.cpu())
+                for k, s in self._routes.items()
+            },
             "recorded": {k: v.cpu() for k, v in self._recorded.items()},
             "agreement": {k: v.cpu() for k, v in self._agreement.items()},
+            "fallback": {k: v.cpu() for k, v in self._fallback.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["mode"] != self.mode:
             raise ValueError(f"state was saved in mode {state['mode']!r}, this replay runs {self.mode!r}")
-        self._routes = {k: RouteShard(r, tuple(ids), v) for k, (r, ids, v) in state["routes"].items()}
+        self._routes = {k: RouteShard(v[0], tuple(v[1]), *v[2:]) for k, v in state["routes"].items()}
         self._recorded = dict(state["recorded"])
         self._agreement = dict(state["agreement"])
+        self._fallback = dict(state.get("fallback", {}))
 
     # ------------------------------------------------------------------------------ hooks
     def _chunk_pre(self, index: int, module: Any, args: Any) -> None:
@@ -660,10 +697,12 @@ class RoutingReplay:
                         f"no routes for micro-batch {key!r} (routes loaded for {sorted(map(repr, self._routes))}); "
                         "call set_routes / load_routes before the forward"
                     )
-                target = shard.routes[:, shard.column(entry.layer_id)].long()
+                col = shard.column(entry.layer_id)
+                target = shard.routes[:, col].long()
                 valid = shard.valid
+                fallback = None if shard.replayed is None else ~shard.replayed[:, col]
             else:
-                target, valid = self._recorded[(key, entry.layer_id)].long(), None
+                target, valid, fallback = self._recorded[(key, entry.layer_id)].long(), None, None
             if target.shape[0] != num_tokens:
                 raise ValueError(
                     f"micro-batch {key!r}, layer {entry.layer_id}: {target.shape[0]} route rows for a router "
@@ -671,10 +710,14 @@ class RoutingReplay:
                     "sequence parallel, padding)"
                 )
             hook.action, hook.target, hook.valid = _REPLAY, target.to(hidden.device, non_blocking=True), valid
+            hook.fallback = None if fallback is None else fallback.to(hidden.device, non_blocking=True)
             hook.collect_agreement = self.config.routing_replay_agreement and not self._in_backward
+            hook.count_fallback = not self._in_backward
         else:  # r2, first forward of this micro-batch
-            hook.action, hook.target, hook.valid = _RECORD, None, None
+            hook.action, hook.target, hook.valid, hook.fallback = _RECORD, None, None, None
             hook.collect_agreement = False
+            hook.count_fallback = False
+        hook.fallback_count = None
         hook.agreement = None
         hook.recorded = None
         hook.used = False
@@ -697,7 +740,14 @@ class RoutingReplay:
         if hook.agreement is not None:
             prev = self._agreement.get(entry.layer_id)
             self._agreement[entry.layer_id] = hook.agreement if prev is None else prev + hook.agreement
+        if hook.fallback is not None and hook.count_fallback:
+            count = hook.fallback_count
+            if count is None:  # agreement off: count here (no host synchronisation either way)
+                count = hook.fallback.sum().to(torch.float64).view(1)
+            prev = self._fallback.get(entry.layer_id)
+            self._fallback[entry.layer_id] = count if prev is None else prev + count
         hook.action = hook.target = hook.valid = hook.recorded = hook.agreement = None
+        hook.fallback = hook.fallback_count = None
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:

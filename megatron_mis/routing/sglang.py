@@ -12,6 +12,12 @@ Facts (checked in SGLang's source, ``python/sglang/srt/state_capturer/``):
   decoder layer (indexed by GLOBAL layer id, dense layers included, MTP layers not), the
   ``top_k`` expert ids that produced token ``p + 1``. The last token has no row: it was sampled,
   never fed back.
+- Positions the server did not route carry **negative** sentinel ids (only possible with a
+  signed wire dtype, int32). They are unrouted positions, not errors: decode with
+  ``with_mask=True`` to get the ``[rows, num_layers]`` mask of routed entries (a ``(row, layer)``
+  is routed only if all its ``top_k`` ids are >= 0); the unrouted entries get spread filler ids
+  (:func:`~megatron_mis.routing.routes.spread_padding_routes`) in the returned routes, and
+  routing replay lets the trainer's router choose there (docs/routing_replay.md).
 - Legacy servers send int32 and no dtype. Newer servers send
   ``meta_info["routed_experts_dtype"]`` naming the wire dtype (``"int32"``, ``"uint16"`` or
   ``"uint8"``, chosen server-side with ``SGLANG_ROUTED_EXPERTS_DTYPE``); a missing field means
@@ -38,6 +44,7 @@ __all__ = [
     "decode_routed_experts",
     "compact_route_dtype",
     "to_compact",
+    "spread_padding_routes",
 ]
 
 SGLANG_SERVER_FLAG = "--enable-return-routed-experts"
@@ -108,12 +115,42 @@ def to_compact(routes: torch.Tensor, num_experts: int, *, what: str = "routes") 
         if bool(bad.any()):
             pos = tuple(int(i) for i in bad.nonzero()[0])
             value = int(wide[pos])
-            hint = " (a negative id is the sentinel of a token without a captured route)" if value < 0 else ""
+            hint = (
+                " (a negative id is the sentinel of a position the server did not route: decode with "
+                "with_mask=True, as SampleRoutes does, to treat it as unrouted)"
+                if value < 0
+                else ""
+            )
             raise ValueError(
                 f"{what}: expert id {value} at index {pos} is outside [0, num_experts={num_experts}){hint}; "
                 f"{int(bad.sum())} of {routes.numel()} ids are out of range"
             )
     return routes.to("cpu", compact_route_dtype(num_experts))
+
+
+def spread_padding_routes(
+    num_rows: int, num_layers: int, topk: int, num_experts: int, *, start: int = 0
+) -> torch.Tensor:
+    """Routes for padding rows that spread over all experts.
+
+    Entry ``[r, l, j] = ((start + r) * topk + l + j) mod num_experts``: within a row the ``topk``
+    ids are distinct (consecutive modulo ``num_experts >= topk``), and successive rows move on by
+    ``topk`` experts, so ``n`` padding rows load every expert with about ``n * topk / num_experts``
+    tokens instead of sending all of them to one.
+
+    Args:
+        num_rows, num_layers, topk, num_experts: the shape and the expert count.
+        start: row offset (so padding added in pieces keeps cycling).
+
+    Returns:
+        ``[num_rows, num_layers, topk]`` in the compact dtype.
+    """
+    if topk > num_experts:
+        raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
+    r = torch.arange(start, start + num_rows, dtype=torch.int64).view(-1, 1, 1)
+    l_ = torch.arange(num_layers, dtype=torch.int64).view(1, -1, 1)
+    j = torch.arange(topk, dtype=torch.int64).view(1, 1, -1)
+    return ((r * topk + l_ + j) % num_experts).to(compact_route_dtype(num_experts))
 
 
 def _raw_bytes(value: Any) -> bytes:
@@ -141,7 +178,8 @@ def decode_routed_experts(
     topk: int,
     num_experts: int,
     start_len: int = 0,
-) -> torch.Tensor:
+    with_mask: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode ``meta_info["routed_experts"]`` of one SGLang response.
 
     Args:
@@ -151,17 +189,30 @@ def decode_routed_experts(
         topk: experts per token (``num_experts_per_tok``).
         num_experts: routed experts per layer (ids must lie in ``[0, num_experts)``).
         start_len: the ``routed_experts_start_len`` the request carried (0 if none).
+        with_mask: also return the mask of routed entries; negative (unrouted) ids are then
+            accepted. Without it a negative id is an error (a caller that ignores the mask would
+            replay filler experts on real tokens).
 
     Returns:
-        ``[num_tokens - 1 - start_len, num_layers, topk]`` expert ids on the CPU, in
-        :func:`compact_route_dtype` (uint8 for up to 256 experts).
+        ``routes``: ``[num_tokens - 1 - start_len, num_layers, topk]`` expert ids on the CPU, in
+        :func:`compact_route_dtype` (uint8 for up to 256 experts); with ``with_mask`` the pair
+        ``(routes, routed)`` with ``routed`` ``[rows, num_layers]`` bool (False where the server
+        sent a negative id; those entries of ``routes`` hold spread filler ids).
 
     Raises:
+        TypeError: ``meta_info`` is not a mapping, or ``routed_experts`` has an unusable type.
         KeyError: no ``routed_experts`` in ``meta_info`` (request field or server flag missing).
-        ValueError: unknown dtype name, bad base64, a byte count that is not a whole number of
-            elements, an element count that does not match the expected shape, or an expert id
-            out of range — each message names the numbers involved.
+        ValueError: a bad argument (named), unknown dtype name, bad base64, a byte count that is
+            not a whole number of elements, an element count that does not match the expected
+            shape, or an expert id out of range — each message names the numbers involved.
     """
+    if not isinstance(meta_info, Mapping):
+        raise TypeError(
+            f"meta_info must be the response's meta_info dict (a Mapping), got {type(meta_info).__name__}: "
+            f"{meta_info!r:.80}"
+        )
+    if not isinstance(with_mask, bool):
+        raise TypeError(f"with_mask={with_mask!r} must be a bool")
     for name, v, lo in (("num_tokens", num_tokens, 1), ("num_layers", num_layers, 1), ("topk", topk, 1),
                         ("num_experts", num_experts, 1), ("start_len", start_len, 0)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -199,7 +250,16 @@ def decode_routed_experts(
             )
         flat = torch.from_numpy(np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("=")))
     else:  # already an array (e.g. from an in-process engine)
-        flat = torch.as_tensor(np.asarray(value)).reshape(-1)
+        try:
+            arr = np.asarray(value)
+            if arr.dtype == object:
+                raise TypeError("object array")
+            flat = torch.as_tensor(arr).reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(
+                f"meta_info['routed_experts'] must be base64 text, bytes or an integer array, got "
+                f"{type(value).__name__} ({exc})"
+            ) from None
 
     expected = rows * num_layers * topk
     if flat.numel() != expected:
@@ -211,4 +271,14 @@ def decode_routed_experts(
             "check num_tokens (prompt + completion of this request), start_len, and that num_layers "
             "is the model's num_hidden_layers (all layers, dense ones included)"
         )
-    return to_compact(flat.reshape(shape), num_experts, what="routed_experts")
+    routes = flat.reshape(shape)
+    if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+        raise ValueError(f"routed_experts: expert ids must be integers, got dtype {routes.dtype}")
+    if not with_mask:
+        return to_compact(routes, num_experts, what="routed_experts")
+    wide = routes.to(torch.int64)
+    routed = (wide >= 0).all(dim=2)  # [rows, num_layers]
+    if not bool(routed.all()):
+        filler = spread_padding_routes(rows, num_layers, topk, num_experts, start=start_len).to(torch.int64)
+        wide = torch.where(routed.unsqueeze(2), wide, filler)
+    return to_compact(wide, num_experts, what="routed_experts"), routed

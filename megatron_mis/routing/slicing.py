@@ -23,7 +23,13 @@ rank sees the whole local sequence. Pipeline parallelism keeps only the columns 
 ids) of the MoE layers this rank builds (:func:`local_moe_layer_ids`).
 
 Padding rows (micro-batch padding, CP padding, the ``bshd`` tail) get
-:func:`~megatron_mis.routing.routes.spread_padding_routes`, never one expert for all.
+:func:`~megatron_mis.routing.routes.spread_padding_routes`, never one expert for all, and are
+replayed as such. Tokens of a sample without a rollout route — its last token (SGLang returns no
+row for it), tokens appended after the last request, entries the server sent as negative ids —
+are *not* replayed: :attr:`RouteShard.replayed` is False there and the trainer's router chooses
+itself. Both padding and those tokens are left out of the agreement metric (:attr:`RouteShard.valid`
+is False on a row that has no rollout route in any of the shard's layers, and the agreement
+skips every ``(token, layer)`` that is not replayed).
 
 Everything here is pure tensor arithmetic except :func:`local_moe_layer_ids` /
 :func:`shard_spec_from_megatron` (they read Megatron's layer layout) and
@@ -115,12 +121,19 @@ class RouteShard:
     Attributes:
         routes: ``[num_tokens, num_layers_local, topk]`` compact expert ids, in router order.
         layer_ids: the global layer id of each column.
-        valid: ``[num_tokens]`` bool, False on padding rows (left out of the agreement metric).
+        valid: ``[num_tokens]`` bool, True on a sample token with a rollout route (in at least
+            one of the shard's layers); False on padding rows and on tokens without a rollout
+            route (a sample's last token). Left out of the agreement metric where False.
+        replayed: ``[num_tokens, num_layers_local]`` bool or ``None`` (all True): where False
+            there is no rollout route (a sample's last token, tokens appended after the last
+            request, negative ids from the server) and the router uses its own top-k instead of
+            ``routes``; such entries are also left out of the agreement.
     """
 
     routes: torch.Tensor
     layer_ids: tuple[int, ...]
     valid: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    replayed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.routes.dim() != 3:
@@ -131,6 +144,17 @@ class RouteShard:
             object.__setattr__(self, "valid", torch.ones(self.routes.shape[0], dtype=torch.bool))
         if self.valid.shape != (self.routes.shape[0],):
             raise ValueError(f"RouteShard.valid must be [{self.routes.shape[0]}], got {tuple(self.valid.shape)}")
+        if self.replayed is not None:
+            if self.replayed.dtype != torch.bool or tuple(self.replayed.shape) != tuple(self.routes.shape[:2]):
+                raise ValueError(
+                    f"RouteShard.replayed must be a bool [{self.routes.shape[0]}, {self.routes.shape[1]}] mask, "
+                    f"got {self.replayed.dtype} {tuple(self.replayed.shape)}"
+                )
+
+    @property
+    def num_not_replayed(self) -> int:
+        """``(token, layer)`` entries the router decides itself (no rollout route)."""
+        return 0 if self.replayed is None else int((~self.replayed).sum())
 
     @property
     def num_tokens(self) -> int:
@@ -142,8 +166,9 @@ class RouteShard:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the route payload (routes + validity mask)."""
-        return self.routes.numel() * self.routes.element_size() + self.valid.numel()
+        """Bytes of the route payload (routes + validity and replay masks)."""
+        extra = 0 if self.replayed is None else self.replayed.numel()
+        return self.routes.numel() * self.routes.element_size() + self.valid.numel() + extra
 
     def column(self, layer_id: int) -> int:
         try:
@@ -233,29 +258,38 @@ def shard_routes(
     sample_routes: Sequence[torch.Tensor],
     total_lengths: Sequence[int] | torch.Tensor,
     spec: RouteShardSpec,
+    *,
+    sample_routed: Sequence[torch.Tensor | None] | None = None,
 ) -> RouteShard:
     """The shard of one micro-batch's routes that the rank described by ``spec`` replays.
 
     Args:
         sample_routes: per sample ``[T_i - 1 or T_i, num_layers, topk]`` expert ids over ALL
-            layers (as decoded from SGLang; a missing last row gets a padding row).
+            layers (as decoded from SGLang; a missing last row gets a filler row that is not
+            replayed).
         total_lengths: ``[N]`` tokens per sample ``T_i``.
         spec: the rank's place.
+        sample_routed: optional, per sample ``[rows_i, num_layers]`` bool (or ``None``): False at
+            entries without a rollout route (``SampleRoutes.finalize(..., with_mask=True)``).
 
     Returns:
         :class:`RouteShard` with ``[num_local_tokens, len(spec.layer_ids), topk]`` routes in the
-        compact dtype. Only the selected columns are ever copied.
+        compact dtype, ``valid`` and ``replayed`` masks. Only the selected columns are copied.
 
     Raises:
-        ValueError: mismatched counts, layer ids beyond the routes' layers, ids out of range.
+        ValueError: mismatched counts, layer ids beyond the routes' layers, ids out of range, a
+            mask of the wrong shape or dtype.
     """
     tl = _lengths(total_lengths)
     if len(sample_routes) != len(tl):
         raise ValueError(f"got {len(sample_routes)} route tensors for {len(tl)} samples")
+    if sample_routed is not None and len(sample_routed) != len(tl):
+        raise ValueError(f"sample_routed has {len(sample_routed)} masks for {len(tl)} samples")
     cols = torch.tensor(spec.layer_ids, dtype=torch.long)
     dtype = compact_route_dtype(spec.num_experts)
     topk = None
     pieces = []
+    masks = []
     for i, (routes, t) in enumerate(zip(sample_routes, tl)):
         routes = torch.as_tensor(routes)
         if routes.dim() != 3:
@@ -271,18 +305,39 @@ def shard_routes(
             raise ValueError(f"sample {i}: topk {routes.shape[2]} differs from sample 0's {topk}")
         # select columns first: only this rank's layers are ever copied
         try:
-            pieces.append(complete_sample_routes(routes.index_select(1, cols), t, spec.num_experts))
+            full, has_row = complete_sample_routes(routes.index_select(1, cols), t, spec.num_experts, with_mask=True)
         except ValueError as exc:
             raise ValueError(f"sample {i}: {exc}") from None
+        mask = has_row.view(-1, 1).expand(t, len(cols))
+        routed = None if sample_routed is None else sample_routed[i]
+        if routed is not None:
+            routed = torch.as_tensor(routed)
+            if routed.dtype != torch.bool or routed.dim() != 2 or tuple(routed.shape) != (routes.shape[0], routes.shape[1]):
+                raise ValueError(
+                    f"sample {i}: sample_routed must be a bool [{routes.shape[0]}, {routes.shape[1]}] mask "
+                    f"(rows, num_layers of its routes), got {routed.dtype} {tuple(routed.shape)}"
+                )
+            sel = routed.index_select(1, cols)
+            mask = mask & torch.cat([sel, torch.zeros(t - sel.shape[0], len(cols), dtype=torch.bool)], 0)
+        pieces.append(full)
+        masks.append(mask)
     topk = topk or 1
     flat = torch.cat(pieces) if pieces else torch.zeros(0, len(cols), topk, dtype=dtype)
+    flat_routed = torch.cat(masks) if masks else torch.zeros(0, len(cols), dtype=torch.bool)
     idx = local_token_index(tl, spec)
-    valid = idx >= 0
+    real = idx >= 0
     out = flat[idx.clamp_min(0)] if flat.shape[0] else torch.zeros(idx.numel(), len(cols), topk, dtype=dtype)
-    if not bool(valid.all()):
+    # padding rows replay their filler; sample tokens replay only where they have a rollout route
+    replayed = (
+        torch.where(real.view(-1, 1), flat_routed[idx.clamp_min(0)], True)
+        if flat_routed.shape[0]
+        else torch.ones(idx.numel(), len(cols), dtype=torch.bool)
+    )
+    if not bool(real.all()):
         pad = spread_padding_routes(idx.numel(), len(cols), topk, spec.num_experts)
-        out = torch.where(valid.view(-1, 1, 1), out, pad)
-    return RouteShard(out.contiguous(), spec.layer_ids, valid)
+        out = torch.where(real.view(-1, 1, 1), out, pad)
+    valid = real & replayed.any(1) if len(cols) else real
+    return RouteShard(out.contiguous(), spec.layer_ids, valid, None if bool(replayed.all()) else replayed.contiguous())
 
 
 # ----------------------------------------------------------------------------------- layer ids
@@ -400,9 +455,10 @@ def scatter_route_shards(
     Returns:
         This rank's shard.
 
-    Communication: point-to-point only. The source sends every other rank at most four messages
-    (a fixed 4-int header, then its layer ids, routes and validity mask, each when non-empty) — exactly that rank's
-    bytes; a rank receives only its own shard. No collective over the whole group runs.
+    Communication: point-to-point only. The source sends every other rank at most five messages
+    (a fixed 5-int header, then its layer ids, routes, validity mask and replay mask, each when
+    non-empty and present) — exactly that rank's bytes; a rank receives only its own shard. No
+    collective over the whole group runs.
     """
     import torch.distributed as dist
 
@@ -418,20 +474,29 @@ def scatter_route_shards(
                 continue
             s = shards[dst]
             peer = dist.get_global_rank(group, dst)
-            header = torch.tensor([s.num_tokens, len(s.layer_ids), s.topk, _DTYPES.index(s.routes.dtype)], dtype=torch.long)
+            has_replayed = s.replayed is not None
+            header = torch.tensor(
+                [s.num_tokens, len(s.layer_ids), s.topk, _DTYPES.index(s.routes.dtype), int(has_replayed)], dtype=torch.long
+            )
             dist.send(header, peer, group=group)
-            for payload in (torch.tensor(s.layer_ids, dtype=torch.long), s.routes.contiguous(), s.valid.to(torch.uint8)):
+            payloads = [torch.tensor(s.layer_ids, dtype=torch.long), s.routes.contiguous(), s.valid.to(torch.uint8)]
+            if has_replayed:
+                payloads.append(s.replayed.to(torch.uint8).contiguous())
+            for payload in payloads:
                 if payload.numel():  # both sides know the sizes from the header
                     dist.send(payload, peer, group=group)
         return shards[src]
     peer = dist.get_global_rank(group, src)
-    header = torch.zeros(4, dtype=torch.long)
+    header = torch.zeros(5, dtype=torch.long)
     dist.recv(header, peer, group=group)
-    num_tokens, num_layers, topk, code = (int(x) for x in header)
+    num_tokens, num_layers, topk, code, has_replayed = (int(x) for x in header)
     layer_ids = torch.zeros(num_layers, dtype=torch.long)
     routes = torch.zeros(num_tokens, num_layers, topk, dtype=_DTYPES[code])
     valid = torch.zeros(num_tokens, dtype=torch.uint8)
-    for payload in (layer_ids, routes, valid):
-        if payload.numel():
+    replayed = torch.zeros(num_tokens, num_layers, dtype=torch.uint8) if has_replayed else None
+    for payload in (layer_ids, routes, valid, replayed):
+        if payload is not None and payload.numel():
             dist.recv(payload, peer, group=group)
-    return RouteShard(routes, tuple(int(i) for i in layer_ids), valid.bool())
+    return RouteShard(
+        routes, tuple(int(i) for i in layer_ids), valid.bool(), None if replayed is None else replayed.bool()
+    )
