@@ -65,7 +65,10 @@ def naive_mis(train_list, rollout_list, mask_list, cfg):
                 elif n_valid and bool(outside[0].item() if outside.numel() else False):
                     seq_rej = True
             met["mis_tis_weight_before_bound"] = w_unb * valid if cfg.tis_level == "token" else w_unb
-            met["mis_tis_weight_after_bound"] = torch.where(m, w, zero) if cfg.tis_level == "token" else w.clone()
+            # the hosts' definition: bounded weight, the raw one in mask mode, over loss-mask tokens
+            host = w_unb if cfg.tis_mode == "mask" else w
+            met["mis_tis_weight_after_bound"] = torch.where(m, host, zero) if cfg.tis_level == "token" else host.clone()
+            met["mis_is_ratio_mean_after_tis_rs"] = met["mis_tis_weight_after_bound"].clone()
         if cfg.use_rs:
             if cfg.rs_level == "token":
                 rl, rh = valid & (r < rs_lo), valid & (r > rs_hi)
@@ -102,7 +105,8 @@ def naive_mis(train_list, rollout_list, mask_list, cfg):
             "mis_nonfinite_token_fraction": (m & ~finite).float(),
         })
         per_seq.append(dict(w=w, r=r, valid=valid, m=m, keep=keep, tok_kept=tok_kept, seq_rej=seq_rej,
-                            seq_log=seq_log, n_valid=n_valid, met=met))
+                            seq_log=seq_log, n_valid=n_valid, met=met,
+                            host=(w_unb if cfg.tis_mode == "mask" else w) if cfg.use_tis else None))
 
     # batch-level quantities: a second pass over the sequences
     norm = 1.0
@@ -134,10 +138,12 @@ def naive_mis(train_list, rollout_list, mask_list, cfg):
         met = p["met"]
         full = lambda v, ref=p["r"]: torch.full_like(ref, float(v))  # noqa: E731
         kept_any = (not p["seq_rej"]) and bool(p["tok_kept"].any().item())
-        fk = wf[p["keep"]]
-        met["mis_is_ratio_mean_final"] = full(float(fk.double().mean().item()) if kept_any and fk.numel() else 0.0)
-        met["mis_is_ratio_min_final"] = full(float(fk.min().item()) if kept_any and fk.numel() else 0.0)
-        met["mis_is_ratio_max_final"] = full(float(fk.max().item()) if kept_any and fk.numel() else 0.0)
+        if cfg.use_tis:  # the hosts' definition: over every loss-mask token of the after-bound weight
+            hw = p["host"][p["m"]].double() / norm
+            any_m = hw.numel() > 0
+            met["mis_is_ratio_mean_final"] = full(float(hw.mean().item()) if any_m else 0.0)
+            met["mis_is_ratio_min_final"] = full(float(hw.min().item()) if any_m else 0.0)
+            met["mis_is_ratio_max_final"] = full(float(hw.max().item()) if any_m else 0.0)
         met["mis_rejected_token_fraction"] = (p["m"] & ~p["keep"]).float()
         met["mis_rejected_seq_fraction"] = full(bool(p["m"].any().item()) and not kept_any)
         met["mis_ess_token"] = full(ess_token)

@@ -79,3 +79,33 @@ def test_validate_combined_host_yaml(tmp_path, capsys):
     assert "3 problem(s)" in err
     assert "'length_decay_enabld' (did you mean 'length_decay_enabled'?)" in err
     assert "[mis] tis_mode='x'" in err and "[lr_schedule] length_decay_factor" in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"use_tis: true\nuse_tis: false\n", "duplicate key 'use_tis' at line 2 (first at line 1)"),
+        (b"use_tis: \xff\n", "is not UTF-8 text"),
+        (b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested more than 64 levels deep"),
+        (b"tis_upper_bound: " + b"9" * 400 + b"\n", "[mis] tis_upper_bound=999"),
+        (b"tis_upper_bound: " + b"9" * 5000 + b"\n", "not a readable YAML value"),
+        (b"- 1\n", "top level must be a mapping of keys, got list"),
+        (b"", "holds no keys"),
+        (b"log_ratio_bound: true\n", "log_ratio_bound=True is not a number (allowed: a number that must lie in (0, 80])"),
+    ],
+    ids=["duplicate", "not_utf8", "deep", "huge_number", "too_many_digits", "list", "empty", "bool_for_number"],
+)
+def test_validate_bad_files_exit_2_naming_the_file(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and str(path) in captured.err, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_validate_directory_and_missing_file(tmp_path, capsys):
+    assert main(["validate", str(tmp_path)]) == 2
+    assert "is a directory, not a YAML file" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from megatron_mis.config import HOST_KEYS, ConfigError, MISConfig
+from megatron_mis.config import HOST_KEYS, ConfigError, MISConfig, load_yaml_mapping
 from megatron_mis.presets import configs_dir, preset_names, preset_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,3 +139,141 @@ def test_preset_lookup_errors():
     assert preset_path("token_tis").is_file()
     with pytest.raises(FileNotFoundError, match="unknown preset 'token_tsi' \\(did you mean 'token_tis'\\?\\)"):
         preset_path("token_tsi")
+
+
+# ------------------------------------------------------------------ bad files and bad values (issue 12)
+BAD_FILES = {
+    "duplicate": (b"use_tis: true\ntis_upper_bound: 2.0\nuse_tis: false\n", "duplicate key 'use_tis' at line 3 (first at line 1)"),
+    "not_utf8": (b"use_tis: \xff\xfe\n", "is not UTF-8 text: byte 0xff at offset 9 (line 1)"),
+    "deep": (b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested more than 64 levels deep (line 1)"),
+    "deep_block": (b"".join(b"  " * i + b"k:\n" for i in range(200)), "nested more than 64 levels deep (line 65)"),
+    "huge_number": (b"tis_upper_bound: " + b"9" * 400 + b"\n", "tis_upper_bound=999"),
+    "too_many_digits": (b"tis_upper_bound: " + b"9" * 5000 + b"\n", "not a readable YAML value"),
+    "list": (b"- use_tis\n- true\n", "top level must be a mapping of keys, got list"),
+    "scalar": (b"42\n", "top level must be a mapping of keys, got int"),
+    "empty": (b"", "holds no keys"),
+    "comments_only": (b"# use_tis: true\n", "holds no keys"),
+    "bad_yaml": (b"use_tis: [true\n", "not valid YAML"),
+    "python_tag": (b"use_tis: !!python/object:os.system {}\n", "not valid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_files_give_one_clear_error_naming_the_file(tmp_path, case):
+    content, message = BAD_FILES[case]
+    path = tmp_path / f"{case}.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        MISConfig.from_yaml(path)
+    assert str(path) in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_duplicates_all_reported_and_merge_keys_allowed(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("use_tis: true\nuse_rs: true\nuse_tis: true\nuse_rs: false\n")
+    with pytest.raises(ConfigError) as info:
+        MISConfig.from_yaml(path)
+    assert len(info.value.problems) == 2
+    assert "'use_tis' at line 3 (first at line 1)" in str(info.value)
+    assert "'use_rs' at line 4 (first at line 2)" in str(info.value)
+    # a nested duplicate (in a mapping value) is reported too
+    path.write_text("monitor_thresholds: {mis_k3_kl: 1.0, mis_k3_kl: 2.0}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'mis_k3_kl' at line 1"):
+        load_yaml_mapping(path)
+    # a YAML merge key overriding an anchored value is not a duplicate
+    path.write_text("base: &b {x: 1}\nother:\n  <<: *b\n  x: 2\n")
+    assert load_yaml_mapping(path)["other"] == {"x": 2}
+
+
+def test_empty_file_allowed_only_on_request(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("{}\n")
+    assert MISConfig.from_yaml(path) == MISConfig()
+    path.write_text("")
+    assert load_yaml_mapping(path, allow_empty=True) == {}
+
+
+def test_directory_missing_and_non_path(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        MISConfig.from_yaml(tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        MISConfig.from_yaml(tmp_path / "missing.yaml")
+    with pytest.raises(TypeError, match="path must be a file path"):
+        MISConfig.from_yaml(3)
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        MISConfig.from_yaml("a\0b.yaml")
+
+
+def test_rs_bounds_checked_only_where_rs_is_on():
+    # truncating at 1 is a valid TIS setting; its default RS bounds [1, 1] are unused with RS off
+    cfg = MISConfig(use_tis=True, tis_upper_bound=1.0)
+    assert cfg.tis_upper_bound == 1.0
+    with pytest.raises(ConfigError, match=r"rs_lower_bound=1.0 must be < rs_upper_bound=1.0 \(unset RS bounds default"):
+        MISConfig(use_tis=True, use_rs=True, tis_upper_bound=1.0)
+    # the IS pair is compared only where IS reads both
+    with pytest.raises(ConfigError, match=r"tis_lower_bound=1.0 must be < tis_upper_bound=1.0 \(unset, it is 1/tis_upper_bound\)"):
+        MISConfig(use_tis=True, tis_mode="mask", tis_upper_bound=1.0)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("log_ratio_bound", True, "log_ratio_bound=True is not a number (allowed: a number that must lie in (0, 80])"),
+        ("tis_upper_bound", False, "tis_upper_bound=False is not a number (allowed: a number that must be > 0)"),
+        ("log_ratio_bound", "nan", "log_ratio_bound='nan' is not a number"),
+        ("log_ratio_bound", "inf", "log_ratio_bound='inf' is not a number"),
+        ("log_ratio_bound", " 5", "log_ratio_bound=' 5' is not a number"),
+        ("log_ratio_bound", "1_0", "log_ratio_bound='1_0' is not a number"),
+        ("log_ratio_bound", float("nan"), "log_ratio_bound=nan must be a finite number (allowed: it must lie in (0, 80])"),
+        ("tis_lower_bound", float("-inf"), "tis_lower_bound=-inf must be a finite number (allowed: it must be > 0)"),
+        ("tis_upper_bound", 10**400, "must be a finite number (allowed: it must be > 0)"),
+        ("rs_veto_threshold", "abc", "rs_veto_threshold='abc' is not a number or null (allowed: a number or null that must lie in the open interval (0, 1))"),
+        ("rs_veto_threshold", 1, "rs_veto_threshold=1.0 must lie in the open interval (0, 1), or be null"),
+        ("log_ratio_bound", 80.5, "log_ratio_bound=80.5 must lie in (0, 80] (exp overflows float32 near 88)"),
+        ("tis_lower_bound", 0, "tis_lower_bound=0.0 must be > 0, or be null (a ratio bound)"),
+    ],
+)
+def test_numeric_keys_name_the_key_and_range(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        MISConfig(**{key: value})
+    assert message in str(info.value), str(info.value)
+
+
+def test_numbers_in_decimal_strings_still_accepted():
+    assert MISConfig(log_ratio_bound="1e1").log_ratio_bound == 10.0
+    assert MISConfig(rs_veto_threshold=".5").rs_veto_threshold == 0.5
+
+
+def test_int_keys_of_other_configs():
+    from megatron_mis.monitor import MonitorConfig
+
+    with pytest.raises(ConfigError, match=r"monitor_window=True is not an integer \(monitor_window: .*>= 4"):
+        MonitorConfig(monitor_window=True)
+    with pytest.raises(ConfigError, match="monitor_window=.* must fit in a 64-bit integer"):
+        MonitorConfig(monitor_window=2**70, monitor_history_size=2**70)
+    with pytest.raises(ConfigError, match="monitor_window='30' is not an integer"):
+        MonitorConfig(monitor_window="30")
+
+
+@pytest.mark.parametrize("args", [{"use_tis": True}, None, "use_tis", 3])
+def test_host_args_must_be_a_namespace(args):
+    # a dict's keys are not attributes: every key would be ignored and the defaults run silently
+    with pytest.raises(TypeError, match=f"args must carry the config keys as attributes.*got (a )?{type(args).__name__}"):
+        MISConfig.from_host_args(args)
+    with pytest.raises(TypeError, match="args must carry the config keys as attributes"):
+        MISConfig.from_namespace(args)
+
+
+def test_host_args_yaml_with_duplicate_key(tmp_path):
+    path = tmp_path / "mis.yaml"
+    path.write_text("use_tis: true\nuse_tis: false\n")
+    ns = argparse.Namespace(use_tis=False, custom_config_path=str(path))
+    with pytest.raises(ConfigError, match="duplicate key 'use_tis' at line 2"):
+        MISConfig.from_host_args(ns)
+
+
+@pytest.mark.parametrize("key", ["tis_upper_bound", "tis_lower_bound", "rs_lower_bound", "rs_upper_bound"])
+@pytest.mark.parametrize("value", [1e39, 1e-39])
+def test_ratio_bounds_fit_float32(key, value):
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} must lie in [2.939e-39, 3.403e+38] (float32")):
+        MISConfig(**{key: value})

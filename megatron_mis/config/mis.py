@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from megatron_mis.config.base import ConfigBase, ConfigError, doc, load_yaml_mapping
+from megatron_mis.config.base import ConfigBase, ConfigError, Interval, _check_namespace, doc, load_yaml_mapping
 
 __all__ = ["MISConfig", "Level", "ISMode", "MAX_LOG_RATIO_BOUND", "HOST_KEYS"]
 
@@ -18,6 +18,10 @@ ISMode = Literal["truncate", "clip", "mask"]
 
 #: exp(x) overflows float32 just above 88; keep every exponent well inside.
 MAX_LOG_RATIO_BOUND = 80.0
+
+_F32_MAX = 3.4028234663852886e38  # largest finite float32
+
+_RATIO_BOUNDS = ("tis_lower_bound", "tis_upper_bound", "rs_lower_bound", "rs_upper_bound")
 
 #: Keys slime and Miles already use in ``mis.yaml``.
 HOST_KEYS = (
@@ -108,6 +112,28 @@ class MISConfig(ConfigBase):
         "rollout", "Which policy's token probability the probability veto looks at."
     )
 
+    # ---- engine output and speed (megatron-mis) -------------------------------------------------
+    mis_metrics: Literal["standard", "full", "none"] = doc(
+        "standard",
+        "Which metrics the engine builds: standard (every metric a dashboard plots, the hosts' names "
+        "with the hosts' definitions), full (standard plus rarely read ones: megatron-mis' kept-token "
+        "variants of the final-weight statistics and of the after-bound weight) or none (weights and "
+        "masks only: the fastest path; the host drop-ins then return an empty metrics dict).",
+    )
+    compile_engine: bool = doc(
+        False,
+        "Run the engine's token and sequence stages through torch.compile(fullgraph=True, "
+        "dynamic=True). Faster on long batches once compiled (see benchmarks/README.md); the first "
+        "call of a process compiles (seconds to minutes).",
+    )
+    rs_without_tis: bool = doc(
+        False,
+        "Host drop-ins only: slime and Miles also call the TIS function when only "
+        "--get-mismatch-metrics is set (use_tis false); by default that call reports metrics and "
+        "leaves the loss and masks unchanged (use_rs and the vetoes then have no effect, with a "
+        "warning). true: apply rejection sampling and the vetoes in that case too (weights stay 1).",
+    )
+
     # ---------------------------------------------------------------------------- resolved bounds
     @property
     def tis_lower(self) -> float:
@@ -150,33 +176,39 @@ class MISConfig(ConfigBase):
         )
 
     # --------------------------------------------------------------------------------- checks
+    #: Ranges of the numeric keys (checked, and named in type errors, by ConfigBase).
+    _RANGES = {
+        **{name: Interval(low=0.0, reason="a ratio bound") for name in _RATIO_BOUNDS},
+        "rs_veto_threshold": Interval(low=0.0, high=1.0),
+        "prob_veto_threshold": Interval(low=0.0, high=1.0),
+        "log_ratio_bound": Interval(
+            low=0.0, high=MAX_LOG_RATIO_BOUND, high_open=False, reason="exp overflows float32 near 88"
+        ),
+    }
+
     def _check(self) -> list[str]:
+        """Cross-field rules (ranges are in ``_RANGES``). The IS bounds are compared only where IS
+        uses both (use_tis with clip / mask), the RS bounds only where RS is on: a bound that
+        nothing reads cannot be wrong (``use_tis, tis_upper_bound=1.0`` truncates at 1)."""
         problems = []
-
-        def positive(name: str, value: float | None) -> None:
-            if value is not None and not value > 0:
-                problems.append(f"{name}={value!r} must be > 0 (a ratio bound)")
-
-        for name in ("tis_lower_bound", "tis_upper_bound", "rs_lower_bound", "rs_upper_bound"):
-            positive(name, getattr(self, name))
-        if not problems:
-            if self.tis_mode != "truncate" and not self.tis_lower < self.tis_upper_bound:
-                problems.append(
-                    f"tis_lower_bound={self.tis_lower!r} must be < tis_upper_bound={self.tis_upper_bound!r}"
-                )
-            if not self.rs_lower < self.rs_upper:
-                problems.append(
-                    f"rs_lower_bound={self.rs_lower!r} must be < rs_upper_bound={self.rs_upper!r} "
-                    "(unset RS bounds default to the IS bounds)"
-                )
-        for name in ("rs_veto_threshold", "prob_veto_threshold"):
+        for name in _RATIO_BOUNDS:
             value = getattr(self, name)
-            if value is not None and not 0.0 < value < 1.0:
-                problems.append(f"{name}={value!r} must lie in the open interval (0, 1), or be null")
-        if not 0.0 < self.log_ratio_bound <= MAX_LOG_RATIO_BOUND:
+            if value is not None and not 1.0 / _F32_MAX <= value <= _F32_MAX:
+                problems.append(
+                    f"{name}={value!r} must lie in [{1.0 / _F32_MAX:.4g}, {_F32_MAX:.4g}] (float32, in which the "
+                    "weights are computed, must hold the bound and its reciprocal)"
+                )
+        if problems:
+            return problems
+        if self.use_tis and self.tis_mode != "truncate" and not self.tis_lower < self.tis_upper_bound:
             problems.append(
-                f"log_ratio_bound={self.log_ratio_bound!r} must lie in (0, {MAX_LOG_RATIO_BOUND:g}] "
-                "(exp overflows float32 near 88)"
+                f"tis_lower_bound={self.tis_lower!r} must be < tis_upper_bound={self.tis_upper_bound!r}"
+                + (" (unset, it is 1/tis_upper_bound)" if self.tis_lower_bound is None else "")
+            )
+        if self.use_rs and not self.rs_lower < self.rs_upper:
+            problems.append(
+                f"rs_lower_bound={self.rs_lower!r} must be < rs_upper_bound={self.rs_upper!r} "
+                "(unset RS bounds default to the IS bounds)"
             )
         if self.tis_batch_normalize and not self.use_tis:
             problems.append(
@@ -218,6 +250,7 @@ class MISConfig(ConfigBase):
         YAML file (when ``args.custom_config_path`` names one) is read again and any key that looks
         like a misspelt MIS key is reported, together with every other problem.
         """
+        _check_namespace(args)
         problems: list[str] = []
         path = getattr(args, "custom_config_path", None)
         if path:

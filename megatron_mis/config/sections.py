@@ -125,6 +125,8 @@ def load_sections(data: Mapping[str, Any] | str | Path, *, source: str | None = 
     if isinstance(data, (str, Path)):
         source = source or str(data)
         data = load_yaml_mapping(data)
+    if not isinstance(data, Mapping):
+        raise ConfigError(source or "configuration", [f"expected a mapping of keys, got {type(data).__name__}"])
     owners: dict[str, str] = {}
     for name in CONFIG_SECTIONS:
         for key in CONFIG_SECTIONS.get(name).keys():

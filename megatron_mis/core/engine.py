@@ -23,28 +23,43 @@ decision needs only per-sequence sums, counts, minima and maxima. :func:`compute
    sequences;
 3. derives sequence weights, rejections, normalisation and metrics from the reduced statistics.
 
-No step loops over sequences in Python or synchronises with the device (the optional
-``nonfinite_policy="error"`` check is the one exception, and says so).
+No step loops over sequences in Python or synchronises with the host: the per-sequence sums are
+one ``index_add_`` of a ``[T, K]`` column block per dtype (float32 counts, float64 sums), the
+extrema one ``scatter_reduce_``; ``cu_seqlens`` given as host data is validated on the host and
+moved with a non-blocking copy. The number of aten ops per call does not depend on ``N``
+(``tests/test_engine_speed_contract.py`` counts them), and the token and sequence stages compile
+with ``torch.compile(fullgraph=True, dynamic=True)`` without a graph break (``compile_engine``).
+The one documented synchronisation is ``nonfinite_policy="error"``, which must read the count
+to raise.
+
+Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 through a series
+near r = 1); per-sequence sums of values are accumulated in float64 from the float32 values
+(the log-ratio sum feeds exp at sequence level; sums of r^2 up to e^160 stay finite), counts in
+float32 (exact below 2^24 tokens per sequence).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
+from typing import Any
 
 import torch
 
 from megatron_mis.config.mis import MISConfig
-from megatron_mis.core.segments import (
-    as_cu_seqlens,
-    expand,
-    segment_max,
-    segment_min,
-    segment_sum,
-    sequence_ids,
+from megatron_mis.core import metrics as _metrics
+from megatron_mis.core.segments import as_cu_seqlens, sequence_ids
+from megatron_mis.core.statistics import (
+    BIG,
+    Plan as _Plan,
+    ExtCol,
+    SequenceDecisions,
+    SequenceStatistics,
+    StatsReducer,
+    SumCol,
+    TokenQuantities,
 )
 
 __all__ = [
@@ -58,70 +73,10 @@ __all__ = [
     "normalization_statistics",
 ]
 
-
-class SumCol(IntEnum):
-    """Columns of :attr:`SequenceStatistics.sums` (per-sequence sums over the held tokens)."""
-
-    N_MASK = 0  # loss-mask tokens
-    N_VALID = 1  # loss-mask tokens with finite train and rollout log-probs
-    N_NONFINITE = 2  # loss-mask tokens with a NaN / inf log-prob
-    SUM_LOG_R = 3  # sum of raw log r over valid tokens
-    SUM_TRAIN_LP = 4
-    SUM_ROLLOUT_LP = 5
-    SUM_K3 = 6  # r - 1 - log r (clamped log r)
-    SUM_R = 7
-    SUM_R2 = 8
-    SUM_ABS_R1 = 9  # |r - 1|
-    N_TOK_REJECTED = 10  # loss-mask tokens rejected by a token-level decision
-    N_TOK_KEPT = 11  # loss-mask tokens not rejected at token level
-    SUM_W_KEPT = 12  # token-level IS: bounded weight over token-kept tokens
-    N_IS_LOW = 13  # token-level IS: unbounded weight < L
-    N_IS_HIGH = 14  # token-level IS: unbounded weight > U
-    N_RS_LOW = 15  # token-level RS
-    N_RS_HIGH = 16
-    N_RATIO_VETO = 17  # tokens with r < rs_veto_threshold
-    N_PROB_VETO = 18  # tokens with probability < prob_veto_threshold
-    SUM_W_BEFORE = 19  # token-level IS: unbounded weight over valid tokens
-    SUM_W_AFTER = 20  # token-level IS: bounded weight over loss-mask tokens (0 where IS-masked)
-
-
-class ExtCol(IntEnum):
-    """Columns of :attr:`SequenceStatistics.mins` / ``maxs``."""
-
-    LOG_R = 0  # clamped token log r over valid tokens
-    W_KEPT = 1  # token-level IS: bounded weight over token-kept tokens
-
-
-_BIG = 1e30  # fill for empty minima / maxima (finite, so sums of fills never make NaN)
-
-
-@dataclass
-class SequenceStatistics:
-    """Per-sequence statistics of the tokens one rank holds; the only data that must cross
-    context-parallel ranks.
-
-    Attributes:
-        sums: ``[N, len(SumCol)]`` float64 — summed across ranks.
-        mins: ``[N, len(ExtCol)]`` float64 — minimum across ranks (``+1e30`` where empty).
-        maxs: ``[N, len(ExtCol)]`` float64 — maximum across ranks (``-1e30`` where empty).
-    """
-
-    sums: torch.Tensor
-    mins: torch.Tensor
-    maxs: torch.Tensor
-
-    def col(self, c: SumCol) -> torch.Tensor:
-        """``[N]`` column of the sums."""
-        return self.sums[:, int(c)]
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.sums.shape[0])
-
-
-#: ``reduce_stats(local) -> whole-sequence statistics``; must be identical on every rank that
-#: shares the sequences.
-StatsReducer = Callable[[SequenceStatistics], SequenceStatistics]
+# Kept importable from here (older callers).
+_Tokens = TokenQuantities
+_Sequences = SequenceDecisions
+_BIG = BIG
 
 
 @dataclass
@@ -165,8 +120,9 @@ class MISResult:
         normalization: :class:`NormalizationStatistics` of this call (before any global mean).
         normalizer: 0-dim float32 — the mean the weights were divided by (1 without normalisation).
         token_metrics: ``{name: [T] float32}`` aligned with the input tokens (sequence values
-            repeated over their tokens, batch values over all tokens), Miles' ``mis_`` names. Hosts
-            reduce them over the ORIGINAL loss mask.
+            repeated over their tokens, batch values over all tokens), Miles' ``mis_`` names with
+            Miles' definitions (docs/metrics.md). Hosts reduce them over the ORIGINAL loss mask.
+            Empty with ``mis_metrics: none``.
         summary: ``{name: 0-dim tensor}`` batch summaries (token metrics averaged over loss-mask
             tokens, sequence metrics over sequences with loss-mask tokens). Exact under context
             parallelism (built from the reduced statistics) except the bucket table.
@@ -187,7 +143,7 @@ class MISResult:
     summary: dict[str, torch.Tensor]
     num_nonfinite: torch.Tensor
     config: MISConfig = field(repr=False)
-    _tokens: "_Tokens | None" = field(default=None, repr=False)
+    _tokens: "TokenQuantities | None" = field(default=None, repr=False)
     _bucket_edges: tuple[float, ...] = field(default=DEFAULT_PROB_BUCKET_EDGES, repr=False)
     _bucket_table: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     _warned: bool = field(default=False, repr=False)
@@ -198,24 +154,17 @@ class MISResult:
         (float64) — mismatch by rollout-probability bucket over this call's tokens (local to the
         rank under context parallelism)."""
         if self._bucket_table is None:
-            from megatron_mis.core import metrics as _metrics
-
             self._bucket_table = _metrics.bucket_table(self._tokens, self._bucket_edges)
         return self._bucket_table
 
     def check_nonfinite(self) -> int:
         """Synchronise once, warn (or raise for ``nonfinite_policy="error"``) about non-finite
-        log-probs; returns their count. Called by :meth:`scalars` and the host drop-ins."""
+        log-probs; returns their count. Called by :meth:`scalars`; the host drop-ins use the
+        synchronisation-free :class:`DeferredCount` instead."""
         count = int(self.num_nonfinite)
         if count and not self._warned:
             self._warned = True
-            action = "rejected" if self.config.nonfinite_policy == "reject" else "neutralised (ratio 1)"
-            warnings.warn(
-                f"megatron-mis: {count} loss-mask token(s) had NaN or inf train/rollout log-probs; "
-                f"they were {action} and counted in mis_nonfinite_token_fraction",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warnings.warn(nonfinite_message(count, self.config), RuntimeWarning, stacklevel=2)
         return count
 
     def scalars(self) -> dict[str, float]:
@@ -232,53 +181,283 @@ class MISResult:
         return list(torch.split(tensor, [int(x) for x in lengths]))
 
 
+def nonfinite_message(count: int, config: MISConfig) -> str:
+    action = "rejected" if config.nonfinite_policy == "reject" else "neutralised (ratio 1)"
+    return (
+        f"megatron-mis: {count} loss-mask token(s) had NaN or inf train/rollout log-probs; "
+        f"they were {action} and counted in mis_nonfinite_token_fraction"
+    )
+
+
+class DeferredCount:
+    """Read a 0-dim device count later without synchronising: a non-blocking copy to pinned host
+    memory and a CUDA event; :meth:`poll` returns the value once the event has completed (at once
+    on the CPU, where the value is already host memory), else ``None``."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, count: torch.Tensor) -> None:
+        if count.device.type == "cuda":
+            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._host.copy_(count, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = count.detach(), None
+
+    def poll(self) -> int | None:
+        if self._event is not None and not self._event.query():
+            return None
+        return int(self._host.numpy())  # host memory the device has finished writing: no sync
+
+
 # ===================================================================================== engine
-@dataclass
-class _Tokens:
-    """Per-token quantities of one call, ``[T]`` each."""
+def _token_stage(
+    train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, plan: _Plan
+) -> tuple[TokenQuantities, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token quantities and this call's per-sequence partial statistics ``(sums [N, K],
+    mins [N, E], maxs [N, E])``. Pure tensor code, no host synchronisation, compilable."""
+    f32, f64 = torch.float32, torch.float64
+    full_metrics = plan.metrics != "none"
+    bound = plan.bound
+    finite = torch.isfinite(train) & torch.isfinite(rollout)
+    valid = mask & finite
+    nonfinite = mask & ~finite
+    zero = torch.zeros_like(train)
+    train_v = torch.where(valid, train, zero)
+    rollout_v = torch.where(valid, rollout, zero)
+    log_r = (train_v - rollout_v).clamp(-bound, bound)  # an fp32 inf difference clamps to the bound
+    r = torch.exp(log_r)
+    k3 = _metrics.k3_from_log_ratio(log_r) if full_metrics else None
 
-    seq_ids: torch.Tensor
-    mask: torch.Tensor  # bool
-    valid: torch.Tensor  # bool
-    nonfinite: torch.Tensor  # bool
-    train: torch.Tensor  # float32, neutral where invalid
-    rollout: torch.Tensor
-    log_r: torch.Tensor  # clamped, 0 where invalid
-    r: torch.Tensor
-    k3: torch.Tensor  # r - 1 - log r, computed as expm1(log r) - log r in float64 (no cancellation near r = 1)
-    tok_rejected: torch.Tensor  # bool, subset of mask
-    tok_kept: torch.Tensor  # bool
-    w_tok_unbounded: torch.Tensor | None  # token-level IS only
-    w_tok: torch.Tensor | None  # bounded (0 where IS-masked)
-    is_low: torch.Tensor | None
-    is_high: torch.Tensor | None
-    rs_low: torch.Tensor | None
-    rs_high: torch.Tensor | None
-    ratio_veto: torch.Tensor | None
-    prob_veto: torch.Tensor | None
-    #: float32 copies of the 0/1 flags, made once and shared by the per-sequence counts and the
-    #: indicator metrics (each conversion is a full pass over the tokens)
-    flags: dict = field(default_factory=dict)
+    tok_rejected = nonfinite if plan.reject_nonfinite else torch.zeros_like(mask)
+    # Decisions on the ratio see a neutralised (non-finite) loss token as ratio 1 (r is exactly 1
+    # there), like any finite ratio-1 token; a rejected one is out anyway.
+    w_unb = w_tok = is_low = is_high = None
+    if plan.token_is:
+        w_unb = r
+        is_low = mask & (r < plan.tis_lo)
+        is_high = mask & (r > plan.tis_hi)
+        if plan.tis_mode == "truncate":
+            w_tok = r.clamp(max=plan.tis_hi)
+        elif plan.tis_mode == "clip":
+            w_tok = r.clamp(plan.tis_lo, plan.tis_hi)
+        else:  # mask
+            outside = is_low | is_high
+            w_tok = torch.where(outside, zero, r)
+            tok_rejected = tok_rejected | outside
+
+    rs_low = rs_high = None
+    if plan.use_rs and plan.rs_level == "token":
+        rs_low = mask & (r < plan.rs_lo)
+        rs_high = mask & (r > plan.rs_hi)
+        tok_rejected = tok_rejected | rs_low | rs_high
+
+    ratio_veto = prob_veto = None
+    if plan.log_ratio_veto is not None:
+        # raw difference against log(threshold); an fp32 -inf difference of finite values vetoes
+        ratio_veto = valid & ((train_v - rollout_v) < plan.log_ratio_veto)
+    if plan.log_prob_veto is not None:
+        source = train if plan.prob_veto_train else rollout
+        # -inf log-probs (probability 0) are vetoed too; NaN never compares below.
+        prob_veto = mask & (source < plan.log_prob_veto)
+
+    tok_kept = mask & ~tok_rejected
+
+    # ---- per-sequence partial statistics: one index_add_ per dtype ------------------------
+    counts: list[tuple[SumCol, torch.Tensor]] = [(SumCol.N_MASK, mask), (SumCol.N_VALID, valid), (SumCol.N_TOK_KEPT, tok_kept)]
+    if full_metrics:
+        counts += [(c, v) for c, v in ((SumCol.N_IS_LOW, is_low), (SumCol.N_IS_HIGH, is_high),
+                                       (SumCol.N_RS_LOW, rs_low), (SumCol.N_RS_HIGH, rs_high)) if v is not None]
+    counts += [(c, v) for c, v in ((SumCol.N_RATIO_VETO, ratio_veto), (SumCol.N_PROB_VETO, prob_veto)) if v is not None]
+    count_block = torch.stack([v for _, v in counts], 1).to(f32)  # [T, Kc]
+
+    # float64 sums of float32 values; the log-ratio difference is taken in float64 (finite for
+    # any finite float32 log-probs, even near +-3e38).
+    values: list[tuple[SumCol, torch.Tensor]] = [(SumCol.SUM_LOG_R, train_v.to(f64) - rollout_v.to(f64))]
+    w_kept = None
+    if plan.token_is:
+        w_kept = torch.where(tok_kept, w_tok, zero)
+        values.append((SumCol.SUM_W_KEPT, w_kept))
+    if full_metrics:
+        r_v = torch.where(valid, r, zero)
+        # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
+        # r^2 - 1 = (r - 1)(r + 1) in float64: the chi-square from log space, accurate for tiny
+        # mismatches and finite up to log_ratio_bound 80 (e^160)
+        em1 = torch.where(valid, tokens_em1 := torch.expm1(log_r), zero).to(f64)
+        values += [
+            (SumCol.SUM_TRAIN_LP, train_v), (SumCol.SUM_ROLLOUT_LP, rollout_v), (SumCol.SUM_K3, torch.where(valid, k3, zero)),
+            (SumCol.SUM_R, r_v), (SumCol.SUM_R2, em1 * (em1 + 2.0)), (SumCol.SUM_ABS_R1, em1.abs()),
+        ]
+        if plan.token_is:
+            # the hosts' after-bound weight: bounded (truncate / clip), the raw ratio in mask mode
+            w_host = r if plan.tis_mode == "mask" else w_tok
+            values += [
+                (SumCol.SUM_W_BEFORE, torch.where(valid, w_unb, zero)),
+                (SumCol.SUM_W_AFTER, torch.where(mask, w_tok, zero)),
+                (SumCol.SUM_W_HOST, torch.where(mask, w_host, zero)),
+            ]
+    value_block = torch.stack([v.to(f64) for _, v in values], 1)  # [T, Kv]
+
+    device = train.device
+    count_sums = torch.zeros(num_seqs, len(counts), dtype=f32, device=device).index_add_(0, seq_ids, count_block)
+    value_sums = torch.zeros(num_seqs, len(values), dtype=f64, device=device).index_add_(0, seq_ids, value_block)
+    sums = torch.zeros(num_seqs, len(SumCol), dtype=f64, device=device)
+    sums[:, [int(c) for c, _ in counts]] = count_sums.to(f64)
+    sums[:, [int(c) for c, _ in values]] = value_sums
+    # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
+    sums[:, SumCol.N_NONFINITE] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_VALID]
+    sums[:, SumCol.N_TOK_REJECTED] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_TOK_KEPT]
+
+    # ---- per-sequence extrema (token-level IS metrics only): one scatter_reduce_ ----------
+    mins = torch.full((num_seqs, len(ExtCol)), BIG, dtype=f64, device=device)
+    maxs = torch.full((num_seqs, len(ExtCol)), -BIG, dtype=f64, device=device)
+    if plan.token_is and full_metrics:
+        big = 3e38
+        ext = torch.stack([
+            torch.where(valid, log_r, big), torch.where(tok_kept, w_tok, big),
+            torch.where(valid, -log_r, big), torch.where(tok_kept, -w_tok, big),
+        ], 1)  # [T, 4]: minima of (log r, w) and of their negatives (= -maxima)
+        red = torch.full((num_seqs, 4), big, dtype=f32, device=device)
+        red = red.scatter_reduce_(0, seq_ids.unsqueeze(1).expand(-1, 4), ext, "amin", include_self=True).to(f64)
+        empty = red >= big
+        mins = torch.where(empty[:, :2], BIG, red[:, :2])
+        maxs = torch.where(empty[:, 2:], -BIG, -red[:, 2:])
+
+    flags = {c: count_block[:, i] for i, (c, _) in enumerate(counts)}
+    tokens = TokenQuantities(
+        seq_ids=seq_ids, mask=mask, valid=valid, nonfinite=nonfinite, train=train_v, rollout=rollout_v,
+        log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
+        is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
+        flags=flags, r_minus_1=tokens_em1 if full_metrics else None,
+    )
+    return tokens, sums, mins, maxs
 
 
-@dataclass
-class _Sequences:
-    """Per-sequence decisions after the statistics are reduced, ``[N]`` each (float64 unless
-    noted)."""
+def _bound(w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Apply the IS mode to unbounded weights; returns (bounded, below L, above U)."""
+    lo, hi = plan.tis_lo, plan.tis_hi
+    low, high = w < lo, w > hi
+    if plan.tis_mode == "truncate":
+        return w.clamp(max=hi), low, high
+    if plan.tis_mode == "clip":
+        return w.clamp(lo, hi), low, high
+    return torch.where(low | high, torch.zeros_like(w), w), low, high
 
-    n_mask: torch.Tensor
-    n_valid: torch.Tensor
-    level_log_r: dict[str, torch.Tensor]  # "sequence" / "geometric" clamped log-ratios
-    w_seq_unbounded: torch.Tensor | None
-    w_seq: torch.Tensor | None  # bounded, 0 where IS-masked
-    is_low: torch.Tensor | None
-    is_high: torch.Tensor | None
-    rs_low: torch.Tensor | None
-    rs_high: torch.Tensor | None
-    ratio_vetoed: torch.Tensor  # bool
-    prob_vetoed: torch.Tensor  # bool
-    rejected: torch.Tensor  # bool: whole sequence out
-    kept: torch.Tensor  # bool: not rejected and at least one kept token
+
+def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions:
+    bound = plan.bound
+    n_mask = stats.col(SumCol.N_MASK)
+    n_valid = stats.col(SumCol.N_VALID)
+    has_valid = n_valid > 0
+    log_sum = stats.col(SumCol.SUM_LOG_R)
+    level_log_r = {
+        "sequence": log_sum.clamp(-bound, bound),
+        "geometric": (log_sum / n_valid.clamp_min(1)).clamp(-bound, bound),
+    }
+    rejected = torch.zeros_like(has_valid)
+
+    w_unb = w_seq = is_low = is_high = None
+    if plan.use_tis and plan.tis_level != "token":
+        w_unb = torch.exp(level_log_r[plan.tis_level])
+        w_seq, is_low, is_high = _bound(w_unb, plan)
+        is_low, is_high = is_low & has_valid, is_high & has_valid
+        if plan.tis_mode == "mask":
+            rejected = rejected | is_low | is_high
+
+    rs_low = rs_high = None
+    if plan.use_rs and plan.rs_level != "token":
+        rs_ratio = torch.exp(level_log_r[plan.rs_level])
+        rs_low = has_valid & (rs_ratio < plan.rs_lo)
+        rs_high = has_valid & (rs_ratio > plan.rs_hi)
+        rejected = rejected | rs_low | rs_high
+
+    ratio_vetoed = stats.col(SumCol.N_RATIO_VETO) > 0
+    prob_vetoed = stats.col(SumCol.N_PROB_VETO) > 0
+    rejected = rejected | ratio_vetoed | prob_vetoed
+    kept = ~rejected & (stats.col(SumCol.N_TOK_KEPT) > 0)
+    return SequenceDecisions(
+        n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
+        is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
+        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept,
+    )
+
+
+def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Plan) -> NormalizationStatistics:
+    if plan.token_is:
+        alive = (~seqs.rejected).to(torch.float64)
+        weight_sum = (stats.col(SumCol.SUM_W_KEPT) * alive).sum()
+        count = (stats.col(SumCol.N_TOK_KEPT) * alive).sum()
+    elif plan.use_tis:
+        keptf = seqs.kept.to(torch.float64)
+        weight_sum = (seqs.w_seq * keptf).sum()
+        count = keptf.sum()
+    else:
+        count = (stats.col(SumCol.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
+        weight_sum = count.clone()
+    return NormalizationStatistics(weight_sum, count)
+
+
+def _outputs(
+    tokens: TokenQuantities, stats: SequenceStatistics, normalizer: torch.Tensor | None, plan: _Plan
+) -> dict[str, Any]:
+    """Sequence decisions, normalisation, weights, masks and metrics from the reduced statistics
+    (pure tensor code, compilable). ``normalizer`` is the global mean, or ``None`` to take this
+    call's own (or 1 without normalisation)."""
+    seqs = _sequence_stage(stats, plan)
+    norm_stats = _normalization(stats, seqs, plan)
+    if not plan.normalizes:
+        norm = torch.ones((), dtype=torch.float64, device=stats.sums.device)
+    elif normalizer is None:
+        norm = norm_stats.mean()
+    else:
+        norm = normalizer
+    f32 = torch.float32
+    sid = tokens.seq_ids
+    keep = tokens.tok_kept & ~seqs.rejected.index_select(0, sid)
+    norm32 = norm.to(f32)
+    zero = torch.zeros_like(tokens.r)
+    if plan.token_is:
+        weights = torch.where(keep, tokens.w_tok / norm32, zero)
+    elif plan.use_tis:
+        weights = torch.where(keep, (seqs.w_seq / norm).to(f32).index_select(0, sid), zero)
+    else:
+        weights = keep.to(f32)
+
+    if plan.use_tis and plan.tis_level != "token":
+        seq_weights = torch.where(seqs.kept, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
+    else:
+        kept_count = stats.col(SumCol.N_TOK_KEPT)
+        if plan.use_tis:
+            seq_mean = stats.col(SumCol.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
+        else:
+            seq_mean = torch.ones_like(kept_count)
+        seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
+
+    if plan.metrics == "none":
+        token_metrics: dict[str, torch.Tensor] = {}
+        summary: dict[str, torch.Tensor] = {}
+    else:
+        token_metrics, summary = _metrics.build_metrics(tokens, stats, seqs, plan, norm, keep)
+    return dict(
+        seqs=seqs, norm_stats=norm_stats, normalizer=norm32, weights=weights, keep=keep, seq_weights=seq_weights,
+        token_metrics=token_metrics, summary=summary,
+        num_nonfinite=stats.col(SumCol.N_NONFINITE).sum().to(torch.int64),
+    )
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _stage_functions(compiled: bool):
+    """``(token_stage, outputs)``: eager, or compiled once per process with
+    ``torch.compile(fullgraph=True, dynamic=True)``."""
+    if not compiled:
+        return _token_stage, _outputs
+    if not _COMPILED:
+        _COMPILED["token"] = torch.compile(_token_stage, fullgraph=True, dynamic=True)
+        _COMPILED["outputs"] = torch.compile(_outputs, fullgraph=True, dynamic=True)
+    return _COMPILED["token"], _COMPILED["outputs"]
 
 
 def _prepare(
@@ -302,218 +481,55 @@ def _prepare(
         raise ValueError(
             f"log-probs must be floating point, got {train_log_probs.dtype} and {rollout_log_probs.dtype}"
         )
+    if loss_mask.is_complex():
+        raise ValueError(f"loss_mask must be bool, integer or real floating point, got {loss_mask.dtype}")
     num_tokens = int(train_log_probs.shape[0])
     device = train_log_probs.device
     cu = as_cu_seqlens(cu_seqlens, num_tokens, device)
     train = train_log_probs.detach().to(torch.float32)
     rollout = rollout_log_probs.detach().to(device=device, dtype=torch.float32)
-    mask = loss_mask.detach().to(device) != 0
+    mask = loss_mask.detach().to(device)
+    # exact conversion: a token is in the loss iff its mask value is > 0 (NaN, 0 and negative
+    # values are out); no value passes through to the returned masks
+    mask = mask if mask.dtype == torch.bool else mask > 0
     return train, rollout, mask, cu, num_tokens
 
 
-def _token_stage(
-    train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, lengths: torch.Tensor, cfg: MISConfig
-) -> tuple[_Tokens, SequenceStatistics]:
-    bound = cfg.log_ratio_bound
-    finite = torch.isfinite(train) & torch.isfinite(rollout)
-    valid = mask & finite
-    nonfinite = mask & ~finite
-    zero = torch.zeros_like(train)
-    train_v = torch.where(valid, train, zero)
-    rollout_v = torch.where(valid, rollout, zero)
-    log_r_raw = train_v - rollout_v  # 0 where invalid
-    log_r = log_r_raw.clamp(-bound, bound)
-    r = torch.exp(log_r)
-    # k3 = r - 1 - log r. Written in float32 it is a multiple of 6e-8 near r = 1 (r - 1 rounds to
-    # the float32 grid): a floor of ~1e-8 under a true k3 of ~1e-13 for an fp32-vs-fp32 mismatch.
-    # expm1(x) - x in float64 is exact to ~1e-16 / |x| relative; the result fits float32 again.
-    log_r64 = log_r.double()
-    k3 = (torch.expm1(log_r64) - log_r64).to(torch.float32)
-
-    tok_rejected = torch.zeros_like(mask)
-    if cfg.nonfinite_policy == "reject":
-        tok_rejected = tok_rejected | nonfinite
-
-    w_unb = w_tok = is_low = is_high = None
-    if cfg.use_tis and cfg.tis_level == "token":
-        w_unb = r
-        lo, hi = cfg.tis_lower, cfg.tis_upper_bound
-        is_low = valid & (w_unb < lo)
-        is_high = valid & (w_unb > hi)
-        if cfg.tis_mode == "truncate":
-            w_tok = w_unb.clamp(max=hi)
-        elif cfg.tis_mode == "clip":
-            w_tok = w_unb.clamp(lo, hi)
-        else:  # mask
-            outside = is_low | is_high
-            w_tok = torch.where(outside, zero, w_unb)
-            tok_rejected = tok_rejected | outside
-
-    rs_low = rs_high = None
-    if cfg.use_rs and cfg.rs_level == "token":
-        rs_low = valid & (r < cfg.rs_lower)
-        rs_high = valid & (r > cfg.rs_upper)
-        tok_rejected = tok_rejected | rs_low | rs_high
-
-    ratio_veto = prob_veto = None
-    if cfg.rs_veto_threshold is not None:
-        ratio_veto = valid & (log_r_raw < math.log(cfg.rs_veto_threshold))
-    if cfg.prob_veto_threshold is not None:
-        source = rollout if cfg.prob_veto_source == "rollout" else train
-        # -inf log-probs (probability 0) are vetoed too; NaN never compares below.
-        prob_veto = mask & (source < math.log(cfg.prob_veto_threshold))
-
-    tok_rejected = tok_rejected & mask
-    tok_kept = mask & ~tok_rejected
-
-    tokens = _Tokens(
-        seq_ids=seq_ids, mask=mask, valid=valid, nonfinite=nonfinite, train=train_v, rollout=rollout_v,
-        log_r=log_r, r=r, k3=k3, tok_rejected=tok_rejected, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
-        is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
-    )
-
-    # ---- per-sequence partial statistics: one segment reduction per active column ----------
-    # Columns are summed in float32 (counts are exact below 2^24 tokens per sequence); the
-    # log-ratio sum, which feeds exp() at sequence level, is summed in float64.
-    num_seqs = int(lengths.numel())
-    f64 = torch.float64
-    columns: dict[SumCol, torch.Tensor] = {
-        SumCol.N_MASK: mask,
-        SumCol.N_VALID: valid,
-        SumCol.SUM_LOG_R: log_r_raw.to(f64),
-        SumCol.SUM_TRAIN_LP: train_v,
-        SumCol.SUM_ROLLOUT_LP: rollout_v,
-        SumCol.SUM_K3: torch.where(valid, k3, zero),
-        SumCol.SUM_R: torch.where(valid, r, zero),
-        SumCol.SUM_ABS_R1: torch.where(valid, (r - 1.0).abs(), zero),
-        SumCol.N_TOK_KEPT: tok_kept,
-    }
-    columns[SumCol.SUM_R2] = columns[SumCol.SUM_R].square()
-    optional = {
-        SumCol.N_RS_LOW: rs_low,
-        SumCol.N_RS_HIGH: rs_high,
-        SumCol.N_RATIO_VETO: ratio_veto,
-        SumCol.N_PROB_VETO: prob_veto,
-    }
-    w_kept = None
-    if w_tok is not None:
-        w_kept = torch.where(tok_kept, w_tok, zero)
-        optional.update({
-            SumCol.SUM_W_KEPT: w_kept,
-            SumCol.N_IS_LOW: is_low,
-            SumCol.N_IS_HIGH: is_high,
-            SumCol.SUM_W_BEFORE: torch.where(valid, w_unb, zero),
-            SumCol.SUM_W_AFTER: torch.where(mask, w_tok, zero),
-        })
-    columns.update({c: v for c, v in optional.items() if v is not None})
-    for c, values in columns.items():
-        if values.dtype == torch.bool:
-            columns[c] = tokens.flags[c] = values.to(torch.float32)
-    sums = torch.zeros(num_seqs, len(SumCol), dtype=f64, device=train.device)
-    for c, values in columns.items():
-        sums[:, int(c)] = segment_sum(values, lengths).to(f64)
-    # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
-    sums[:, SumCol.N_NONFINITE] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_VALID]
-    sums[:, SumCol.N_TOK_REJECTED] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_TOK_KEPT]
-
-    mins = torch.full((num_seqs, len(ExtCol)), _BIG, dtype=f64, device=train.device)
-    maxs = torch.full((num_seqs, len(ExtCol)), -_BIG, dtype=f64, device=train.device)
-    big = torch.full_like(r, 3e38)
-    mins[:, ExtCol.LOG_R] = segment_min(torch.where(valid, log_r, big), lengths, 3e38).to(f64)
-    maxs[:, ExtCol.LOG_R] = segment_max(torch.where(valid, log_r, -big), lengths, -3e38).to(f64)
-    if w_kept is not None:
-        mins[:, ExtCol.W_KEPT] = segment_min(torch.where(tok_kept, w_tok, big), lengths, 3e38).to(f64)
-        maxs[:, ExtCol.W_KEPT] = segment_max(torch.where(tok_kept, w_tok, -big), lengths, -3e38).to(f64)
-    mins = torch.where(mins >= 3e38, torch.full_like(mins, _BIG), mins)
-    maxs = torch.where(maxs <= -3e38, torch.full_like(maxs, -_BIG), maxs)
-    return tokens, SequenceStatistics(sums, mins, maxs)
-
-
-def _bound(w: torch.Tensor, cfg: MISConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Apply the IS mode to unbounded weights; returns (bounded, below L, above U)."""
-    lo, hi = cfg.tis_lower, cfg.tis_upper_bound
-    low, high = w < lo, w > hi
-    if cfg.tis_mode == "truncate":
-        return w.clamp(max=hi), low, high
-    if cfg.tis_mode == "clip":
-        return w.clamp(lo, hi), low, high
-    return torch.where(low | high, torch.zeros_like(w), w), low, high
-
-
-def _sequence_stage(stats: SequenceStatistics, cfg: MISConfig) -> _Sequences:
-    bound = cfg.log_ratio_bound
-    n_mask = stats.col(SumCol.N_MASK)
-    n_valid = stats.col(SumCol.N_VALID)
-    has_valid = n_valid > 0
-    log_sum = stats.col(SumCol.SUM_LOG_R)
-    level_log_r = {
-        "sequence": log_sum.clamp(-bound, bound),
-        "geometric": (log_sum / n_valid.clamp_min(1)).clamp(-bound, bound),
-    }
-    rejected = torch.zeros_like(has_valid)
-
-    w_unb = w_seq = is_low = is_high = None
-    if cfg.use_tis and cfg.tis_level != "token":
-        w_unb = torch.exp(level_log_r[cfg.tis_level])
-        w_seq, is_low, is_high = _bound(w_unb, cfg)
-        is_low, is_high = is_low & has_valid, is_high & has_valid
-        if cfg.tis_mode == "mask":
-            rejected = rejected | is_low | is_high
-
-    rs_low = rs_high = None
-    if cfg.use_rs and cfg.rs_level != "token":
-        rs_ratio = torch.exp(level_log_r[cfg.rs_level])
-        rs_low = has_valid & (rs_ratio < cfg.rs_lower)
-        rs_high = has_valid & (rs_ratio > cfg.rs_upper)
-        rejected = rejected | rs_low | rs_high
-
-    ratio_vetoed = stats.col(SumCol.N_RATIO_VETO) > 0
-    prob_vetoed = stats.col(SumCol.N_PROB_VETO) > 0
-    rejected = rejected | ratio_vetoed | prob_vetoed
-    kept = ~rejected & (stats.col(SumCol.N_TOK_KEPT) > 0)
-    return _Sequences(
-        n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
-        is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
-        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept,
-    )
-
-
-def _normalization(stats: SequenceStatistics, seqs: _Sequences, cfg: MISConfig) -> NormalizationStatistics:
-    if cfg.use_tis and cfg.tis_level == "token":
-        alive = (~seqs.rejected).to(torch.float64)
-        weight_sum = (stats.col(SumCol.SUM_W_KEPT) * alive).sum()
-        count = (stats.col(SumCol.N_TOK_KEPT) * alive).sum()
-    elif cfg.use_tis:
-        keptf = seqs.kept.to(torch.float64)
-        weight_sum = (seqs.w_seq * keptf).sum()
-        count = keptf.sum()
-    else:
-        count = (stats.col(SumCol.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
-        weight_sum = count.clone()
-    return NormalizationStatistics(weight_sum, count)
-
-
-def _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, config, reduce_stats):
+def _check_config(config: Any) -> MISConfig:
     if not isinstance(config, MISConfig):
-        raise TypeError(f"config must be a MISConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a megatron_mis.MISConfig, got {type(config).__name__} ({config!r:.80}); build one with "
+            "MISConfig(...), MISConfig.from_yaml(path) or MISConfig.from_dict(mapping)"
+        )
+    return config
+
+
+def _raise_nonfinite(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> None:
+    # The one documented host synchronisation: raising needs to know.
+    bad = (mask & ~(torch.isfinite(train) & torch.isfinite(rollout))).nonzero()
+    if bad.numel():
+        first = int(bad[0, 0])
+        raise ValueError(
+            f"{bad.shape[0]} loss-mask token(s) have NaN or inf log-probs (first at flat index {first}, "
+            f"sequence {int(seq_ids[first])}: train={float(train[first])}, rollout={float(rollout[first])}); "
+            "nonfinite_policy='error' (use 'neutralize' or 'reject' to continue)"
+        )
+
+
+def _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, config, reduce_stats, *, check_nonfinite=True):
+    config = _check_config(config)
+    plan = _Plan.of(config)
     train, rollout, mask, cu, num_tokens = _prepare(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
-    lengths = cu[1:] - cu[:-1]
+    num_seqs = int(cu.shape[0]) - 1
     seq_ids = sequence_ids(cu, num_tokens)
-    if config.nonfinite_policy == "error":
-        # The one documented host synchronisation: raising needs to know.
-        bad = (mask & ~(torch.isfinite(train) & torch.isfinite(rollout))).nonzero()
-        if bad.numel():
-            first = int(bad[0, 0])
-            raise ValueError(
-                f"{bad.shape[0]} loss-mask token(s) have NaN or inf log-probs (first at flat index {first}, "
-                f"sequence {int(seq_ids[first])}: train={float(train[first])}, rollout={float(rollout[first])}); "
-                "nonfinite_policy='error' (use 'neutralize' or 'reject' to continue)"
-            )
-    tokens, stats = _token_stage(train, rollout, mask, seq_ids, lengths, config)
+    if config.nonfinite_policy == "error" and check_nonfinite:
+        _raise_nonfinite(train, rollout, mask, seq_ids)
+    token_stage, outputs = _stage_functions(bool(getattr(config, "compile_engine", False)) and num_tokens > 0)
+    tokens, sums, mins, maxs = token_stage(train, rollout, mask, seq_ids, num_seqs, plan)
+    stats = SequenceStatistics(sums, mins, maxs)
     if reduce_stats is not None:
         stats = reduce_stats(stats)
-    seqs = _sequence_stage(stats, config)
-    return tokens, stats, seqs
+    return config, plan, tokens, stats, outputs
 
 
 def normalization_statistics(
@@ -529,8 +545,28 @@ def normalization_statistics(
     metrics — the building block of the global (per-step, all data-parallel ranks) mean. The IS
     weights depend only on pi_old and pi_rollout, not on the parameters being trained, so the
     global mean can be computed once per step before the micro-batches run."""
-    _, stats, seqs = _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, config, reduce_stats)
-    return _normalization(stats, seqs, config)
+    config = _check_config(config)
+    quiet = config.replace(mis_metrics="none") if getattr(config, "mis_metrics", "none") != "none" else config
+    _, plan, _, stats, _ = _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, quiet, reduce_stats)
+    return _normalization(stats, _sequence_stage(stats, plan), plan)
+
+
+def _check_normalizer(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(
+            f"global_normalizer must be a positive finite number or a 0-dim tensor, got {type(value).__name__} ({value!r:.60})"
+        )
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not (value.is_floating_point() or not value.dtype.is_complex):
+            raise ValueError(f"global_normalizer must be a 0-dim real tensor, got shape {tuple(value.shape)} {value.dtype}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"global_normalizer must be a real number, got dtype {value.dtype}")
+        if value.device.type != "cpu":  # device data: trusted, checking would synchronise
+            return value.detach().to(dtype=torch.float64).reshape(())
+    number = float(value)  # host data: checking costs no device sync
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"global_normalizer must be a positive finite mean, got {number}")
+    return torch.tensor(number, dtype=torch.float64).to(device, non_blocking=True)
 
 
 def compute_mis(
@@ -550,7 +586,8 @@ def compute_mis(
         train_log_probs: ``[T]`` log pi_train (the trainer's pi_old); any float dtype, computed in
             fp32; detached.
         rollout_log_probs: ``[T]`` log pi_rollout recorded by the rollout engine.
-        loss_mask: ``[T]`` bool / int / float; nonzero marks a token that is in the loss.
+        loss_mask: ``[T]`` bool / int / float; a value > 0 marks a token that is in the loss
+            (0, negative values and NaN are out).
         cu_seqlens: ``[N+1]`` offsets of the sequences in the flat tensors (list or tensor). A
             context-parallel rank passes the offsets of its local pieces (a piece may be empty).
         config: the :class:`MISConfig`.
@@ -565,86 +602,43 @@ def compute_mis(
 
     Raises:
         ValueError / TypeError: mismatched shapes, bad ``cu_seqlens``, non-finite log-probs with
-            ``nonfinite_policy="error"``, or global normalisation without a normaliser.
+            ``nonfinite_policy="error"``, or global normalisation without a normaliser (each naming
+            the parameter, the value and what is allowed).
     """
+    config = _check_config(config)
+    if reduce_stats is not None and not callable(reduce_stats):
+        raise TypeError(
+            f"reduce_stats must be None or a callable SequenceStatistics -> SequenceStatistics "
+            f"(megatron_mis.parallel.cp_mis.cp_stats_reducer), got {type(reduce_stats).__name__} ({reduce_stats!r:.40})"
+        )
     if config.normalizes and config.tis_batch_normalize_scope == "global" and global_normalizer is None:
         raise ValueError(
             "tis_batch_normalize_scope='global' needs the step's global mean: compute it once per step with "
             "megatron_mis.parallel.global_norm (GlobalNormalizer) and pass global_normalizer=..., or use "
             "tis_batch_normalize_scope='micro_batch'"
         )
-    _metrics_check_edges(prob_bucket_edges)
-    tokens, stats, seqs = _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, config, reduce_stats)
-    norm_stats = _normalization(stats, seqs, config)
-    if config.normalizes:
-        if config.tis_batch_normalize_scope == "global":
-            if not isinstance(global_normalizer, torch.Tensor) or global_normalizer.device.type == "cpu":
-                value = float(global_normalizer)  # host data: checking costs no device sync
-                if not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"global_normalizer must be a positive finite mean, got {value}")
-            normalizer = torch.as_tensor(global_normalizer, dtype=torch.float64).to(stats.sums.device).reshape(())
-        else:
-            normalizer = norm_stats.mean()
-    else:
-        normalizer = torch.ones((), dtype=torch.float64, device=stats.sums.device)
-
-    return _finalize(tokens, stats, seqs, norm_stats, normalizer, config, prob_bucket_edges)
-
-
-def _metrics_check_edges(edges: Sequence[float]) -> None:
-    values = [float(e) for e in edges]
-    if len(values) < 2 or any(b <= a for a, b in zip(values, values[1:])) or values[0] < 0 or values[-1] > 1:
-        raise ValueError(f"prob_bucket_edges must increase within [0, 1] with >= 2 entries, got {list(edges)}")
-
-
-def _finalize(
-    tokens: _Tokens,
-    stats: SequenceStatistics,
-    seqs: _Sequences,
-    norm_stats: NormalizationStatistics,
-    normalizer: torch.Tensor,
-    cfg: MISConfig,
-    prob_bucket_edges: Sequence[float],
-) -> MISResult:
-    from megatron_mis.core import metrics as _metrics
-
-    sid = tokens.seq_ids
-    f32 = torch.float32
-    keep = tokens.tok_kept & ~expand(seqs.rejected, sid)
-    norm32 = normalizer.to(f32)
-    if cfg.use_tis and cfg.tis_level == "token":
-        level_w = tokens.w_tok
-    elif cfg.use_tis:
-        level_w = expand(seqs.w_seq.to(f32), sid)
-    else:
-        level_w = torch.ones_like(tokens.r)
-    weights = torch.where(keep, level_w / norm32, torch.zeros_like(tokens.r))
-
-    if cfg.use_tis and cfg.tis_level != "token":
-        seq_weights = torch.where(seqs.kept, seqs.w_seq / normalizer, torch.zeros_like(seqs.w_seq)).to(f32)
-    else:
-        kept_count = stats.col(SumCol.N_TOK_KEPT)
-        if cfg.use_tis:
-            seq_mean = stats.col(SumCol.SUM_W_KEPT) / kept_count.clamp_min(1) / normalizer
-        else:
-            seq_mean = torch.ones_like(kept_count)
-        seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
-
-    token_metrics, summary = _metrics.build_metrics(tokens, stats, seqs, cfg, normalizer, keep, weights)
+    edges = _metrics.check_bucket_edges(prob_bucket_edges)
+    config, plan, tokens, stats, outputs = _run_stages(
+        train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, config, reduce_stats
+    )
+    normalizer = None
+    if config.normalizes and config.tis_batch_normalize_scope == "global":
+        normalizer = _check_normalizer(global_normalizer, stats.sums.device)
+    out = outputs(tokens, stats, normalizer, plan)
     return MISResult(
-        weights=weights,
-        keep_mask=keep,
-        seq_weights=seq_weights,
-        seq_rejected=seqs.rejected,
+        weights=out["weights"],
+        keep_mask=out["keep"],
+        seq_weights=out["seq_weights"],
+        seq_rejected=out["seqs"].rejected,
         stats=stats,
-        normalization=norm_stats,
-        normalizer=norm32,
-        token_metrics=token_metrics,
-        summary=summary,
-        num_nonfinite=stats.col(SumCol.N_NONFINITE).sum().to(torch.int64),
-        config=cfg,
+        normalization=out["norm_stats"],
+        normalizer=out["normalizer"],
+        token_metrics=out["token_metrics"],
+        summary=out["summary"],
+        num_nonfinite=out["num_nonfinite"],
+        config=config,
         _tokens=tokens,
-        _bucket_edges=tuple(prob_bucket_edges),
+        _bucket_edges=edges,
     )
 
 
@@ -657,31 +651,66 @@ def compute_mis_from_lists(
 ) -> MISResult:
     """:func:`compute_mis` for per-sequence lists of 1-D tensors (one entry per sequence).
 
+    The per-sequence work is C-level: one comprehension of shapes per list, list comparisons, and
+    one ``torch.cat`` per list.
+
     Raises:
+        TypeError: an argument that is not a list / tuple of tensors (naming it and the entry).
         ValueError: if the lists differ in length, or a sequence's three tensors differ in shape
             (naming the sequence and the shapes).
     """
-    n = len(train_log_probs)
+    try:
+        n = len(train_log_probs)
+        shapes = [t.shape for t in train_log_probs]
+        shapes_r = [t.shape for t in rollout_log_probs]
+        shapes_m = [t.shape for t in loss_masks]
+        bad_type = isinstance(train_log_probs, torch.Tensor) or isinstance(rollout_log_probs, torch.Tensor) or isinstance(loss_masks, torch.Tensor)
+    except (TypeError, AttributeError):
+        bad_type = True
+    if bad_type:  # the slow path only to name the culprit
+        for name, value in (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs), ("loss_masks", loss_masks)):
+            _check_tensor_list(name, value)
     if not (len(rollout_log_probs) == n == len(loss_masks)):
         raise ValueError(
             f"got {n} train_log_probs, {len(rollout_log_probs)} rollout_log_probs and {len(loss_masks)} "
             "loss_masks; one entry per sequence is needed in each"
         )
-    for i, (a, b, m) in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
-        if a.dim() != 1 or a.shape != b.shape or a.shape != m.shape:
-            raise ValueError(
-                f"sequence {i}: train {tuple(a.shape)}, rollout {tuple(b.shape)} and loss_mask "
-                f"{tuple(m.shape)} must be equal 1-D shapes"
-            )
-    lengths = [int(a.shape[0]) for a in train_log_probs]
-    cu = [0]
-    for length in lengths:
-        cu.append(cu[-1] + length)
+    if shapes != shapes_r or shapes != shapes_m or any(len(s) != 1 for s in shapes):
+        for i, (a, b, m) in enumerate(zip(shapes, shapes_r, shapes_m)):
+            if len(a) != 1 or a != b or a != m:
+                raise ValueError(
+                    f"sequence {i}: train {tuple(a)}, rollout {tuple(b)} and loss_mask {tuple(m)} must be equal 1-D shapes"
+                )
+    _check_config(config)
     if n == 0:
         empty = torch.zeros(0)
         return compute_mis(empty, empty, empty, [0], config, **kwargs)
+    cu = [0]
+    total = 0
+    for (length,) in shapes:
+        total += length
+        cu.append(total)
     device = train_log_probs[0].device
-    train = torch.cat([t.to(device) for t in train_log_probs])
-    rollout = torch.cat([t.to(device) for t in rollout_log_probs])
-    mask = torch.cat([m.to(device).to(torch.float32) if m.dtype != torch.bool else m.to(device) for m in loss_masks])
-    return compute_mis(train, rollout, mask, cu, config, **kwargs)
+    return compute_mis(
+        _cat(train_log_probs, device), _cat(rollout_log_probs, device), _cat(loss_masks, device), cu, config, **kwargs
+    )
+
+
+def _cat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One ``torch.cat`` (C-level over the list); tensors on other devices are moved first."""
+    try:
+        out = torch.cat(list(tensors))
+    except RuntimeError:
+        out = torch.cat([t.to(device) for t in tensors])
+    return out if out.device == device else out.to(device)
+
+
+def _check_tensor_list(name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a list (one 1-D tensor per sequence), got {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        )
+    for i, t in enumerate(value):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__} ({t!r:.40})")

@@ -18,26 +18,46 @@ Names follow Miles (``mis_`` prefix) where the metric exists there: ``mis_traini
 ``mis_chi2_seq``, ``mis_tis_weight_before_bound``, ``mis_tis_weight_after_bound``,
 ``mis_tis_{truncate,clip,mask}_fraction[_low|_high]``, ``mis_rs_mask_fraction_{low,high}``,
 ``mis_rs_catastrophic_{token,seq}_fraction``, ``mis_batch_norm_factor``,
-``mis_is_ratio_{mean,min,max}_final``. Added here: ``mis_tv``, ``mis_ess_token``,
+``mis_is_ratio_{mean,min,max}_final``, ``mis_is_ratio_mean_after_tis_rs`` — each with the
+definition of Miles' bundled ``mis.py`` example (docs/metrics.md). Added here: ``mis_tv``, ``mis_ess_token``,
 ``mis_ess_seq``, ``mis_nonfinite_token_fraction``, ``mis_prob_veto_{token,seq}_fraction``,
-``mis_rejected_token_fraction``, ``mis_rejected_seq_fraction``.
+``mis_rejected_token_fraction``, ``mis_rejected_seq_fraction``; with ``mis_metrics: full`` also
+``mis_weight_after_bound_kept`` and ``mis_kept_weight_{mean,min,max}_final`` (our definitions of
+what the hosts' names measure differently).
+
+Cost: token metrics are one pass each; every sequence and batch metric is expanded to ``[T]`` by
+ONE ``index_select`` of an ``[S, N]`` block (each metric a contiguous row of the ``[S, T]``
+result). Values that do not fit float32 (chi-square at ``log_ratio_bound`` 80, KL of log-probs
+near +-3e38) saturate at +-3.4e38 in the ``[T]`` tensors; the float64 summaries stay exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from megatron_mis.config.mis import MISConfig
-    from megatron_mis.core.engine import SequenceStatistics, _Sequences, _Tokens
+from megatron_mis.core.statistics import ExtCol, Plan, SequenceDecisions, SequenceStatistics, SumCol, TokenQuantities
 
-__all__ = ["build_metrics", "bucket_table", "METRIC_DOCS"]
+
+__all__ = ["k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_edges", "METRIC_DOCS", "HOST_METRIC_NAMES"]
 
 #: Exponents of ppl-like metrics are capped here so exp() stays finite in float32.
 _EXP_CAP = 80.0
+#: Largest float32.
+_F32_MAX = 3.4028234663852886e38
+
+#: Metric names that slime's / Miles' bundled ``mis.py`` example also emits, with its definition.
+HOST_METRIC_NAMES = frozenset({
+    "mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl", "mis_k3_kl",
+    "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token", "mis_chi2_seq",
+    "mis_tis_weight_before_bound", "mis_tis_weight_after_bound", "mis_tis_truncate_fraction",
+    "mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high", "mis_tis_mask_fraction_low",
+    "mis_tis_mask_fraction_high", "mis_rs_mask_fraction_low", "mis_rs_mask_fraction_high",
+    "mis_rs_catastrophic_token_fraction", "mis_rs_catastrophic_seq_fraction", "mis_is_ratio_mean_after_tis_rs",
+    "mis_batch_norm_factor", "mis_is_ratio_mean_final", "mis_is_ratio_min_final", "mis_is_ratio_max_final",
+})
 
 #: What each metric means (used by ``megatron-mis analyze`` and the README).
 METRIC_DOCS: dict[str, str] = {
@@ -56,8 +76,11 @@ METRIC_DOCS: dict[str, str] = {
     "mis_ess_token": "batch: (sum r)^2 / (n sum r^2) over tokens, effective sample size ratio in (0, 1]",
     "mis_ess_seq": "batch: effective sample size ratio of the sequence ratios prod r",
     "mis_nonfinite_token_fraction": "token: 1 where a log-prob was NaN or inf",
-    "mis_tis_weight_before_bound": "IS weight at tis_level before truncation / clipping / masking",
-    "mis_tis_weight_after_bound": "IS weight after bounds, before normalisation (0 where IS-masked)",
+    "mis_tis_weight_before_bound": "host name: IS weight at tis_level before truncation / clipping / masking",
+    "mis_tis_weight_after_bound": "host name: IS weight after truncation / clipping, before normalisation; in mask "
+    "mode the unbounded weight (the hosts keep it at masked tokens)",
+    "mis_is_ratio_mean_after_tis_rs": "host name: the weight after TIS, before normalisation (RS changes the mask, "
+    "not the weight): the same values as mis_tis_weight_after_bound",
     "mis_tis_truncate_fraction": "fraction of weights above tis_upper_bound (from unbounded weights)",
     "mis_tis_clip_fraction_low": "fraction of weights below tis_lower_bound (clip mode)",
     "mis_tis_clip_fraction_high": "fraction of weights above tis_upper_bound (clip mode)",
@@ -72,9 +95,16 @@ METRIC_DOCS: dict[str, str] = {
     "mis_rejected_token_fraction": "token: in the loss mask but removed by any rejection",
     "mis_rejected_seq_fraction": "sequence: no token left after rejection",
     "mis_batch_norm_factor": "batch: the self-normalisation mean the weights were divided by",
-    "mis_is_ratio_mean_final": "sequence: mean final weight over kept tokens (0 if none kept)",
-    "mis_is_ratio_min_final": "sequence: min final weight over kept tokens",
-    "mis_is_ratio_max_final": "sequence: max final weight over kept tokens",
+    "mis_is_ratio_mean_final": "host name: sequence: mean over ALL loss-mask tokens of mis_tis_weight_after_bound / "
+    "the normalisation mean (the hosts' definition; rejected tokens included)",
+    "mis_is_ratio_min_final": "host name: sequence: min of the same over loss-mask tokens (0 without any)",
+    "mis_is_ratio_max_final": "host name: sequence: max of the same over loss-mask tokens (0 without any)",
+    "mis_weight_after_bound_kept": "full only: token: the bounded weight, 0 where IS-masked (what is multiplied "
+    "into the loss before normalisation)",
+    "mis_kept_weight_mean_final": "full only: sequence: mean final weight over KEPT tokens (0 if none kept): the "
+    "weight the loss actually uses",
+    "mis_kept_weight_min_final": "full only: sequence: min final weight over kept tokens",
+    "mis_kept_weight_max_final": "full only: sequence: max final weight over kept tokens",
     # summary-only batch statistics
     "mis_weight_before_bound_mean": "batch: mean IS weight before bounds (tokens or sequences by tis_level)",
     "mis_weight_before_bound_min": "batch: smallest IS weight before bounds",
@@ -92,6 +122,22 @@ METRIC_DOCS: dict[str, str] = {
 }
 
 
+
+
+def k3_from_log_ratio(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x) - 1 - x`` to float32 relative accuracy: a Taylor series for ``|x| < 0.5`` (the
+    literal form cancels catastrophically near 0: ``r - 1`` rounds to the float32 grid, a floor of
+    ~6e-8 under a true value of ~1e-13), ``expm1(x) - x`` elsewhere. Truncation error of the
+    series at ``|x| = 0.5``: ``x^8/8! / (x^2/2) < 1e-7``."""
+    p = x * (1.0 / 5040.0) + (1.0 / 720.0)
+    p = p * x + (1.0 / 120.0)
+    p = p * x + (1.0 / 24.0)
+    p = p * x + (1.0 / 6.0)
+    p = p * x + 0.5
+    series = x * x * p
+    return torch.where(x.abs() < 0.5, series, torch.expm1(x) - x)
+
+
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
 
@@ -100,44 +146,73 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.clamp(-_EXP_CAP, _EXP_CAP))
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """float32 with saturation (float64 values beyond the float32 range become +-3.4e38, not inf)."""
+    return x.clamp(-_F32_MAX, _F32_MAX).to(torch.float32)
+
+
+def check_bucket_edges(edges: Any) -> tuple[float, ...]:
+    """Validate rollout-probability bucket edges; returns them as floats.
+
+    Raises:
+        TypeError / ValueError: naming ``prob_bucket_edges``, the value and what is allowed.
+    """
+    import math
+
+    if isinstance(edges, (str, bytes)) or not hasattr(edges, "__iter__"):
+        raise TypeError(f"prob_bucket_edges must be a sequence of floats in [0, 1], got {type(edges).__name__} ({edges!r:.60})")
+    try:
+        values = [float(e) for e in edges]
+    except (TypeError, ValueError):
+        raise TypeError(f"prob_bucket_edges must hold numbers, got {list(edges)!r:.80}") from None
+    if (
+        len(values) < 2
+        or not all(math.isfinite(v) for v in values)
+        or any(b <= a for a, b in zip(values, values[1:]))
+        or values[0] < 0
+        or values[-1] > 1
+    ):
+        raise ValueError(f"prob_bucket_edges must increase strictly within [0, 1] with >= 2 finite entries, got {list(edges)}")
+    return tuple(values)
+
+
 def build_metrics(
-    tokens: "_Tokens",
-    stats: "SequenceStatistics",
-    seqs: "_Sequences",
-    cfg: "MISConfig",
+    tokens: TokenQuantities,
+    stats: SequenceStatistics,
+    seqs: SequenceDecisions,
+    plan: Plan,
     normalizer: torch.Tensor,
     keep: torch.Tensor,
-    weights: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Token-aligned ``[T]`` float32 metrics and 0-dim batch summaries (see module docstring)."""
-    from megatron_mis.core.engine import ExtCol, SumCol
-    from megatron_mis.core.segments import expand
-
+    """Token-aligned ``[T]`` float32 metrics and 0-dim float64 batch summaries (see module
+    docstring). Pure tensor code (compilable); the op count does not depend on ``N``."""
     f32, f64 = torch.float32, torch.float64
     sid = tokens.seq_ids
-    num_tokens = int(sid.shape[0])
     col = stats.col
     n_mask, n_valid = seqs.n_mask, seqs.n_valid
     has_mask = n_mask > 0
+    has_maskf = has_mask.to(f64)
     total_mask = n_mask.sum()
-    num_seq_with_mask = has_mask.to(f64).sum()
+    num_seq_with_mask = has_maskf.sum()
+    full = plan.metrics == "full"
 
     token_metrics: dict[str, torch.Tensor] = {}
     summary: dict[str, torch.Tensor] = {}
+    per_seq: list[tuple[str, torch.Tensor]] = []  # [N] float64, expanded together at the end
 
-    def tok(name: str, values: torch.Tensor, summary_sum: torch.Tensor | None, denom: torch.Tensor | None = None) -> None:
-        token_metrics[name] = values.to(f32)
+    def tok(name: str, values: torch.Tensor, summary_sum: torch.Tensor | None) -> None:
+        token_metrics[name] = values if values.dtype == f32 else values.to(f32)
         if summary_sum is not None:
-            summary[name] = _safe_div(summary_sum, total_mask if denom is None else denom)
+            summary[name] = _safe_div(summary_sum, total_mask)
 
     def seq(name: str, values: torch.Tensor) -> None:
         values = values.to(f64)
-        token_metrics[name] = expand(values.to(f32), sid)
-        summary[name] = _safe_div((values * has_mask.to(f64)).sum(), num_seq_with_mask)
+        per_seq.append((name, values))
+        summary[name] = _safe_div((values * has_maskf).sum(), num_seq_with_mask)
 
     def batch(name: str, value: torch.Tensor) -> None:
         value = value.to(f64).reshape(())
-        token_metrics[name] = value.to(f32).expand(num_tokens)
+        per_seq.append((name, value.expand(n_mask.shape[0])))
         summary[name] = value
 
     def indicator(name: str, flags: torch.Tensor, count: SumCol) -> None:
@@ -150,22 +225,24 @@ def build_metrics(
     seq("mis_training_ppl", _exp(-train_mean))
     seq("mis_rollout_log_ppl", -rollout_mean)
     seq("mis_rollout_ppl", _exp(-rollout_mean))
-    raw_log_r = tokens.train - tokens.rollout  # 0 where invalid
-    tok("mis_kl", -raw_log_r, -col(SumCol.SUM_LOG_R).sum())
-    validf = tokens.flags.get(SumCol.N_VALID, tokens.valid)
+    # k1 per token: rollout - train (0 where invalid); float32 overflow of extreme log-probs saturates
+    tok("mis_kl", (tokens.rollout - tokens.train).clamp(-_F32_MAX, _F32_MAX), -col(SumCol.SUM_LOG_R).sum())
+    validf = tokens.flags[SumCol.N_VALID]
     tok("mis_k3_kl", tokens.k3 * validf, col(SumCol.SUM_K3).sum())
     diff = rollout_mean - train_mean
     seq("mis_log_ppl_diff", diff)
     seq("mis_log_ppl_abs_diff", diff.abs())
     seq("mis_ppl_ratio", _exp(diff))
-    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SumCol.SUM_R2), n_valid) - 1.0, torch.zeros_like(n_valid)))
+    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SumCol.SUM_R2), n_valid), torch.zeros_like(n_valid)))
     seq_log = seqs.level_log_r["sequence"]
-    seq("mis_chi2_seq", torch.where(n_valid > 0, _exp(2.0 * seq_log) - 1.0, torch.zeros_like(n_valid)))
-    tok("mis_tv", 0.5 * (tokens.r - 1.0).abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
-    sum_r, sum_r2, nv = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum(), n_valid.sum()
+    # float64: exp(2 * 80) is finite there
+    seq("mis_chi2_seq", torch.where(n_valid > 0, torch.expm1(2.0 * seq_log), torch.zeros_like(n_valid)))
+    tok("mis_tv", 0.5 * tokens.r_minus_1.abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
+    nv = n_valid.sum()
+    sum_r, sum_r2 = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum() + nv
     batch("mis_ess_token", torch.where(nv > 0, _safe_div(sum_r.square(), nv * sum_r2), torch.ones_like(nv)))
     has_valid = (n_valid > 0).to(f64)
-    w_seq_raw = _exp(seq_log) * has_valid
+    w_seq_raw = torch.exp(seq_log) * has_valid  # float64: e^80 squared stays finite
     nsv = has_valid.sum()
     batch(
         "mis_ess_seq",
@@ -173,40 +250,50 @@ def build_metrics(
     )
     indicator("mis_nonfinite_token_fraction", tokens.nonfinite, SumCol.N_NONFINITE)
 
-    # ---- importance sampling -------------------------------------------------------------
-    if cfg.use_tis:
+    # ---- importance sampling (the hosts emit these only with use_tis) --------------------------
+    if plan.use_tis:
         frac_names = {
             "truncate": (None, "mis_tis_truncate_fraction"),
             "clip": ("mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"),
             "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
-        }[cfg.tis_mode]
-        if cfg.tis_level == "token":
+        }[plan.tis_mode]
+        if plan.tis_level == "token":
             tok("mis_tis_weight_before_bound", tokens.w_tok_unbounded * validf, col(SumCol.SUM_W_BEFORE).sum())
-            tok("mis_tis_weight_after_bound", torch.where(tokens.mask, tokens.w_tok, torch.zeros_like(tokens.w_tok)), col(SumCol.SUM_W_AFTER).sum())
+            maskf = tokens.flags[SumCol.N_MASK]
+            host_after = (tokens.r if plan.tis_mode == "mask" else tokens.w_tok) * maskf
+            tok("mis_tis_weight_after_bound", host_after, col(SumCol.SUM_W_HOST).sum())
+            token_metrics["mis_is_ratio_mean_after_tis_rs"] = host_after
+            summary["mis_is_ratio_mean_after_tis_rs"] = summary["mis_tis_weight_after_bound"]
+            if full:
+                tok("mis_weight_after_bound_kept", tokens.w_tok * maskf, col(SumCol.SUM_W_AFTER).sum())
             if frac_names[0]:
                 indicator(frac_names[0], tokens.is_low, SumCol.N_IS_LOW)
             indicator(frac_names[1], tokens.is_high, SumCol.N_IS_HIGH)
         else:
             seq("mis_tis_weight_before_bound", seqs.w_seq_unbounded)
-            seq("mis_tis_weight_after_bound", seqs.w_seq)
+            host_after = seqs.w_seq_unbounded if plan.tis_mode == "mask" else seqs.w_seq
+            seq("mis_tis_weight_after_bound", host_after)
+            seq("mis_is_ratio_mean_after_tis_rs", host_after)
+            if full:
+                seq("mis_weight_after_bound_kept", seqs.w_seq)
             if frac_names[0]:
                 seq(frac_names[0], seqs.is_low)
             seq(frac_names[1], seqs.is_high)
-        if cfg.normalizes:
+        if plan.normalizes:
             batch("mis_batch_norm_factor", normalizer)
 
     # ---- rejection sampling and veto -----------------------------------------------------
-    if cfg.use_rs:
-        if cfg.rs_level == "token":
+    if plan.use_rs:
+        if plan.rs_level == "token":
             indicator("mis_rs_mask_fraction_low", tokens.rs_low, SumCol.N_RS_LOW)
             indicator("mis_rs_mask_fraction_high", tokens.rs_high, SumCol.N_RS_HIGH)
         else:
             seq("mis_rs_mask_fraction_low", seqs.rs_low)
             seq("mis_rs_mask_fraction_high", seqs.rs_high)
-    if cfg.rs_veto_threshold is not None:
+    if plan.log_ratio_veto is not None:
         indicator("mis_rs_catastrophic_token_fraction", tokens.ratio_veto, SumCol.N_RATIO_VETO)
         seq("mis_rs_catastrophic_seq_fraction", seqs.ratio_vetoed)
-    if cfg.prob_veto_threshold is not None:
+    if plan.log_prob_veto is not None:
         indicator("mis_prob_veto_token_fraction", tokens.prob_veto, SumCol.N_PROB_VETO)
         seq("mis_prob_veto_seq_fraction", seqs.prob_vetoed)
 
@@ -218,62 +305,100 @@ def build_metrics(
     # ---- final weights -------------------------------------------------------------------
     kept = seqs.kept
     keptf = kept.to(f64)
-    if cfg.use_tis and cfg.tis_level == "token":
-        n_kept = col(SumCol.N_TOK_KEPT)
-        mean_final = torch.where(kept, _safe_div(col(SumCol.SUM_W_KEPT), n_kept) / normalizer, torch.zeros_like(n_kept))
-        min_final = torch.where(kept, stats.mins[:, ExtCol.W_KEPT] / normalizer, torch.zeros_like(n_kept))
-        max_final = torch.where(kept, stats.maxs[:, ExtCol.W_KEPT] / normalizer, torch.zeros_like(n_kept))
-    elif cfg.use_tis:
-        w = torch.where(kept, seqs.w_seq / normalizer, torch.zeros_like(seqs.w_seq))
-        mean_final = min_final = max_final = w
-    else:
-        mean_final = min_final = max_final = keptf
-    seq("mis_is_ratio_mean_final", mean_final)
-    seq("mis_is_ratio_min_final", min_final)
-    seq("mis_is_ratio_max_final", max_final)
+    if plan.use_tis:
+        zeros = torch.zeros_like(n_mask)
+        # the hosts' definition: over ALL loss-mask tokens of the after-bound weight / normaliser
+        if plan.tis_level == "token":
+            mean_host = _safe_div(col(SumCol.SUM_W_HOST), n_mask) / normalizer
+            lo_r = torch.exp(stats.mins[:, ExtCol.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
+            hi_r = torch.exp(stats.maxs[:, ExtCol.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
+            if plan.tis_mode != "mask":  # truncate / clip are monotone in r
+                lo_r, hi_r = _bound_values(lo_r, plan), _bound_values(hi_r, plan)
+            has_v = n_valid > 0
+            has_nf = col(SumCol.N_NONFINITE) > 0  # neutralised tokens: ratio 1
+            one = _bound_values(torch.ones_like(n_mask), plan) if plan.tis_mode != "mask" else torch.ones_like(n_mask)
+            lo_r = torch.where(has_v, torch.where(has_nf, torch.minimum(lo_r, one), lo_r), one)
+            hi_r = torch.where(has_v, torch.where(has_nf, torch.maximum(hi_r, one), hi_r), one)
+            min_host = torch.where(has_mask, lo_r / normalizer, zeros)
+            max_host = torch.where(has_mask, hi_r / normalizer, zeros)
+        else:
+            host_w = (seqs.w_seq_unbounded if plan.tis_mode == "mask" else seqs.w_seq) / normalizer
+            mean_host = min_host = max_host = torch.where(has_mask, host_w, zeros)
+        seq("mis_is_ratio_mean_final", mean_host)
+        seq("mis_is_ratio_min_final", min_host)
+        seq("mis_is_ratio_max_final", max_host)
+        if full:
+            if plan.tis_level == "token":
+                n_kept = col(SumCol.N_TOK_KEPT)
+                mean_final = torch.where(kept, _safe_div(col(SumCol.SUM_W_KEPT), n_kept) / normalizer, zeros)
+                min_final = torch.where(kept, stats.mins[:, ExtCol.W_KEPT] / normalizer, zeros)
+                max_final = torch.where(kept, stats.maxs[:, ExtCol.W_KEPT] / normalizer, zeros)
+            else:
+                mean_final = min_final = max_final = torch.where(kept, seqs.w_seq / normalizer, zeros)
+            seq("mis_kept_weight_mean_final", mean_final)
+            seq("mis_kept_weight_min_final", min_final)
+            seq("mis_kept_weight_max_final", max_final)
+
+    # ---- every sequence / batch metric expanded to [T] by one index_select ----------------
+    if per_seq:
+        block = _f32(torch.stack([v for _, v in per_seq], 0))  # [S, N]
+        expanded = block.index_select(1, sid)  # [S, T], each row contiguous
+        for i, (name, _) in enumerate(per_seq):
+            token_metrics[name] = expanded[i]
 
     # ---- summary-only batch statistics ---------------------------------------------------
-    summary["num_sequences"] = torch.tensor(float(stats.num_sequences), dtype=f64, device=n_mask.device)
+    summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)
     summary["num_loss_tokens"] = total_mask
     alive = (~seqs.rejected).to(f64)
     summary["num_kept_tokens"] = (col(SumCol.N_TOK_KEPT) * alive).sum()
     summary["num_kept_sequences"] = keptf.sum()
-    if cfg.use_tis:
-        big = torch.tensor(1e30, dtype=f64, device=n_mask.device)
-        if cfg.tis_level == "token":
-            min_lr = stats.mins[:, ExtCol.LOG_R].min() if stats.num_sequences else big
-            max_lr = stats.maxs[:, ExtCol.LOG_R].max() if stats.num_sequences else -big
+    if plan.use_tis:
+        big = torch.full((), 1e30, dtype=f64, device=n_mask.device)
+        zero0 = torch.zeros((), dtype=f64, device=n_mask.device)
+
+        def amin(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+            return torch.cat([torch.where(where, x, big), big.reshape(1)]).min()
+
+        def amax(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+            return torch.cat([torch.where(where, x, -big), -big.reshape(1)]).max()
+
+        if plan.tis_level == "token":
             any_valid = nv > 0
             summary["mis_weight_before_bound_mean"] = _safe_div(col(SumCol.SUM_W_BEFORE).sum(), nv)
-            summary["mis_weight_before_bound_min"] = torch.where(any_valid, torch.exp(min_lr.clamp(-_EXP_CAP, _EXP_CAP)), torch.zeros_like(nv))
-            summary["mis_weight_before_bound_max"] = torch.where(any_valid, torch.exp(max_lr.clamp(-_EXP_CAP, _EXP_CAP)), torch.zeros_like(nv))
+            everywhere = torch.ones_like(has_mask)
+            min_lr = amin(stats.mins[:, ExtCol.LOG_R], everywhere)
+            max_lr = amax(stats.maxs[:, ExtCol.LOG_R], everywhere)
+            summary["mis_weight_before_bound_min"] = torch.where(any_valid, torch.exp(min_lr.clamp(-_EXP_CAP, _EXP_CAP)), zero0)
+            summary["mis_weight_before_bound_max"] = torch.where(any_valid, torch.exp(max_lr.clamp(-_EXP_CAP, _EXP_CAP)), zero0)
             n_alive = (col(SumCol.N_TOK_KEPT) * alive).sum()
             any_kept = n_alive > 0
             alive_b = alive > 0
-            wmin = torch.where(alive_b, stats.mins[:, ExtCol.W_KEPT], big).min() if stats.num_sequences else big
-            wmax = torch.where(alive_b, stats.maxs[:, ExtCol.W_KEPT], -big).max() if stats.num_sequences else -big
             summary["mis_weight_after_bound_mean"] = _safe_div((col(SumCol.SUM_W_KEPT) * alive).sum(), n_alive)
-            summary["mis_weight_after_bound_min"] = torch.where(any_kept, wmin, torch.zeros_like(n_alive))
-            summary["mis_weight_after_bound_max"] = torch.where(any_kept, wmax, torch.zeros_like(n_alive))
+            summary["mis_weight_after_bound_min"] = torch.where(any_kept, amin(stats.mins[:, ExtCol.W_KEPT], alive_b), zero0)
+            summary["mis_weight_after_bound_max"] = torch.where(any_kept, amax(stats.maxs[:, ExtCol.W_KEPT], alive_b), zero0)
         else:
             hv = n_valid > 0
             any_valid = hv.any()
             wu = seqs.w_seq_unbounded
             summary["mis_weight_before_bound_mean"] = _safe_div((wu * hv).sum(), hv.to(f64).sum())
-            summary["mis_weight_before_bound_min"] = torch.where(any_valid, torch.where(hv, wu, big).min() if stats.num_sequences else big, torch.zeros((), dtype=f64, device=wu.device))
-            summary["mis_weight_before_bound_max"] = torch.where(any_valid, torch.where(hv, wu, -big).max() if stats.num_sequences else -big, torch.zeros((), dtype=f64, device=wu.device))
+            summary["mis_weight_before_bound_min"] = torch.where(any_valid, amin(wu, hv), zero0)
+            summary["mis_weight_before_bound_max"] = torch.where(any_valid, amax(wu, hv), zero0)
             any_kept = kept.any()
             wb = seqs.w_seq
             summary["mis_weight_after_bound_mean"] = _safe_div((wb * keptf).sum(), keptf.sum())
-            summary["mis_weight_after_bound_min"] = torch.where(any_kept, torch.where(kept, wb, big).min() if stats.num_sequences else big, torch.zeros((), dtype=f64, device=wb.device))
-            summary["mis_weight_after_bound_max"] = torch.where(any_kept, torch.where(kept, wb, -big).max() if stats.num_sequences else -big, torch.zeros((), dtype=f64, device=wb.device))
+            summary["mis_weight_after_bound_min"] = torch.where(any_kept, amin(wb, kept), zero0)
+            summary["mis_weight_after_bound_max"] = torch.where(any_kept, amax(wb, kept), zero0)
         for part in ("mean", "min", "max"):
             after = summary[f"mis_weight_after_bound_{part}"]
             summary[f"mis_weight_final_{part}"] = after / normalizer
     return token_metrics, summary
 
 
-def bucket_table(tokens: "_Tokens", edges: Sequence[float]) -> dict[str, torch.Tensor]:
+def _bound_values(w: torch.Tensor, plan: Plan) -> torch.Tensor:
+    return w.clamp(max=plan.tis_hi) if plan.tis_mode == "truncate" else w.clamp(plan.tis_lo, plan.tis_hi)
+
+
+def bucket_table(tokens: TokenQuantities, edges: Sequence[float]) -> dict[str, torch.Tensor]:
     """Mismatch by rollout-probability bucket over this call's valid loss-mask tokens.
 
     Buckets are ``[edges[i], edges[i+1])`` on ``p = exp(log pi_rollout)`` (the last includes 1).
@@ -288,8 +413,8 @@ def bucket_table(tokens: "_Tokens", edges: Sequence[float]) -> dict[str, torch.T
     p = torch.exp(tokens.rollout.to(torch.float64))
     idx = torch.bucketize(p, edges_t[1:-1], right=True).clamp(0, num_buckets - 1)
     idx = torch.where(valid, idx, torch.full_like(idx, num_buckets))  # invalid -> dropped bucket
-    k3 = tokens.k3.to(torch.float64)
-    absl = (tokens.train - tokens.rollout).abs().to(torch.float64)
+    k3 = (tokens.k3 if tokens.k3 is not None else k3_from_log_ratio(tokens.log_r)).to(torch.float64)
+    absl = (tokens.train.to(torch.float64) - tokens.rollout.to(torch.float64)).abs()
     acc = torch.zeros(num_buckets + 1, 3, dtype=torch.float64, device=p.device)
     acc.index_add_(0, idx, torch.stack([torch.ones_like(p), absl, k3], 1))
     acc = acc[:num_buckets]

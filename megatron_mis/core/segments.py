@@ -9,6 +9,7 @@ the same description (local lengths) covers them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "segment_min",
     "segment_sum",
     "sequence_ids",
+    "to_device",
 ]
 
 
@@ -30,37 +32,68 @@ def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor, device: torch
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
 
 
+def _host_offsets(cu_seqlens: Sequence[int]) -> list[int]:
+    if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
+        raise TypeError(
+            f"cu_seqlens must be a list of N+1 integer offsets or a 1-D integer tensor, got "
+            f"{type(cu_seqlens).__name__} ({cu_seqlens!r:.60})"
+        )
+    values = []
+    for i, v in enumerate(cu_seqlens):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__index__"):
+            raise TypeError(f"cu_seqlens[{i}]={v!r:.40} must be an integer offset, got {type(v).__name__}")
+        if isinstance(v, float):
+            if not (math.isfinite(v) and v == int(v)):
+                raise ValueError(f"cu_seqlens[{i}]={v!r} must be an integer offset (no fraction, NaN or inf)")
+            v = int(v)
+        values.append(int(v))
+    return values
+
+
 def as_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor, num_tokens: int, device: torch.device) -> torch.Tensor:
     """Validate and move ``cu_seqlens`` to ``device`` as int64.
 
-    Validation (first entry 0, non-decreasing, last entry ``num_tokens``) runs when the offsets
-    are host data (a list or a CPU tensor); offsets already on an accelerator are trusted, so the
-    check never forces a device synchronisation.
+    Validation (integer entries, first entry 0, non-decreasing, last entry ``num_tokens``) runs
+    when the offsets are host data (a list or a CPU tensor); offsets already on an accelerator are
+    trusted, so the check never forces a device synchronisation. Host offsets reach an
+    accelerator by a non-blocking copy from pinned memory.
 
     Raises:
-        ValueError: naming the offending entry.
+        TypeError / ValueError: naming ``cu_seqlens``, the offending entry and what is allowed.
     """
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1], got shape {tuple(cu_seqlens.shape)}")
-        values = cu_seqlens.tolist() if cu_seqlens.device.type == "cpu" else None
-        out = cu_seqlens.to(device=device, dtype=torch.long)
+        if cu_seqlens.dtype == torch.bool or cu_seqlens.is_complex():
+            raise TypeError(f"cu_seqlens must hold integer offsets, got dtype {cu_seqlens.dtype}")
+        if cu_seqlens.device.type != "cpu":
+            if cu_seqlens.is_floating_point():
+                raise TypeError(f"cu_seqlens on {cu_seqlens.device} must be an integer tensor, got {cu_seqlens.dtype}")
+            return cu_seqlens.to(device=device, dtype=torch.long)
+        values = _host_offsets(cu_seqlens.tolist())  # host memory: reading it is no device sync
     else:
-        values = [int(v) for v in cu_seqlens]
-        if not values:
-            raise ValueError("cu_seqlens must have N+1 >= 1 entries, got an empty sequence")
-        out = torch.tensor(values, dtype=torch.long, device=device)
-    if values is not None:
-        if values[0] != 0:
-            raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
-        for i in range(1, len(values)):
-            if values[i] < values[i - 1]:
-                raise ValueError(
-                    f"cu_seqlens must be non-decreasing: cu_seqlens[{i}]={values[i]} < cu_seqlens[{i - 1}]={values[i - 1]}"
-                )
-        if values[-1] != num_tokens:
-            raise ValueError(f"cu_seqlens[-1]={values[-1]} must equal the number of tokens {num_tokens}")
-    return out
+        values = _host_offsets(cu_seqlens)
+    if not values:
+        raise ValueError("cu_seqlens must have N+1 >= 1 entries, got an empty sequence")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing: cu_seqlens[{i}]={values[i]} < cu_seqlens[{i - 1}]={values[i - 1]}"
+            )
+    if values[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens[-1]={values[-1]} must equal the number of tokens {num_tokens}")
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host (pinned, non-blocking on CUDA)."""
+    if torch.device(device).type == "cpu":
+        return host
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron_mis.config.mis import MISConfig
+from megatron_mis.core.engine import DeferredCount, nonfinite_message
 from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp
 from megatron_mis.parallel.global_norm import compute_global_normalizer
 from megatron_mis.parallel.state import GroupView, HostGroups, host_groups
@@ -68,6 +69,10 @@ def config_from_args(args: Any) -> MISConfig:
 
 def _layout_of(args: Any, max_seq_lens: Sequence[int] | None, cp_layout: str | None) -> tuple[str, Any]:
     if cp_layout is not None:
+        if cp_layout not in ("thd", "bshd", "allgather"):  # checked at CP = 1 too
+            raise ValueError(f"cp_layout={cp_layout!r} is not supported; valid: 'thd', 'bshd', 'allgather' (or None)")
+        if cp_layout == "bshd" and max_seq_lens is None:
+            raise ValueError("cp_layout='bshd' needs max_seq_lens (the padded length per sample)")
         return cp_layout, max_seq_lens
     qkv = getattr(args, "qkv_format", "thd") or "thd"
     if qkv == "bshd":
@@ -81,6 +86,70 @@ def _layout_of(args: Any, max_seq_lens: Sequence[int] | None, cp_layout: str | N
     return "thd", None
 
 
+_NONFINITE_ATTR = "_megatron_mis_pending_nonfinite"
+_METRICS_ONLY_WARNED_ATTR = "_megatron_mis_metrics_only_warned"
+
+
+def _check_args(args: Any) -> None:
+    if isinstance(args, dict):
+        raise TypeError(
+            "args must be the host's argument namespace (attributes, e.g. argparse.Namespace), got a dict: its keys "
+            "would be ignored; pass argparse.Namespace(**mapping)"
+        )
+    if args is None:
+        raise TypeError("args must be the host's argument namespace carrying the mis.yaml keys, got None")
+
+
+def _check_pg_loss(pg_loss: Any) -> torch.Tensor:
+    if not isinstance(pg_loss, torch.Tensor):
+        raise TypeError(
+            f"pg_loss must be a 1-D tensor (this rank's per-token loss, sequences concatenated), got "
+            f"{type(pg_loss).__name__}" + (f" of {len(pg_loss)} entries" if isinstance(pg_loss, (list, tuple)) else "")
+        )
+    if pg_loss.dim() != 1:
+        raise ValueError(f"pg_loss must be 1-D [T_local], got shape {tuple(pg_loss.shape)}")
+    return pg_loss
+
+
+def _warn_deferred_nonfinite(args: Any, res: Any, cfg: MISConfig) -> None:
+    """Warn about non-finite log-probs without a host synchronisation: the count of the
+    PREVIOUS call is read once its device copy has landed (at once on the CPU)."""
+    pending = getattr(args, _NONFINITE_ATTR, None)
+    if pending is not None:
+        count = pending.poll()
+        if count:
+            warnings.warn(nonfinite_message(count, cfg), RuntimeWarning, stacklevel=4)
+    try:
+        setattr(args, _NONFINITE_ATTR, DeferredCount(res.num_nonfinite))
+    except AttributeError:
+        pass
+
+
+def _metrics_only_config(args: Any, cfg: MISConfig) -> MISConfig:
+    """The hosts call with use_tis false only for --get-mismatch-metrics: metrics, loss unchanged."""
+    acts = [n for n, on in (("use_rs", cfg.use_rs), ("rs_veto_threshold", cfg.rs_veto_threshold is not None),
+                            ("prob_veto_threshold", cfg.prob_veto_threshold is not None),
+                            ("nonfinite_policy='reject'", cfg.nonfinite_policy == "reject")) if on]
+    if cfg.rs_without_tis:
+        return cfg
+    if acts and not getattr(args, _METRICS_ONLY_WARNED_ATTR, False):
+        warnings.warn(
+            f"megatron-mis: {', '.join(acts)} has no effect without use_tis: slime / Miles call the TIS function with "
+            "use_tis false only for --get-mismatch-metrics, so megatron-mis reports metrics and leaves the loss and "
+            "masks unchanged (set rs_without_tis: true to reject anyway)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        try:
+            setattr(args, _METRICS_ONLY_WARNED_ATTR, True)
+        except AttributeError:
+            pass
+    policy = "neutralize" if cfg.nonfinite_policy == "reject" else cfg.nonfinite_policy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cfg.replace(use_rs=False, rs_veto_threshold=None, prob_veto_threshold=None, nonfinite_policy=policy)
+
+
 def _apply(
     args: Any,
     pg_loss: torch.Tensor,
@@ -88,6 +157,7 @@ def _apply(
     groups: HostGroups,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     cfg = config_from_args(args)
+    pg_loss = _check_pg_loss(pg_loss)
     if inputs.train_log_probs is None and cfg.use_tis and not getattr(args, _BYPASS_WARNED_ATTR, False):
         warnings.warn(
             "megatron-mis: train_log_probs is None (rollout log-probs used as the old policy and nothing "
@@ -100,6 +170,8 @@ def _apply(
             setattr(args, _BYPASS_WARNED_ATTR, True)
         except AttributeError:
             pass
+    metrics_only = not cfg.use_tis
+    run_cfg = _metrics_only_config(args, cfg) if metrics_only else cfg
     normalizer = None
     if cfg.normalizes and cfg.tis_batch_normalize_scope == "global":
         normalizer = getattr(args, _NORM_ATTR, None)
@@ -112,19 +184,28 @@ def _apply(
                 "megatron_mis.parallel.global_norm.compute_global_normalizer"
             )
         normalizer = normalizer[1]
-    out = compute_mis_cp(inputs, cfg, groups.cp, global_normalizer=normalizer)
+    out = compute_mis_cp(inputs, run_cfg, groups.cp, global_normalizer=normalizer)
     res = out.result
     if pg_loss.shape != res.weights.shape:
         raise ValueError(
             f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {res.weights.numel()} response tokens "
             "(pg_loss must be the flat local per-token loss, sequences concatenated)"
         )
-    res.check_nonfinite()
+    _warn_deferred_nonfinite(args, res, cfg)
+    metrics = dict(res.token_metrics)
+    if metrics_only and not (cfg.rs_without_tis and run_cfg.rejects):
+        # the host's meaning: metrics only; loss and masks exactly as given (masks as 0 / 1)
+        return pg_loss, _unchanged_masks(inputs), metrics
     weights = res.weights.to(device=pg_loss.device, dtype=pg_loss.dtype)
     keep = res.keep_mask.to(pg_loss.device)
     new_loss = torch.where(keep, pg_loss * weights, torch.zeros_like(pg_loss))
-    metrics = {k: v.contiguous() for k, v in res.token_metrics.items()}
     return new_loss, out.modified_masks, metrics
+
+
+def _unchanged_masks(inputs: CPInputs) -> list[torch.Tensor]:
+    """The given full-length masks with the documented exact conversion (a value > 0 is 1,
+    anything else 0, in the mask's dtype): no value passes through."""
+    return [m if m.dtype == torch.bool else (m > 0).to(m.dtype) for m in inputs.loss_masks]
 
 
 def compute_mis_weights_with_cp(
@@ -159,6 +240,7 @@ def compute_mis_weights_with_cp(
     Collectives: over the CP group only — one all-gather of per-sample statistics, plus one
     ``uint8`` all-reduce when token-level rejection is configured; none when CP = 1.
     """
+    _check_args(args)
     layout, msl = _layout_of(args, max_seq_lens, cp_layout)
     groups = host_groups(parallel_state, cp_group=cp_group)
     inputs = CPInputs(
@@ -184,8 +266,19 @@ def compute_mis_weights_fsdp(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     """The same for hosts without context parallelism (FSDP backends): whole sequences on every
-    rank, no collectives."""
-    lengths = [int(r.numel()) for r in rollout_log_probs]
+    rank, no collectives, no host synchronisation."""
+    _check_args(args)
+    if isinstance(rollout_log_probs, torch.Tensor) or not isinstance(rollout_log_probs, (list, tuple)):
+        raise TypeError(
+            f"rollout_log_probs must be a list with one 1-D tensor per sample, got {type(rollout_log_probs).__name__}"
+        )
+    try:
+        lengths = [r.shape[0] if r.dim() == 1 else -1 for r in rollout_log_probs]
+    except AttributeError:
+        bad = next(i for i, r in enumerate(rollout_log_probs) if not isinstance(r, torch.Tensor))
+        raise TypeError(
+            f"rollout_log_probs[{bad}] must be a torch.Tensor, got {type(rollout_log_probs[bad]).__name__}"
+        ) from None
     inputs = CPInputs(
         train_log_probs=train_log_probs,
         rollout_log_probs=rollout_log_probs,

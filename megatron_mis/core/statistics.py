@@ -1,0 +1,173 @@
+"""The data the MIS engine's stages hand to each other (pure torch; no logic beyond accessors).
+
+Kept apart from :mod:`megatron_mis.core.engine` and :mod:`megatron_mis.core.metrics` so that
+both import it and neither imports the other (no import cycle).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+
+from megatron_mis.config.mis import MISConfig
+
+__all__ = ["Plan", "SumCol", "ExtCol", "SequenceStatistics", "StatsReducer", "TokenQuantities", "SequenceDecisions", "BIG"]
+
+
+class SumCol(IntEnum):
+    """Columns of :attr:`SequenceStatistics.sums` (per-sequence sums over the held tokens)."""
+
+    N_MASK = 0  # loss-mask tokens
+    N_VALID = 1  # loss-mask tokens with finite train and rollout log-probs
+    N_NONFINITE = 2  # loss-mask tokens with a NaN / inf log-prob (N_MASK - N_VALID)
+    SUM_LOG_R = 3  # sum of raw log r over valid tokens (float64 difference: never overflows)
+    SUM_TRAIN_LP = 4
+    SUM_ROLLOUT_LP = 5
+    SUM_K3 = 6  # r - 1 - log r (clamped log r)
+    SUM_R = 7
+    SUM_R2 = 8  # r^2 - 1 = expm1(log r) (expm1(log r) + 2) summed in float64 (finite up to e^160)
+    SUM_ABS_R1 = 9  # |r - 1| = |expm1(log r)|
+    N_TOK_REJECTED = 10  # loss-mask tokens rejected by a token-level decision (N_MASK - N_TOK_KEPT)
+    N_TOK_KEPT = 11  # loss-mask tokens not rejected at token level
+    SUM_W_KEPT = 12  # token-level IS: bounded weight over token-kept tokens
+    N_IS_LOW = 13  # token-level IS: unbounded weight < L (over loss-mask tokens, neutralised ones as ratio 1)
+    N_IS_HIGH = 14  # token-level IS: unbounded weight > U
+    N_RS_LOW = 15  # token-level RS
+    N_RS_HIGH = 16
+    N_RATIO_VETO = 17  # tokens with r < rs_veto_threshold
+    N_PROB_VETO = 18  # tokens with probability < prob_veto_threshold
+    SUM_W_BEFORE = 19  # token-level IS: unbounded weight over valid tokens
+    SUM_W_AFTER = 20  # token-level IS: bounded weight over loss-mask tokens (0 where IS-masked)
+    SUM_W_HOST = 21  # token-level IS: the hosts' after-bound weight over loss-mask tokens (raw in mask mode)
+
+
+class ExtCol(IntEnum):
+    """Columns of :attr:`SequenceStatistics.mins` / ``maxs``."""
+
+    LOG_R = 0  # clamped token log r over valid tokens
+    W_KEPT = 1  # token-level IS: bounded weight over token-kept tokens
+
+
+#: fill for empty minima / maxima (finite, so sums of fills never make NaN)
+BIG = 1e30
+
+
+@dataclass
+class SequenceStatistics:
+    """Per-sequence statistics of the tokens one rank holds; the only data that must cross
+    context-parallel ranks.
+
+    Attributes:
+        sums: ``[N, len(SumCol)]`` float64 — summed across ranks.
+        mins: ``[N, len(ExtCol)]`` float64 — minimum across ranks (``+1e30`` where empty).
+        maxs: ``[N, len(ExtCol)]`` float64 — maximum across ranks (``-1e30`` where empty).
+    """
+
+    sums: torch.Tensor
+    mins: torch.Tensor
+    maxs: torch.Tensor
+
+    def col(self, c: SumCol) -> torch.Tensor:
+        """``[N]`` column of the sums."""
+        return self.sums[:, int(c)]
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.sums.shape[0])
+
+
+#: ``reduce_stats(local) -> whole-sequence statistics``; must be identical on every rank that
+#: shares the sequences.
+StatsReducer = Callable[[SequenceStatistics], SequenceStatistics]
+
+
+@dataclass
+class TokenQuantities:
+    """Per-token quantities of one call, ``[T]`` each (``None`` where the configuration does not
+    need them)."""
+
+    seq_ids: torch.Tensor  # int64
+    mask: torch.Tensor  # bool
+    valid: torch.Tensor  # bool
+    nonfinite: torch.Tensor  # bool
+    train: torch.Tensor  # float32, 0 where invalid
+    rollout: torch.Tensor
+    log_r: torch.Tensor  # clamped, 0 where invalid
+    r: torch.Tensor
+    k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1)
+    tok_kept: torch.Tensor  # bool
+    w_tok_unbounded: torch.Tensor | None  # token-level IS only
+    w_tok: torch.Tensor | None  # bounded (0 where IS-masked)
+    is_low: torch.Tensor | None
+    is_high: torch.Tensor | None
+    rs_low: torch.Tensor | None
+    rs_high: torch.Tensor | None
+    ratio_veto: torch.Tensor | None
+    prob_veto: torch.Tensor | None
+    #: float32 copies of the 0/1 flags, keyed by :class:`SumCol`, made once and shared by the
+    #: per-sequence counts and the indicator metrics
+    flags: dict = field(default_factory=dict)
+    #: ``expm1(log r)`` (0 where invalid), float32 to relative accuracy; ``None`` without metrics
+    r_minus_1: torch.Tensor | None = None
+
+
+@dataclass
+class SequenceDecisions:
+    """Per-sequence decisions after the statistics are reduced, ``[N]`` each (float64 unless
+    noted)."""
+
+    n_mask: torch.Tensor
+    n_valid: torch.Tensor
+    level_log_r: dict[str, torch.Tensor]  # "sequence" / "geometric" clamped log-ratios
+    w_seq_unbounded: torch.Tensor | None
+    w_seq: torch.Tensor | None  # bounded, 0 where IS-masked
+    is_low: torch.Tensor | None
+    is_high: torch.Tensor | None
+    rs_low: torch.Tensor | None
+    rs_high: torch.Tensor | None
+    ratio_vetoed: torch.Tensor  # bool
+    prob_vetoed: torch.Tensor  # bool
+    rejected: torch.Tensor  # bool: whole sequence out
+    kept: torch.Tensor  # bool: not rejected and at least one kept token
+
+
+class Plan(NamedTuple):
+    """The configuration as plain constants (what the compiled stages specialise on)."""
+
+    bound: float
+    use_tis: bool
+    tis_level: str
+    tis_mode: str
+    tis_lo: float
+    tis_hi: float
+    use_rs: bool
+    rs_level: str
+    rs_lo: float
+    rs_hi: float
+    log_ratio_veto: float | None
+    log_prob_veto: float | None
+    prob_veto_train: bool
+    reject_nonfinite: bool
+    normalizes: bool
+    metrics: str  # "standard" / "full" / "none"
+
+    @staticmethod
+    def of(cfg: MISConfig) -> "Plan":
+        return Plan(
+            bound=float(cfg.log_ratio_bound), use_tis=bool(cfg.use_tis), tis_level=cfg.tis_level, tis_mode=cfg.tis_mode,
+            tis_lo=float(cfg.tis_lower), tis_hi=float(cfg.tis_upper_bound), use_rs=bool(cfg.use_rs),
+            rs_level=cfg.rs_level, rs_lo=float(cfg.rs_lower), rs_hi=float(cfg.rs_upper),
+            log_ratio_veto=None if cfg.rs_veto_threshold is None else math.log(cfg.rs_veto_threshold),
+            log_prob_veto=None if cfg.prob_veto_threshold is None else math.log(cfg.prob_veto_threshold),
+            prob_veto_train=cfg.prob_veto_source == "train", reject_nonfinite=cfg.nonfinite_policy == "reject",
+            normalizes=bool(cfg.normalizes), metrics=getattr(cfg, "mis_metrics", "standard"),
+        )
+
+    @property
+    def token_is(self) -> bool:
+        return self.use_tis and self.tis_level == "token"
