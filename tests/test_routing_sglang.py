@@ -207,3 +207,10 @@ def test_sample_routes_mask_through_finalize_and_shard():
     assert shard.num_not_replayed == 7
     with pytest.raises(ValueError, match="sample 0: sample_routed must be a bool"):
         shard_routes([routes], [6], RouteShardSpec(layer_ids=(0,), num_experts=8), sample_routed=[routed[:3]])
+
+
+@pytest.mark.parametrize("num_experts", [0, -1, True, 2**31, 2**70, 8.0, "8"])
+def test_num_experts_outside_the_int32_range_is_named(num_experts):
+    meta = {"routed_experts": [[[0, 1]]]}
+    with pytest.raises(ValueError, match=r"num_experts=.* must be an integer (>= 1|in \[1, 2147483647\])"):
+        decode_routed_experts(meta, num_tokens=2, num_layers=1, topk=2, num_experts=num_experts)

@@ -87,11 +87,17 @@ def request_routed_experts(payload: Mapping[str, Any], *, start_len: int = 0) ->
     return out
 
 
+#: Expert ids are int32 on SGLang's wire: no model can have more experts than int32 counts.
+_MAX_EXPERTS = 2**31 - 1
+
+
 def compact_route_dtype(num_experts: int) -> torch.dtype:
     """The smallest signed-safe dtype that holds expert ids ``0 .. num_experts-1``:
     ``uint8`` up to 256 experts, ``int16`` up to 32768, else ``int32``."""
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts={num_experts!r} must be an integer >= 1")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= _MAX_EXPERTS:
+        raise ValueError(
+            f"num_experts={num_experts!r} must be an integer in [1, {_MAX_EXPERTS}] (expert ids travel as int32)"
+        )
     if num_experts <= 256:
         return torch.uint8
     if num_experts <= 32768:
@@ -106,6 +112,7 @@ def to_compact(routes: torch.Tensor, num_experts: int, *, what: str = "routes") 
     Raises:
         ValueError: naming the first out-of-range id (its position and value).
     """
+    out_dtype = compact_route_dtype(num_experts)  # validates num_experts before any comparison with it
     routes = torch.as_tensor(routes)
     if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
         raise ValueError(f"{what}: expert ids must be integers, got dtype {routes.dtype}")
@@ -125,7 +132,7 @@ def to_compact(routes: torch.Tensor, num_experts: int, *, what: str = "routes") 
                 f"{what}: expert id {value} at index {pos} is outside [0, num_experts={num_experts}){hint}; "
                 f"{int(bad.sum())} of {routes.numel()} ids are out of range"
             )
-    return routes.to("cpu", compact_route_dtype(num_experts))
+    return routes.to("cpu", out_dtype)
 
 
 def spread_padding_routes(
@@ -217,6 +224,7 @@ def decode_routed_experts(
                         ("num_experts", num_experts, 1), ("start_len", start_len, 0)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+    compact_route_dtype(num_experts)  # the upper bound: expert ids are int32 on the wire
     if topk > num_experts:
         raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
     if start_len > num_tokens - 1:
