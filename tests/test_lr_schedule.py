@@ -434,8 +434,9 @@ def test_slime_hooks_on_two_data_parallel_ranks(pool2, mode):
         for _ in range(steps_per_rollout):
             expected.append(sched.optimizer.param_groups[0]["lr"] * schedule.factor(r + 1))
             sched.step(increment=8)
-    # the mean triples at step 20 (rollout 19): detected on step 22, T = round(1.8 * 22) = 40
-    assert schedule.trigger_step == 22 and schedule.decay_period == 40
+    # the mean triples at step 20 (rollout 19): detected on step 22, onset 20, T = round(1.8 * 20) = 36
+    # (before issue 13 the period came from the detection step: 40)
+    assert schedule.trigger_step == 22 and schedule.onset_step == 20 and schedule.decay_period == 36
     assert lrs0 == expected
     assert len(set(lrs0)) > 4  # warm-up, plateau and two halvings are all in there
 

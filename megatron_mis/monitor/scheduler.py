@@ -209,9 +209,8 @@ class LengthDecaySchedule:
         if self.trigger_step is None:
             return f"{self.name}: not triggered (last step {self.last_step})"
         return (
-            f"{self.name}: triggered at step {self.trigger_step} (surge onset {self.onset_step}), "
-            f"period {self.decay_period}, "
-            f"anchor {self.decay.length_decay_anchor}"
+            f"{self.name}: triggered at step {self.trigger_step}, period {self.decay_period}, "
+            f"anchor {self.decay.length_decay_anchor}, surge onset {self.onset_step}"
         )
 
 
