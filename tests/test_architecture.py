@@ -40,3 +40,70 @@ def test_no_heavy_imports(imports):
     if imports[0].startswith("megatron_mis.core"):
         ours = {m for m in loaded if m.startswith("torch.distributed")} - _loaded_after(["torch"])
         assert not ours, sorted(ours)
+
+
+def _module_imports(path: Path, module: str) -> set[str]:
+    """Every ``megatron_mis`` module imported anywhere in the file (module level, inside
+    functions, under ``if TYPE_CHECKING``), resolved to the module it names."""
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {m for m in found if m.startswith("megatron_mis")}
+
+
+def test_package_has_no_import_cycle():
+    """Imports between the package's modules form a DAG (module- and function-level imports
+    both count: a function-level import of a module that imports you back is still a cycle).
+    ``from pkg import name`` counts as an import of ``pkg.name`` where that is a module, else of
+    ``pkg``; a package's ``__init__`` imports are its own edges."""
+    root = REPO / "megatron_mis"
+    modules: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(REPO).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in _module_imports(path, name):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                edges.add(target)
+        graph[name] = edges
+    # ancestors' __init__ run first but do not make a cycle by themselves; only module edges count
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
