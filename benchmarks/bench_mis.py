@@ -1,12 +1,24 @@
-"""Benchmark: the vectorised MIS engine against the naive per-sequence loop.
+"""Benchmark: the MIS engine through the host drop-in against a per-sequence implementation and
+against a single-pass floor, in one run on one machine.
 
-Two batch shapes with about the same number of tokens: 256 sequences of 256-4096 tokens (the
-issue's target case) and 4096 sequences of 16-256 tokens (many short samples, where per-sequence
-loops pay their per-op overhead thousands of times). Full metrics on, two configurations (seed
-000's default: token TIS + geometric RS + veto + normalisation; sequence-level MIS). Prints the
-median of several runs of each and the speed-up ratio, in one run on the same machine.
+For each batch shape (default: 256 sequences of 256-4096 tokens, and 4096 of 16-256) and the
+seed-000 default (token TIS + geometric RS + veto + batch normalisation), prints the median time
+of:
 
-    python benchmarks/bench_mis.py [--repeats 5] [--device cpu|cuda]
+- ``per-sequence``: ``naive_mis.py`` — the same semantics and every statistic, written the way
+  per-sequence implementations are (a Python loop over sequences; ``tests/test_bench_reference.py``
+  checks it computes the engine's weights, masks and metrics);
+- ``engine``: ``compute_mis_weights_fsdp`` (lists in, lists out; ``mis_metrics: standard``, every
+  statistic);
+- ``weights only``: the same with ``mis_metrics: none``;
+- the same two with ``compile_engine: true`` (``--compiled``; torch.compile, inductor);
+- ``floor``: one pass reading the log-probs and the mask and writing weights and a mask
+  (token-level truncated ratio), compiled into one fused kernel with ``--compiled``, else the
+  minimal eager chain;
+
+and the ratios per-sequence / engine and engine / floor.
+
+    python benchmarks/bench_mis.py [--repeats 7] [--compiled] [--threads 2]
 """
 
 from __future__ import annotations
@@ -16,29 +28,36 @@ import statistics
 import sys
 import time
 import warnings
+from argparse import Namespace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package, not an installed one
 from naive_mis import naive_mis  # noqa: E402
 
 from megatron_mis import MISConfig  # noqa: E402
-from megatron_mis.core.engine import compute_mis  # noqa: E402
-from megatron_mis.core.segments import cu_seqlens_from_lengths  # noqa: E402
+from megatron_mis.integrations.hosts import compute_mis_weights_fsdp  # noqa: E402
+
+SEED000 = dict(use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
+               rs_upper_bound=1.001, rs_veto_threshold=1e-4, tis_batch_normalize=True)
 
 
 def make_batch(num_seqs: int, min_len: int, max_len: int, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g)
-    total = int(lengths.sum())
+    lengths = torch.randint(min_len, max_len + 1, (num_seqs,), generator=g).tolist()
+    total = sum(lengths)
     rollout = -torch.rand(total, generator=g) * 4
     train = rollout + torch.randn(total, generator=g) * 0.05
     mask = (torch.rand(total, generator=g) > 0.05).to(torch.int64)
-    return lengths.tolist(), train.to(device), rollout.to(device), mask.to(device)
+    split = lambda t: list(torch.split(t.to(device), lengths))  # noqa: E731
+    return lengths, split(train), split(rollout), split(mask)
 
 
-def timed(fn, repeats: int, device: str) -> float:
+def timed(fn, repeats: int, device: str) -> tuple[float, float, float]:
+    """(median, min, max) seconds over ``repeats`` runs after one warm-up."""
+    fn()
     times = []
     for _ in range(repeats):
         if device == "cuda":
@@ -48,45 +67,57 @@ def timed(fn, repeats: int, device: str) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), min(times), max(times)
+
+
+def floor_fn(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, upper: float):
+    keep = mask > 0
+    w = torch.exp((train - rollout).clamp(-20.0, 20.0)).clamp(max=upper)
+    return torch.where(keep, w, torch.zeros_like(w)), keep
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--shapes", nargs="+", default=["256:256:4096", "4096:16:256"],
                    help="batch shapes as SEQUENCES:MIN_LEN:MAX_LEN")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compiled", action="store_true", help="also time compile_engine: true and a fused floor")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = p.parse_args()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        configs = {
-            "seed000 default (token TIS + geo RS + veto + BN)": MISConfig(
-                use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
-                rs_upper_bound=1.001, rs_veto_threshold=1e-4, tis_batch_normalize=True),
-            "sequence MIS + BN": MISConfig(use_tis=True, tis_level="sequence", tis_mode="mask",
-                                           tis_lower_bound=1e-8, tis_upper_bound=2.0, tis_batch_normalize=True),
-        }
-    print(f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats} (median seconds)")
-    print(f"{'batch':<26} {'configuration':<50} {'naive loop':>11} {'vectorised':>11} {'speed-up':>9}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    floor = torch.compile(floor_fn, fullgraph=True, dynamic=True) if args.compiled else floor_fn
+    variants = {"engine": dict(SEED000), "weights only": dict(SEED000, mis_metrics="none")}
+    if args.compiled:
+        variants["engine compiled"] = dict(SEED000, compile_engine=True)
+        variants["weights only compiled"] = dict(SEED000, mis_metrics="none", compile_engine=True)
+    print(f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats} "
+          f"torch={torch.__version__}; median [min-max] ms; seed-000 default config")
     for shape in args.shapes:
         n, lo, hi = (int(x) for x in shape.split(":"))
-        lengths, train, rollout, mask = make_batch(n, lo, hi, args.device)
-        cu = cu_seqlens_from_lengths(lengths, device=args.device)
-        train_l, rollout_l, mask_l = (list(torch.split(t, lengths)) for t in (train, rollout, mask))
-        label = f"{n} x {lo}-{hi} ({sum(lengths)} tok)"
-        for name, cfg in configs.items():
-            def engine(cfg=cfg):
-                return compute_mis(train, rollout, mask, cu, cfg)
+        lengths, train, rollout, masks = make_batch(n, lo, hi, args.device)
+        pg = torch.randn(sum(lengths), device=args.device)
+        flat = [torch.cat(x) for x in (train, rollout, masks)]
+        cfg = MISConfig(**SEED000)
+        print(f"\n{n} sequences of {lo}-{hi} tokens ({sum(lengths)} tokens)")
+        t_naive = timed(lambda: naive_mis(train, rollout, masks, cfg), max(3, args.repeats // 2), args.device)
+        t_floor = timed(lambda: floor(*flat, 1.5), args.repeats, args.device)
+        rows = [("per-sequence (every statistic)", t_naive), ("floor (one pass)", t_floor)]
+        for name, keys in variants.items():
+            host_args = Namespace(custom_config_path=None, **keys)
 
-            def naive(cfg=cfg):
-                return naive_mis(train_l, rollout_l, mask_l, cfg)
+            def call(host_args=host_args):
+                return compute_mis_weights_fsdp(host_args, pg_loss=pg, train_log_probs=train,
+                                                rollout_log_probs=rollout, loss_masks=masks)
 
-            engine()  # warm-up
-            naive()
-            t_engine = timed(engine, args.repeats, args.device)
-            t_naive = timed(naive, args.repeats, args.device)
-            print(f"{label:<26} {name:<50} {t_naive:>11.4f} {t_engine:>11.4f} {t_naive / t_engine:>8.1f}x")
+            rows.append((name, timed(call, args.repeats, args.device)))
+        for name, (med, mn, mx) in rows:
+            extra = ""
+            if name not in ("per-sequence (every statistic)", "floor (one pass)"):
+                extra = f"  {t_naive[0] / med:6.1f}x per-sequence, {med / t_floor[0]:5.1f}x floor"
+            print(f"  {name:<32} {med * 1e3:9.2f} [{mn * 1e3:.2f}-{mx * 1e3:.2f}]{extra}")
 
 
 if __name__ == "__main__":

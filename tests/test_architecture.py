@@ -42,26 +42,74 @@ def test_no_heavy_imports(imports):
         assert not ours, sorted(ours)
 
 
-LIBRARY = ("core", "parallel", "integrations", "routing", "monitor", "config")
-
-
-def _imported_modules(path: Path, package: str) -> set[str]:
-    """Every module a file imports, absolute names (relative imports resolved against ``package``)."""
+def _module_imports(path: Path, module: str) -> set[str]:
+    """Every ``megatron_mis`` module imported anywhere in the file (module level, inside
+    functions, under ``if TYPE_CHECKING``), resolved to the module it names."""
     import ast
 
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
             else:
-                module = node.module or ""
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {m for m in found if m.startswith("megatron_mis")}
+
+
+def test_package_has_no_import_cycle():
+    """Imports between the package's modules form a DAG (module- and function-level imports
+    both count: a function-level import of a module that imports you back is still a cycle).
+    ``from pkg import name`` counts as an import of ``pkg.name`` where that is a module, else of
+    ``pkg``; a package's ``__init__`` imports are its own edges."""
+    root = REPO / "megatron_mis"
+    modules: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(REPO).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in _module_imports(path, name):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                edges.add(target)
+        graph[name] = edges
+    # ancestors' __init__ run first but do not make a cycle by themselves; only module edges count
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+LIBRARY = ("core", "parallel", "integrations", "routing", "monitor", "config")
 
 
 def test_library_never_imports_the_testbed():
@@ -71,10 +119,9 @@ def test_library_never_imports_the_testbed():
     assert len(files) > 20 and (root / "testbed").is_dir()
     offenders = {}
     for path in files:
-        rel = path.relative_to(REPO).with_suffix("")
-        parts = list(rel.parts)
-        package = ".".join(parts if parts[-1] == "__init__" else parts[:-1])
-        bad = sorted(m for m in _imported_modules(path, package)
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        bad = sorted(m for m in _module_imports(path, module)
                      if m == "megatron_mis.testbed" or m.startswith("megatron_mis.testbed."))
         if bad:
             offenders[str(path.relative_to(REPO))] = bad

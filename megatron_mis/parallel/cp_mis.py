@@ -393,7 +393,7 @@ def _resolve_with_status(inputs: CPInputs, config: MISConfig, cp: GroupView):
         status = [_OK, len(resolved[7])]
         if config.nonfinite_policy == "error":
             _, train, rollout, local_mask, *_ = resolved
-            bad = local_mask & ~(torch.isfinite(train) & torch.isfinite(rollout))
+            bad = _in_loss(local_mask) & ~(torch.isfinite(train) & torch.isfinite(rollout))
             count = int(bad.sum())  # nonfinite_policy='error' must read it
             if count:
                 first = int(bad.nonzero()[0, 0])
