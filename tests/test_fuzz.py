@@ -468,7 +468,9 @@ def host_cases(draw, entry: str) -> Case:
         if expect == "ok":
             # a loss mask is 0 / 1 (DESIGN section 2); others may be refused or read as in / out,
             # but what comes back must be 0 / 1 and no NaN may reach the host's loss
-            expect, names = ("error", ("loss_mask",)) if not math.isfinite(value) else ("either", ("loss_mask",))
+            # NaN / inf: an error under nonfinite_policy 'error' (it may sync), else read as value > 0
+            strict = not math.isfinite(value) and cfg.nonfinite_policy == "error"
+            expect, names = ("error", ("loss_mask",)) if strict else ("either", ("loss_mask",))
         else:
             names = ("loss_mask",) + names
         label = f"loss_masks[{i}][0]={value} " + label
@@ -1341,9 +1343,18 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
         "engine_bucket_edges_nan": lambda: _bad_engine(tis, [0, 4], ("prob_bucket_edges",), prob_bucket_edges=[0.0, math.nan, 1.0]),
         "engine_bucket_edges_inf": lambda: _bad_engine(tis, [0, 4], ("prob_bucket_edges",), prob_bucket_edges=[0.0, math.inf]),
         # host drop-ins: loss-mask values, lengths, layout, args
-        "host_fsdp_mask_nan": lambda: _host_case("compute_mis_weights_fsdp", ("loss_mask",), masks=[_tensor([math.nan, 1.0, 0.0])]),
+        # a NaN mask value: read as value > 0 (out) by default, an error under nonfinite_policy 'error'
+        "host_fsdp_mask_nan": lambda: _host_case("compute_mis_weights_fsdp", ("loss_mask",), "either",
+                                                 masks=[_tensor([math.nan, 1.0, 0.0])]),
+        "host_fsdp_mask_nan_error": lambda: _host_case(
+            "compute_mis_weights_fsdp", ("loss_masks[0]",), args=_host_args(MISConfig(use_tis=True, nonfinite_policy="error")),
+            masks=[_tensor([math.nan, 1.0, 0.0])]),
+        "host_cp_mask_inf_error": lambda: _host_case(
+            "compute_mis_weights_with_cp", ("loss_masks[0]",), args=_host_args(MISConfig(use_tis=True, nonfinite_policy="error")),
+            masks=[_tensor([1.0, math.inf, 0.0])]),
         "host_fsdp_mask_two": lambda: _host_case("compute_mis_weights_fsdp", ("loss_mask",), "either", masks=[_tensor([2.0, 1.0, 0.0])]),
-        "host_cp_mask_nan": lambda: _host_case("compute_mis_weights_with_cp", ("loss_mask",), masks=[_tensor([math.nan, 1.0, 0.0])]),
+        "host_cp_mask_nan": lambda: _host_case("compute_mis_weights_with_cp", ("loss_mask",), "either",
+                                               masks=[_tensor([math.nan, 1.0, 0.0])]),
         "host_cp_total_lengths_fraction": lambda: _host_case(
             "compute_mis_weights_with_cp", ("total_lengths", "total_length"), total_lengths=[5.5]),
         "host_cp_total_lengths_string": lambda: _host_case(

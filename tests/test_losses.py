@@ -487,3 +487,28 @@ def test_rl_loss_overflow_is_an_error_not_inf():
     # max(-e^20 * A, -1.28 * A) = -1.28e20, finite.
     out = compute_rl_loss(lp, torch.tensor([1e20]), torch.ones(1), torch.tensor([0, 1]), CFG, Denominators(1, 1), old_log_probs=old)
     assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(-1.28e20, rel=1e-6)
+
+
+def test_ppo_kl_metric_is_clamped_like_the_ratio():
+    # log(pi_old / pi_theta) = -3e38 - (-1e16) per token: two of them overflow a float32 sum; the
+    # metric takes the log-ratio clamped to ratio_log_bound (20), as the policy ratio does.
+    lp = torch.tensor([-1e16, -1e16])
+    old = torch.tensor([-3e38, -3e38])
+    out = compute_rl_loss(lp, torch.zeros(2), torch.ones(2), torch.tensor([0, 2]), CFG, Denominators(2, 1), old_log_probs=old)
+    assert out.token_sums["ppo_kl"].item() == -40.0
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo", "reinforce"])
+def test_huge_advantage_on_a_rejected_token_gives_no_nan_gradient(policy_loss):
+    # token 1 is outside keep_mask; its advantage 3.4e38 times its log-prob / ratio is inf in the
+    # forward, and 0 * inf = NaN in the backward unless the policy term never sees it.
+    lp = torch.tensor([-1.0, -4.0], requires_grad=True)
+    adv = torch.tensor([1.0, 3.4e38])
+    kw = dict(old_log_probs=torch.tensor([-1.0, -30.0]), keep_mask=torch.tensor([True, False]))
+    if policy_loss != "ppo":
+        kw["is_weights"] = torch.ones(2)
+    out = compute_rl_loss(lp, adv, torch.ones(2), torch.tensor([0, 2]), CFG.replace(policy_loss=policy_loss),
+                          Denominators(2, 1), **kw)
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert grad[1].item() == 0.0

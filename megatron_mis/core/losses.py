@@ -475,7 +475,12 @@ def compute_rl_loss(
     den_mask = denominator_mask(lmask, valid, config.rejected_in_denominator)
 
     # ---- policy term
-    terms = policy.fn(lp, old, adv, weights, config)
+    # Tokens outside ``valid`` get advantage 0 and weight 0 in the policy term: torch.where below
+    # would drop their value, but a huge advantage there still makes 0 * inf = NaN in the backward.
+    nil = torch.zeros((), dtype=dtype, device=lp.device)
+    terms = policy.fn(
+        lp, old, torch.where(valid, adv, nil), None if weights is None else torch.where(valid, weights, nil), config
+    )
     overflow = valid & ~torch.isfinite(terms.loss.detach())
     if bool(overflow.any()):
         biggest = float(adv[valid].abs().max())
@@ -531,7 +536,8 @@ def compute_rl_loss(
         "pg_clipfrac_low": tsum(terms.clipped_low.float()),
         "pg_clipfrac_high": tsum(terms.clipped_high.float()),
         "pg_dualclip_frac": tsum(terms.dual_clipped.float()),
-        "ppo_kl": tsum(old - lp.detach()),
+        # log(pi_old / pi_theta) clamped like the policy ratio, so no finite input overflows the sum
+        "ppo_kl": tsum((old - lp.detach()).clamp(-config.ratio_log_bound, config.ratio_log_bound)),
         "ratio": tsum(terms.ratio),
     }
     if weights is not None:
