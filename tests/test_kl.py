@@ -255,3 +255,19 @@ def test_bad_arguments_name_the_parameter(kwargs, match):
     lp, ref = args.pop("log_probs"), args.pop("ref_log_probs")
     with pytest.raises(TypeError, match=match):
         kl_estimate(lp, ref, "k3", **args)
+
+
+def test_unbiased_k3_stays_finite_at_the_largest_bound():
+    # log ratio pi_theta/pi_old and log q both far beyond 80: with the bound 80 the product was
+    # e^80 * e^80 = inf in float32; the KL caps its log-ratios at 40 (e^40 * (e^40 - 41) finite).
+    from megatron_mis.core.kl import KL_LOG_RATIO_CAP
+
+    lp = torch.tensor([0.0, -1.0], requires_grad=True)
+    ref = torch.tensor([100.0, -1.5])
+    old = torch.tensor([-100.0, -1.2])
+    out = kl_estimate(lp, ref, "k3", old_log_probs=old, unbiased=True, log_ratio_bound=80.0)
+    assert torch.isfinite(out).all()
+    cap = KL_LOG_RATIO_CAP
+    assert out[0].item() == pytest.approx(math.exp(cap) * (math.expm1(cap) - cap), rel=1e-5)
+    (grad,) = torch.autograd.grad(out.sum(), lp)
+    assert grad[0].item() == 0.0 and math.isfinite(grad[1].item())

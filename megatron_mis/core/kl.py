@@ -46,7 +46,7 @@ import torch
 from megatron_mis.config.loss import KL_ESTIMATORS as _KL_REGISTRY
 from megatron_mis.registry import Registry
 
-__all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_estimate_terms", "KLEstimator", "KLTerms", "LOW_VAR_KL_CLAMP", "MAX_LOG_RATIO_BOUND"]
+__all__ = ["KL_ESTIMATORS", "kl_estimate", "kl_estimate_terms", "KLEstimator", "KLTerms", "LOW_VAR_KL_CLAMP", "MAX_LOG_RATIO_BOUND", "KL_LOG_RATIO_CAP"]
 
 
 class KLTerms(NamedTuple):
@@ -68,8 +68,13 @@ KLEstimator = Callable[[torch.Tensor, torch.Tensor, float], "KLTerms | torch.Ten
 #: The registry is defined with the config (names only there); the estimators register here.
 KL_ESTIMATORS: Registry[KLEstimator] = _KL_REGISTRY
 
-#: Largest accepted ``log_ratio_bound``: ``exp(80)`` ~ 5.5e34 times a k3 value still fits float32.
+#: Largest accepted ``log_ratio_bound`` (the loss config's ``ratio_log_bound`` goes up to 80).
 MAX_LOG_RATIO_BOUND = 80.0
+
+#: The KL clamps its log-ratios at ``min(log_ratio_bound, KL_LOG_RATIO_CAP)``: with the unbiased
+#: ratio the term is ``exp(log ratio) * k3 <= e^40 * e^40 ~ 5.5e34``, inside float32 (at 80 it was
+#: ``e^160``, inf).
+KL_LOG_RATIO_CAP = 40.0
 
 #: ``low_var_kl`` clamps the k3 estimate to ``[-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP]`` (as verl).
 LOW_VAR_KL_CLAMP = 10.0
@@ -160,6 +165,7 @@ def kl_estimate_terms(
             raise ValueError(
                 f"old_log_probs {tuple(old_log_probs.shape)} and log_probs {tuple(log_probs.shape)} must have the same shape"
             )
+    log_ratio_bound = min(float(log_ratio_bound), KL_LOG_RATIO_CAP)
     out = estimator(log_probs, ref_log_probs.to(log_probs.dtype), log_ratio_bound)
     kl, clamped = out if isinstance(out, tuple) else _no_clamp(out)
     if kl.shape != log_probs.shape or clamped.shape != log_probs.shape:
@@ -195,7 +201,8 @@ def kl_estimate(
         kind: a registered estimator name (``k1``, ``k2``, ``k3``, ``low_var_kl``).
         old_log_probs: ``[T]`` log-probs of the sampling (old) policy; needed when ``unbiased``.
         unbiased: multiply by ``pi_theta / pi_old`` (not detached; DeepSeek-V3.2).
-        log_ratio_bound: clamp for every log-ratio that goes into ``exp``.
+        log_ratio_bound: clamp for every log-ratio (capped at ``KL_LOG_RATIO_CAP`` = 40 so that
+            the unbiased product cannot overflow float32).
 
     Returns:
         ``[T]`` float tensor, differentiable in ``log_probs``: the exact derivative of each
