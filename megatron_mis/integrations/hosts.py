@@ -170,8 +170,6 @@ def _apply(
             setattr(args, _BYPASS_WARNED_ATTR, True)
         except AttributeError:
             pass
-    if cfg.nonfinite_policy == "error":
-        _check_finite_masks(inputs.loss_masks)
     metrics_only = not cfg.use_tis
     run_cfg = _metrics_only_config(args, cfg) if metrics_only else cfg
     normalizer = None
@@ -202,25 +200,6 @@ def _apply(
     keep = res.keep_mask.to(pg_loss.device)
     new_loss = torch.where(keep, pg_loss * weights, torch.zeros_like(pg_loss))
     return new_loss, out.modified_masks, metrics
-
-
-def _check_finite_masks(masks: Any) -> None:
-    """``nonfinite_policy: error``: a NaN / inf loss-mask value is an error naming the sample (one
-    host synchronisation, as that policy documents). Masks are full length and the same on every
-    CP rank (the host's contract), so every rank of the group raises together.
-
-    Under the other policies a mask value is read exactly as ``value > 0`` (NaN is out, +inf in):
-    the returned masks are 0 / 1, but a host that divides by the sums of its *original* masks
-    still sees the NaN there — set ``nonfinite_policy: error`` to catch it at the source."""
-    if not isinstance(masks, (list, tuple)):
-        return  # the layout's own check names the type
-    for i, m in enumerate(masks):
-        if isinstance(m, torch.Tensor) and m.is_floating_point() and m.numel() and not bool(torch.isfinite(m).all()):
-            j = int((~torch.isfinite(m)).nonzero()[0, 0])
-            raise ValueError(
-                f"loss_masks[{i}] holds a non-finite value {float(m.flatten()[j])!r} at token {j}; loss masks are 0 / 1 "
-                "(nonfinite_policy='error'; the other policies read a mask value as value > 0)"
-            )
 
 
 def _unchanged_masks(inputs: CPInputs) -> list[torch.Tensor]:

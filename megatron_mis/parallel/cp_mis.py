@@ -9,8 +9,8 @@ statistics in the same rank order, so all CP ranks derive bitwise-identical sequ
 
 Faults never hang a rank: before the statistics, every CP rank sends a fixed-size status
 (``8`` int64: a fault code, its number of sequences, the sequence at fault and two details) in one
-small all-gather, WHATEVER its data — malformed pieces, NaN log-probs under
-``nonfinite_policy: error``, an empty micro-batch. A fixed size is what makes this possible: the
+small all-gather, WHATEVER its data — malformed pieces, NaN log-probs or NaN / inf loss-mask
+values under ``nonfinite_policy: error``, an empty micro-batch. A fixed size is what makes this possible: the
 statistics' size depends on ``N``, and a collective whose sizes differ across ranks aborts the
 process (gloo) or hangs. Every rank then raises the same error naming the rank(s) and the
 sequence, or all go on to the statistics. Reading the status is one host synchronisation per call
@@ -87,7 +87,7 @@ def cp_stats_reducer(cp: GroupView) -> StatsReducer | None:
 
 
 # ------------------------------------------------------------------------- fault status
-_OK, _BAD_INPUT, _BAD_PIECE, _NONFINITE = 0, 1, 2, 3
+_OK, _BAD_INPUT, _BAD_PIECE, _NONFINITE, _NONFINITE_MASK = 0, 1, 2, 3, 4
 _STATUS_SIZE = 8
 
 
@@ -124,6 +124,8 @@ def _raise_on_fault(cp: GroupView, rows: list[list[int]], local_error: BaseExcep
             problems.append(f"CP rank {rank}: {local_error}")
         elif code == _BAD_PIECE:
             problems.append(f"CP rank {rank}: sequence {seq} has a local piece of {a} values where the layout holds {b}")
+        elif code == _NONFINITE_MASK:
+            problems.append(f"CP rank {rank}: sequence {seq}: {_mask_message(seq, a)}")
         elif code == _NONFINITE:
             problems.append(
                 f"CP rank {rank}: sequence {seq} has {a} loss-mask token(s) with NaN or inf log-probs "
@@ -373,6 +375,30 @@ def _in_loss(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > 0
 
 
+def _nonfinite_mask_at(full_mask: torch.Tensor, response_lengths: list[int]) -> tuple[int, int] | None:
+    """``(sample, token)`` of the first NaN / inf value of ``full_mask [R]`` (the samples' full
+    masks concatenated), or ``None``. One host read: only ``nonfinite_policy: error`` calls it.
+    Under the other policies a mask value is read exactly as ``value > 0`` (NaN is out, +inf in):
+    the returned masks are 0 / 1, but a host that divides by the sums of its *original* masks
+    still sees the NaN there."""
+    if not full_mask.is_floating_point() or not full_mask.numel():
+        return None
+    bad = ~torch.isfinite(full_mask)
+    if not bool(bad.any()):
+        return None
+    first = int(bad.nonzero()[0, 0])
+    cu = _offsets(response_lengths)
+    seq = bisect.bisect_right(cu, first) - 1
+    return seq, first - cu[seq]
+
+
+def _mask_message(seq: int, token: int) -> str:
+    return (
+        f"loss_masks[{seq}] holds a NaN or inf value at token {token}; loss masks are 0 / 1 "
+        "(nonfinite_policy='error'; the other policies read a mask value as value > 0)"
+    )
+
+
 def _offsets(lengths: list[int]) -> list[int]:
     cu = [0]
     total = 0
@@ -386,12 +412,19 @@ def _resolve_with_status(inputs: CPInputs, config: MISConfig, cp: GroupView):
     """``inputs.resolve(cp)``; under CP, first every rank's status in one fixed-size all-gather,
     so a fault on any rank raises the same error on all of them instead of hanging the others."""
     if cp.size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return inputs.resolve(cp)  # no peers to inform
+        resolved = inputs.resolve(cp)  # no peers to inform
+        at = _nonfinite_mask_at(resolved[4], resolved[7]) if config.nonfinite_policy == "error" else None
+        if at is not None:
+            raise ValueError(_mask_message(*at))
+        return resolved
     status, local_error, resolved = [_OK, 0], None, None
     try:
         resolved = inputs.resolve(cp)
         status = [_OK, len(resolved[7])]
-        if config.nonfinite_policy == "error":
+        at = _nonfinite_mask_at(resolved[4], resolved[7]) if config.nonfinite_policy == "error" else None
+        if at is not None:
+            status = [_NONFINITE_MASK, len(resolved[7]), *at]
+        elif config.nonfinite_policy == "error":
             _, train, rollout, local_mask, *_ = resolved
             bad = _in_loss(local_mask) & ~(torch.isfinite(train) & torch.isfinite(rollout))
             count = int(bad.sum())  # nonfinite_policy='error' must read it
