@@ -184,6 +184,17 @@ def _r2_roundtrip(backend):
     return identical, sorted(rec), kept, natural_moved, moved_agreement
 
 
+def _natural_routes(model, tokens, pos, seen):
+    """One forward without replay, captured into ``seen``: ``(output, natural routes [16, L, K],
+    for each token K experts it did not choose [16, L, K])``."""
+    with torch.no_grad():
+        out = model(tokens, pos, None)
+    nat = _as_routes([m for _, _, m in sorted(seen, key=lambda x: x[0])])
+    others = torch.stack([torch.tensor([e for e in range(E) if e not in row.tolist()][:K])
+                          for row in nat.view(-1, K)]).view_as(nat)
+    return out, nat, others
+
+
 def _agreement_values():
     from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay
@@ -195,12 +206,9 @@ def _agreement_values():
         tokens, pos = _batch()
         seen = []
         hooks = _capture(model, seen)
-        with torch.no_grad():
-            model(tokens, pos, None)
+        _, nat, others = _natural_routes(model, tokens, pos, seen)
         for h in hooks:
             h.remove()
-        nat = _as_routes([m for _, _, m in sorted(seen, key=lambda x: x[0])])  # [16, L, K]
-        others = torch.stack([torch.tensor([e for e in range(E) if e not in row.tolist()][:K]) for row in nat.view(-1, K)]).view_as(nat)
         half = torch.stack([nat[..., 0], others[..., 0]], -1)
         valid = torch.arange(16) % 2 == 0
         mixed = torch.where(valid.view(-1, 1, 1), nat, others)  # valid tokens natural, padding disjoint
@@ -228,11 +236,7 @@ def _fallback_values(backend):
         tokens, pos = _batch()
         seen = []
         hooks = _capture(model, seen)
-        with torch.no_grad():
-            natural_out = model(tokens, pos, None)
-        nat = _as_routes([m for _, _, m in sorted(seen, key=lambda x: x[0])])  # [16, L, K]
-        others = torch.stack([torch.tensor([e for e in range(E) if e not in row.tolist()][:K])
-                              for row in nat.view(-1, K)]).view_as(nat)
+        natural_out, nat, others = _natural_routes(model, tokens, pos, seen)
         fall = torch.arange(16) % 2 == 1  # odd tokens: no rollout route
         replayed = (~fall).view(-1, 1).expand(16, L).clone()
         for agreement in (True, False):

@@ -89,6 +89,16 @@ def launch(cfg: DemoConfig):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def stop_processes(procs: list[Any], *, graceful: bool) -> None:
+    """Join worker processes (up to 5 s each when ``graceful``, else not at all) and kill the
+    ones still alive."""
+    for proc in procs:
+        proc.join(timeout=5 if graceful else 0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
 def _spawn(cfg: DemoConfig, store: str):
     ctx = mp.get_context("spawn")
     world = cfg.world_size
@@ -121,11 +131,7 @@ def _spawn(cfg: DemoConfig, store: str):
             if not progressed:
                 time.sleep(0.05)
     finally:
-        for proc in procs:
-            proc.join(timeout=5 if not pending else 0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        stop_processes(procs, graceful=not pending)
         for conn in conns:
             with contextlib.suppress(Exception):
                 conn.close()

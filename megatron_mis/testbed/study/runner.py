@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_mis.testbed.demo.launch import stop_processes
 from megatron_mis.testbed.study.config import StudyConfig, run_config
 
 __all__ = ["RunJob", "StudyError", "load_run", "run_path", "run_study"]
@@ -233,8 +234,4 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
             bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
             bar.update(1)
     finally:
-        for p in procs:
-            p.join(timeout=5 if not pending else 0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_processes(procs, graceful=not pending)
