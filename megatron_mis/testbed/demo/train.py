@@ -221,9 +221,8 @@ class GRPOTrainer:
         overrides: dict[str, Any] = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if cfg.pp > 1 else {}
         if cfg.num_moe_experts is not None:
             # no biases (the rollout engine mirrors bias-free experts and routers)
-            overrides.update(add_bias_linear=False)
-            if cfg.moe_ffn_hidden_size is not None:
-                overrides.update(moe_ffn_hidden_size=cfg.moe_ffn_hidden_size)
+            # (the experts' width given explicitly: Megatron warns when it falls back to ffn_hidden_size)
+            overrides.update(add_bias_linear=False, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or 4 * cfg.hidden_size)
         self.model = build_gpt(spec, **overrides)
         # gloo: everything on the CPU; nccl (torchrun on GPUs): the trainer on this rank's GPU, the
         # rollout engine still on the CPU (weights_from_megatron copies the weights there)
