@@ -26,6 +26,14 @@ SPEC = GPTSpec(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=
 EOS = 3
 
 
+@pytest.fixture(scope="module")
+def pool1():
+    from megatron_mis.testing.distributed import ProcessGroupPool
+
+    with ProcessGroupPool(1) as pool:
+        yield pool
+
+
 def _prompts(n: int = 8) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(4, SPEC.vocab_size, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g) for _ in range(n)]
@@ -101,8 +109,8 @@ def _engine_vs_trainer(moe_layer_freq: int):
 
 
 @pytest.mark.parametrize("moe_layer_freq", [1, 2])
-def test_moe_rollout_records_sglang_routes_and_flips_are_counted(pool2, moe_layer_freq):
-    res = pool2.run(_engine_vs_trainer, moe_layer_freq)[0]
+def test_moe_rollout_records_sglang_routes_and_flips_are_counted(pool1, moe_layer_freq):
+    (res,) = pool1.run(_engine_vs_trainer, moe_layer_freq)
     assert res["moe_layers"] == ([0, 1] if moe_layer_freq == 1 else [0])
     for precision in ("fp32", "bf16", "int4"):
         r = res[precision]

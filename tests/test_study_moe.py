@@ -50,3 +50,15 @@ def test_moe_study_smoke(tmp_path, capsys):
     assert summary["arms"]["none"]["route_flip_mean"][0] > 0  # int4 rollouts flip expert choices
     assert "r3_recovers" in summary["answers"]
     assert "route flips" in out.out and "| r3 | 2 |" in out.out
+
+
+def test_demo_preset_moe_setting():
+    from megatron_mis.cli import build_parser
+    from megatron_mis.cli.demo import build_config
+
+    parse = build_parser().parse_args
+    cfg = build_config(parse(["demo", "--preset", "moe-int4", "--routing-replay", "--quick"]))
+    assert cfg.num_moe_experts == 16 and cfg.moe_router_topk == 2 and cfg.precision == "int4"
+    assert cfg.routing_replay and cfg.correction == SETTINGS["moe-int4"].demo_correction
+    with pytest.raises(ConfigError, match="routing_replay=True needs an MoE model"):
+        build_config(parse(["demo", "--preset", "int4", "--routing-replay"]))

@@ -666,13 +666,13 @@ def run_rank(cfg: DemoConfig) -> list[RunResult] | None:
                         sink.write(json.dumps(_jsonable(record)) + "\n")
                         sink.flush()
                         _update_bar(bar, record)
+                evaluation, samples = trainer.evaluate()  # every rank: the weight sync is collective
             finally:
+                trainer.close()  # routing replay and router hooks leave the model, also on an error
                 if bar is not None:
                     bar.close()
                 if sink is not None:
                     sink.close()
-            evaluation, samples = trainer.evaluate()  # every rank: the weight sync is collective
-            trainer.close()
             if reporter:
                 results.append(
                     RunResult(
