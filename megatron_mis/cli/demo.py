@@ -37,6 +37,9 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--hidden-size", "hidden_size", {"type": int, "metavar": "H"}),
     ("--num-layers", "num_layers", {"type": int, "metavar": "L"}),
     ("--num-attention-heads", "num_attention_heads", {"type": int, "metavar": "A"}),
+    ("--num-moe-experts", "num_moe_experts", {"type": int, "metavar": "E"}),
+    ("--moe-router-topk", "moe_router_topk", {"type": int, "metavar": "K"}),
+    ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", {"type": int, "metavar": "F"}),
     ("--tp", "tp", {"type": int, "metavar": "N"}),
     ("--cp", "cp", {"type": int, "metavar": "N"}),
     ("--pp", "pp", {"type": int, "metavar": "N"}),
@@ -48,6 +51,7 @@ _SWITCHES: tuple[tuple[str, str, bool, str | None], ...] = (
     ("--compare", "compare", True, None),
     ("--true-on-policy", "true_on_policy", True, None),
     ("--eos", "eos", True, None),
+    ("--routing-replay", "routing_replay", True, None),
     ("--no-progress", "progress", False, "Hide the progress bar (the per-step metrics are still written)."),
     ("--no-plot", "plot", False, "Do not write the PNG report."),
 )

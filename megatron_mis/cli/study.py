@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     for flag, field, extra in _VALUE_FLAGS:
         _, default, text = docs[field]
         p.add_argument(flag, dest=field, default=None, help=f"{text} (default: {default})".replace("%", "%%"), **extra)
-    p.add_argument("--arms", default=None, metavar="A,B,..", help="Comma-separated arms (default: every arm; see --list).")
+    p.add_argument("--arms", default=None, metavar="A,B,..", help="Comma-separated arms (default: the setting's arms; see --list).")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="A further demo setting for every run (e.g. --set lr=0.005); repeatable.")
     p.add_argument("--quick", action="store_true", default=None,
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_mis.testbed.study.runner import StudyError, run_study, study_dir
 
     if not args.report_only:
-        print(f"study {study.setting}: {len(study.arms)} arms x {study.seeds} seeds, {study.resolved_steps} steps each, "
+        print(f"study {study.setting}: {len(study.arm_names)} arms x {study.seeds} seeds, {study.resolved_steps} steps each, "
               f"{study.num_jobs} runs in parallel x {study.threads} thread(s) -> {study_dir(study)}", file=sys.stderr)
         try:
             done = run_study(study)

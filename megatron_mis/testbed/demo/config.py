@@ -110,6 +110,18 @@ class DemoConfig(ConfigBase):
     hidden_size: int = doc(64, "GPT width.")
     num_layers: int = doc(2, "GPT layers.")
     num_attention_heads: int = doc(4, "Attention heads.")
+    num_moe_experts: int | None = doc(
+        None,
+        "MoE: routed experts per layer (every layer MoE, Megatron's TopKRouter + SequentialMLP, no biases); "
+        "null: a dense GPT. The rollout engine routes in its own precision, so expert choices flip.",
+    )
+    moe_router_topk: int = doc(2, "MoE: experts per token.")
+    moe_ffn_hidden_size: int | None = doc(None, "MoE: each expert's MLP width; null: 4 x hidden_size.")
+    routing_replay: bool = doc(
+        False,
+        "MoE only: rollout routing replay (R3) — the trainer's routers use the experts the rollout engine "
+        "chose, in the pi_old recompute and in every training forward (megatron_mis.routing.RoutingReplay).",
+    )
     # ---- parallelism ---------------------------------------------------------------------
     tp: int = doc(1, "Tensor-parallel size.")
     cp: int = doc(1, "Context-parallel size (sequences split zigzag over 2*cp chunks).")
@@ -187,6 +199,22 @@ class DemoConfig(ConfigBase):
                 out.append(f"true_on_policy with cp={self.cp}: the aligned path mirrors the CP = 1 forward")
             if self.pp > 1:
                 out.append(f"true_on_policy with pp={self.pp}: the aligned path mirrors the PP = 1 forward")
+        if self.num_moe_experts is not None:
+            if self.num_moe_experts < 2:
+                out.append(f"num_moe_experts={self.num_moe_experts!r} must be >= 2 or null (dense)")
+            elif not 1 <= self.moe_router_topk <= self.num_moe_experts:
+                out.append(f"moe_router_topk={self.moe_router_topk!r} must lie in [1, num_moe_experts={self.num_moe_experts}]")
+            if max(self.tp, self.cp, self.pp) > 1:
+                out.append(
+                    f"num_moe_experts with tp={self.tp}, cp={self.cp}, pp={self.pp}: the MoE demo runs with "
+                    "tp = cp = pp = 1 (data parallelism only)"
+                )
+            if self.true_on_policy:
+                out.append("true_on_policy with num_moe_experts: the aligned rollout path mirrors dense layers only")
+        if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
+            out.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size!r} must be >= 1 or null")
+        if self.routing_replay and self.num_moe_experts is None:
+            out.append("routing_replay=True needs an MoE model (set num_moe_experts)")
         if self.vocab_size < 14:
             out.append(f"vocab_size={self.vocab_size!r} must be >= 14 (4 special ids and 10 digits)")
         # layout: the vocabulary and the heads split over TP; whole micro-batches per DP rank
@@ -233,4 +261,6 @@ class DemoConfig(ConfigBase):
         out = []
         if self.lr_surge_step is not None and self.lr_schedule != "length-decay":
             out.append("lr_surge_step has no effect without lr_schedule='length-decay'")
+        if self.num_moe_experts is None and (self.moe_router_topk != 2 or self.moe_ffn_hidden_size is not None):
+            out.append("moe_router_topk / moe_ffn_hidden_size have no effect without num_moe_experts (a dense GPT)")
         return out

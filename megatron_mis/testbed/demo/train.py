@@ -212,11 +212,17 @@ class GRPOTrainer:
             num_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads,
             max_sequence_length=max(64, 2 * (cfg.max_digits + 3)),
+            num_moe_experts=cfg.num_moe_experts,
+            moe_router_topk=cfg.moe_router_topk,
         )
         torch.manual_seed(cfg.seed)  # Megatron's CPU init: the same full weights under any layout
         # packed micro-batches differ in length: the pipeline p2p must send shapes (Megatron checks the
         # MoE dispatcher setting even for dense models)
-        overrides = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if cfg.pp > 1 else {}
+        overrides: dict[str, Any] = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if cfg.pp > 1 else {}
+        if cfg.num_moe_experts is not None:
+            # no biases (the rollout engine mirrors bias-free experts and routers)
+            # (the experts' width given explicitly: Megatron warns when it falls back to ffn_hidden_size)
+            overrides.update(add_bias_linear=False, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or 4 * cfg.hidden_size)
         self.model = build_gpt(spec, **overrides)
         # gloo: everything on the CPU; nccl (torchrun on GPUs): the trainer on this rank's GPU, the
         # rollout engine still on the CPU (weights_from_megatron copies the weights there)
@@ -265,6 +271,12 @@ class GRPOTrainer:
         self.g_task = torch.Generator().manual_seed(cfg.seed)
         self.g_rollout = torch.Generator().manual_seed(cfg.seed + 1)
         self.pad = PAD
+        self.routes = _MoERoutes(self.model, replay=cfg.routing_replay) if cfg.num_moe_experts is not None else None
+
+    def close(self) -> None:
+        """Remove what this trainer installed on the model (routing replay, router hooks)."""
+        if self.routes is not None:
+            self.routes.close()
 
     def _weights(self):
         from megatron_mis.testbed.demo.rollout import weights_from_megatron
@@ -297,6 +309,13 @@ class GRPOTrainer:
                 )
             )
         return out
+
+    def _micro_batch_indices(self) -> list[list[int]]:
+        """The global sequence indices of this rank's micro-batches (as :meth:`_micro_batches`)."""
+        cfg = self.cfg
+        per_rank = cfg.num_sequences // self.dp_size
+        start = self.dp_rank * per_rank
+        return [list(range(lo, lo + cfg.micro_batch_size)) for lo in range(start, start + per_rank, cfg.micro_batch_size)]
 
     def _compare_log_probs(self, micro_batches: list[Any]) -> dict[str, float]:
         """The recomputed pi_old against the rollout's log-probs with the public bitwise check,
@@ -359,7 +378,12 @@ class GRPOTrainer:
         # ---- pi_old, recomputed by the trainer in fp32
         t_re = time.perf_counter()
         micro_batches = self._micro_batches(batch, adv)
+        shards = self.routes.shards(batch, self._micro_batch_indices()) if self.routes is not None else None
+        if shards is not None:
+            self.routes.before_recompute(shards)
         old = self.rl.recompute_log_probs([self.ddp], micro_batches)
+        if shards is not None:
+            record.update(self.routes.after_recompute(shards, self.dp_group))
         if old is not None:
             micro_batches = [mb.with_old_log_probs(o.cpu()) for mb, o in zip(micro_batches, old)]
             record.update(self._compare_log_probs(micro_batches))
@@ -386,6 +410,8 @@ class GRPOTrainer:
             den = self.rl.count_denominators(group)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad(set_to_none=True)
+            if shards is not None:
+                self.routes.before_update(shards[k * per_update : (k + 1) * per_update])
             store = fb(
                 forward_step_func=self.rl.forward_step(den, num_microbatches=len(group)),
                 data_iterator=iter(group),
@@ -432,6 +458,121 @@ class GRPOTrainer:
             mark = "right" if ok else f"reward {rew:.2f}"
             lines.append(f"{self.task.decode(p.prompt)} -> {self.task.decode(r)}  ({mark})")
         return {"greedy_reward": float(rewards.mean()), "greedy_exact": sum(exact) / len(exact)}, lines
+
+
+class _MoERoutes:
+    """The MoE side of a trainer: the rollout's routes cut into per-micro-batch
+    :class:`~megatron_mis.routing.RouteShard` s, routing replay (R3) when asked, and the routing
+    agreement between rollout and trainer measured in the pi_old recompute.
+
+    Metrics of a step (over tokens with a rollout route, all MoE layers):
+
+    - ``route_agreement``: fraction of the rollout's experts that the trainer's own float32 router
+      chooses for the same token (1 - ``route_flip_fraction``). Without replay it is read from the
+      routers' outputs; with replay from :meth:`RoutingReplay.agreement` (the router's natural
+      top-k beside the replayed one; from the second MoE layer on, on hidden states that the
+      replayed experts of the earlier layers produced, so the two figures are not the same
+      measurement beyond the first MoE layer).
+    - ``route_tokens_flipped``: fraction of (token, layer) pairs where the trainer's natural choice
+      differs from the rollout's in at least one expert (without replay only).
+    - ``route_replay_match`` (replay only): fraction of (token, layer) pairs whose experts, as the
+      trainer's routers used them, equal the rollout's (1.0 when replay works).
+    """
+
+    def __init__(self, model: Any, *, replay: bool) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from megatron_mis.routing import RoutingReplay, shard_spec_from_megatron
+
+        self.spec = shard_spec_from_megatron(model.config)
+        self.routers = {int(m.layer_number) - 1: m for m in model.modules() if isinstance(m, TopKRouter)}
+        self.topk = int(model.config.moe_router_topk)
+        self._maps: list[dict[int, torch.Tensor]] = []
+        self._capture = False
+        self._hooks = [r.register_forward_hook(self._hook(layer)) for layer, r in self.routers.items()]
+        self.replay = RoutingReplay(model, routing_replay_mode="r3").install() if replay else None
+
+    def _hook(self, layer: int):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if not self._capture:
+                return
+            if layer == min(self.routers):
+                self._maps.append({})
+            self._maps[-1][layer] = output[1].detach().to("cpu")  # routing_map [n, E] bool
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.replay is not None:
+            self.replay.remove()
+            self.replay = None
+
+    def shards(self, batch: Any, micro_batches: list[list[int]]) -> list[Any]:
+        from megatron_mis.routing import shard_routes
+
+        if batch.routed_experts is None:
+            raise RuntimeError("the rollout engine returned no routes for an MoE model")
+        out = []
+        for idx in micro_batches:
+            lengths = [int(batch.prompts[i].numel() + batch.responses[i].numel()) for i in idx]
+            out.append(shard_routes([batch.routed_experts[i] for i in idx], lengths, self.spec))
+        return out
+
+    def _load(self, shards: list[Any]) -> None:
+        if self.replay is not None:
+            self.replay.clear()
+            self.replay.load_routes(shards)
+            self.replay.begin_pass()
+
+    def before_recompute(self, shards: list[Any]) -> None:
+        self._load(shards)
+        if self.replay is not None:
+            self.replay.reset_agreement()
+        self._maps = []
+        self._capture = True
+
+    def before_update(self, shards: list[Any]) -> None:
+        self._load(shards)
+
+    def after_recompute(self, shards: list[Any], dp_group: Any) -> dict[str, float]:
+        """The step's routing metrics (sums over the data-parallel group: one all-reduce)."""
+        from megatron_mis.routing import agreement_counts
+
+        self._capture = False
+        if len(self._maps) != len(shards):
+            raise RuntimeError(f"captured {len(self._maps)} router passes for {len(shards)} micro-batches")
+        # [agreement sum, agreement count, flipped pairs, pairs, replay-equal pairs]
+        acc = torch.zeros(5, dtype=torch.float64)
+        for maps, shard in zip(self._maps, shards):
+            for layer, routing_map in maps.items():
+                col = shard.column(layer)
+                rollout = shard.routes[:, col].long()  # [n, k]
+                keep = shard.valid if shard.replayed is None else shard.valid & shard.replayed[:, col]
+                used = routing_map.nonzero()[:, 1].view(routing_map.shape[0], self.topk)  # sorted ids
+                same = (torch.sort(rollout, dim=1).values == used).all(1)
+                if self.replay is None:
+                    acc[:2] += agreement_counts(rollout, used, keep)
+                    acc[2] += float((~same & keep).sum())
+                acc[3] += float(keep.sum())
+                acc[4] += float((same & keep).sum())
+        if self.replay is not None:
+            ids, stats = self.replay.agreement_stats()
+            if len(ids):
+                acc[:2] += stats.sum(0)
+        acc = _all_reduce(acc, dp_group)
+        out = {}
+        if acc[1] > 0:
+            out["route_agreement"] = float(acc[0] / acc[1])
+            out["route_flip_fraction"] = 1.0 - out["route_agreement"]
+        if acc[3] > 0:
+            if self.replay is None:
+                out["route_tokens_flipped"] = float(acc[2] / acc[3])
+            else:
+                out["route_replay_match"] = float(acc[4] / acc[3])
+        return out
 
 
 class _UpdateAggregator:
@@ -525,12 +666,13 @@ def run_rank(cfg: DemoConfig) -> list[RunResult] | None:
                         sink.write(json.dumps(_jsonable(record)) + "\n")
                         sink.flush()
                         _update_bar(bar, record)
+                evaluation, samples = trainer.evaluate()  # every rank: the weight sync is collective
             finally:
+                trainer.close()  # routing replay and router hooks leave the model, also on an error
                 if bar is not None:
                     bar.close()
                 if sink is not None:
                     sink.close()
-            evaluation, samples = trainer.evaluate()  # every rank: the weight sync is collective
             if reporter:
                 results.append(
                     RunResult(

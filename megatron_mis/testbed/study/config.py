@@ -22,6 +22,8 @@ class Setting:
     overrides: dict[str, Any]
     #: the correction ``megatron-mis demo --compare --preset NAME`` sets against none
     demo_correction: str = "token_tis"
+    #: the arms a study of this setting runs by default (``None``: :data:`DEFAULT_ARMS`)
+    arms: tuple[str, ...] | None = None
 
     def demo_values(self) -> dict[str, Any]:
         """The :class:`DemoConfig` values ``megatron-mis demo --preset NAME`` starts from."""
@@ -56,8 +58,17 @@ _BASE: dict[str, Any] = {
 }
 
 
-def _setting(name: str, description: str, **changes: Any) -> Setting:
-    return Setting(name, description, {**_BASE, **changes})
+def _setting(name: str, description: str, *, arms: tuple[str, ...] | None = None, demo_correction: str = "token_tis",
+             **changes: Any) -> Setting:
+    return Setting(name, description, {**_BASE, **changes}, demo_correction=demo_correction, arms=arms)
+
+
+#: A small MoE GPT: every layer MoE, 16 experts, top-2 (the rollout engine routes in its own precision);
+#: chosen by measuring K3 (docs/study.md): 16 experts flip more often than 8 under int4.
+_MOE: dict[str, Any] = {"num_moe_experts": 16, "moe_router_topk": 2}
+#: The arms of the MoE settings: the baseline, the no-mismatch reference, routing replay with and
+#: without a token IS weight, two corrections without replay, and seed 000's default.
+MOE_ARMS: tuple[str, ...] = ("none", "ref_fp32", "r3", "r3_token_tis", "token_tis", "sequence_mis", "seed000_default")
 
 
 #: The settings (mismatch sources). Every one keeps the trainer in fp32; only the rollout differs.
@@ -83,6 +94,18 @@ SETTINGS: dict[str, Setting] = {
             "bf16-long",
             "copy 6 digits (longer responses); bf16 rollouts",
             rollout_precision="bf16", min_digits=6, max_digits=6, steps=120,
+        ),
+        _setting(
+            "moe-bf16",
+            "copy 3 digits; MoE GPT (16 experts, top-2, every layer); bf16 rollouts whose routers pick the top-2 "
+            "on bf16 logits, so expert choices flip against the fp32 trainer",
+            arms=MOE_ARMS, rollout_precision="bf16", **_MOE,
+        ),
+        _setting(
+            "moe-int4",
+            "copy 3 digits; MoE GPT (16 experts, top-2, every layer); rollouts with 4-bit per-channel weight-only "
+            "quantised attention and experts (router unquantised), so expert choices flip against the fp32 trainer",
+            arms=MOE_ARMS, rollout_precision="int4", **_MOE,
         ),
     )
 }
@@ -110,13 +133,18 @@ ARMS: dict[str, Arm] = {
             "length_decay", "none + seed 002's length-decay LR (surge pinned at step 20: the task has no length surge)",
             correction="none", lr_schedule="length-decay", lr_surge_step=20,
         ),
+        _arm("r3", "rollout routing replay (MoE only): the trainer's routers use the rollout's experts; PPO, no IS weight",
+             correction="none", routing_replay=True),
+        _arm("r3_token_tis", "rollout routing replay (MoE only) + decoupled PPO with token IS weight truncated at 2",
+             correction="token_tis", routing_replay=True),
         _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), none", True,
              correction="none", rollout_precision="fp32"),
         _arm("ref_true_on_policy", "no-mismatch reference: true on-policy rollouts (bitwise equal log-probs), none", True,
              correction="none", rollout_precision="fp32", true_on_policy=True),
     )
 }
-DEFAULT_ARMS: tuple[str, ...] = tuple(ARMS)
+#: The arms of a dense setting (the routing-replay arms need an MoE model).
+DEFAULT_ARMS: tuple[str, ...] = tuple(a for a in ARMS if not ARMS[a].overrides.get("routing_replay"))
 
 #: ``--quick``: a smoke run (explicit flags win).
 QUICK: dict[str, Any] = {"seeds": 2, "steps": 4}
@@ -128,7 +156,9 @@ class StudyConfig(ConfigBase):
     """Arms x seeds of the demo's GRPO run in one setting, with statistics (``docs/study.md``)."""
 
     setting: str = doc(DEFAULT_SETTING, "The task and mismatch source (see SETTINGS / --list).")
-    arms: list[str] = doc(list(DEFAULT_ARMS), "Arms to run (the first 'none' is the paired baseline).")
+    arms: list[str] | None = doc(
+        None, "Arms to run (the first 'none' is the paired baseline); null: the setting's arms (DEFAULT_ARMS for a dense setting)."
+    )
     seeds: int = doc(8, "Seeds per arm (seed s of every arm starts from the same weights and prompts).")
     first_seed: int = doc(0, "The first seed (seeds first_seed .. first_seed + seeds - 1).")
     steps: int | None = doc(None, "RL steps per run; null: the setting's.")
@@ -154,13 +184,14 @@ class StudyConfig(ConfigBase):
         out: list[str] = []
         if self.setting not in SETTINGS:
             out.append(f"setting={self.setting!r} is not one of {sorted(SETTINGS)}")
-        unknown = [a for a in self.arms if a not in ARMS]
-        if unknown:
-            out.append(f"arms {unknown} are not among {list(ARMS)}")
-        if not self.arms:
-            out.append("arms is empty: name at least one arm")
-        if len(set(self.arms)) != len(self.arms):
-            out.append(f"arms={self.arms!r} repeats an arm")
+        if self.arms is not None:
+            unknown = [a for a in self.arms if a not in ARMS]
+            if unknown:
+                out.append(f"arms {unknown} are not among {list(ARMS)}")
+            if not self.arms:
+                out.append("arms is empty: name at least one arm (or null: the setting's arms)")
+            if len(set(self.arms)) != len(self.arms):
+                out.append(f"arms={self.arms!r} repeats an arm")
         if self.seeds < 1:
             out.append(f"seeds={self.seeds!r} must be >= 1")
         if self.first_seed < 0:
@@ -183,13 +214,20 @@ class StudyConfig(ConfigBase):
         if bad:
             out.append(f"extra keys {bad} are not DemoConfig fields")
         if not out:
-            for arm in self.arms:  # every run's DemoConfig validates (e.g. a batch that does not split)
+            for arm in self.arm_names:  # every run's DemoConfig validates (e.g. a batch that does not split)
                 try:
                     run_config(self, arm, self.first_seed)
                 except ValueError as exc:
                     out.append(f"arm {arm!r}: {exc}")
                     break
         return out
+
+    @property
+    def arm_names(self) -> list[str]:
+        """The arms run: ``arms``, or the setting's default arms."""
+        if self.arms is not None:
+            return list(self.arms)
+        return list(SETTINGS[self.setting].arms or DEFAULT_ARMS)
 
     @property
     def num_jobs(self) -> int:

@@ -34,7 +34,7 @@ REFERENCES = ("ref_fp32", "ref_true_on_policy")
 def collect(study: StudyConfig) -> dict[str, dict[int, dict[str, Any]]]:
     """``{arm: {seed: run}}`` of the finished runs (missing ones are skipped)."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
-    for arm in study.arms:
+    for arm in study.arm_names:
         for seed in study.seed_list:
             run = load_run(run_path(study, arm, seed))
             if run is not None:
@@ -95,7 +95,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
 
     log10 = lambda v: math.log10(max(v, 1e-30))  # noqa: E731
     arms: dict[str, Any] = {}
-    for i, arm in enumerate(study.arms):
+    for i, arm in enumerate(study.arm_names):
         ms = list(metrics.get(arm, {}).values())
         if not ms:
             continue
@@ -120,6 +120,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
             "k3_token_max": max((m["k3_token_max"] or 0.0) for m in ms),
             "k3_late_early": _ci([m["k3_late_early"] for m in ms], study, i),
             "rejected_fraction": _ci([m["rejected_fraction"] for m in ms], study, i),
+            "route_flip_mean": _ci([m.get("route_flip_mean") for m in ms], study, i),
             "wall_s": float(np.mean([m["wall_s"] for m in ms])),
             "vs_none": {
                 "final_reward": paired(arm, BASELINE, "final_reward"),
@@ -224,6 +225,22 @@ def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfi
                     f"{arm}: late/early K3 ratio {_fmt_ci(arms[arm]['k3_late_early'], '{:.2f}')} vs none "
                     f"{_fmt_ci(arms[BASELINE]['k3_late_early'], '{:.2f}')}, paired {_fmt_diff(d, '{:+.2f}')}: {verdict}"
                 )
+    for arm in ("r3", "r3_token_tis"):
+        if arm in arms and BASELINE in arms:
+            a = arms[arm]
+            ref = a["vs_reference"]["reference"]
+            parts = [f"{arm} - none final reward {_fmt_diff(a['vs_none']['final_reward'])}"]
+            if ref and a["vs_reference"]["final_reward"]:
+                ref_ci = arms[ref]["final_reward"]
+                inside = ref_ci[1] <= a["final_reward"][0] <= ref_ci[2]
+                parts.append(f"{arm} - {ref} {_fmt_diff(a['vs_reference']['final_reward'])} (mean "
+                             f"{a['final_reward'][0]:.3f} {'within' if inside else 'outside'} {ref}'s CI {_fmt_ci(ref_ci)})")
+            parts.append(f"log10 mean K3 vs none {_fmt_diff(a['vs_none']['log10_k3_mean'], '{:+.2f}')} "
+                         f"(K3 {_fmt_ci(a['k3_mean'], '{:.1e}')} vs none {_fmt_ci(arms[BASELINE]['k3_mean'], '{:.1e}')})")
+            if arms[BASELINE]["route_flip_mean"]:
+                parts.append(f"rollout experts the fp32 router does not choose (none): "
+                             f"{_fmt_ci(arms[BASELINE]['route_flip_mean'], '{:.2%}')}")
+            out[f"{arm}_recovers"] = "; ".join(parts)
     if "length_decay" in arms and BASELINE in arms:
         d = arms["length_decay"]["vs_none"]["log10_k3_mean"]
         if d:
@@ -248,8 +265,13 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"then lost > {st['collapse_fraction']:.0%} of the gain; threshold {st['threshold']}. "
         "Paired differences are per seed against `none`; `*` marks a CI that excludes 0.",
         "",
-        "| arm | n | final reward | greedy reward | collapse | reached threshold (steps) | K3 mean | K3 max (step mean) | late/early K3 | rejected | final - none | greedy - none |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    moe = any(a.get("route_flip_mean") for a in s["arms"].values())
+    flip_head = " route flips |" if moe else ""
+    lines += [
+        "| arm | n | final reward | greedy reward | collapse | reached threshold (steps) | K3 mean | K3 max (step mean) | "
+        f"late/early K3 | rejected |{flip_head} final - none | greedy - none |",
+        "| --- " * (13 if moe else 12) + "|",
     ]
     for arm, a in s["arms"].items():
         c = a["collapse"]
@@ -259,7 +281,8 @@ def format_markdown(summary: dict[str, Any]) -> str:
             f"| {arm} | {a['n']} | {_fmt_ci(a['final_reward'])} | {_fmt_ci(a['greedy_reward'])} | "
             f"{c['k']}/{c['n']} | {reach} | {_fmt_ci(a['k3_mean'], '{:.1e}')} | {_fmt_ci(a['k3_max'], '{:.1e}')} | "
             f"{_fmt_ci(a['k3_late_early'], '{:.2f}')} | {a['rejected_fraction'][0]:.2%} | "
-            f"{_fmt_diff(a['vs_none']['final_reward'])} | {_fmt_diff(a['vs_none']['greedy_reward'])} |"
+            + (f"{_fmt_ci(a.get('route_flip_mean'), '{:.2%}')} | " if moe else "")
+            + f"{_fmt_diff(a['vs_none']['final_reward'])} | {_fmt_diff(a['vs_none']['greedy_reward'])} |"
         )
     lines += ["", "## Answers", ""]
     for key, text in s["answers"].items():

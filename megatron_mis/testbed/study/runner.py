@@ -80,8 +80,15 @@ def load_run(path: str | Path) -> dict[str, Any] | None:
 
 
 def _finished(job: RunJob) -> bool:
+    """A finished run with the same configuration (keys a run file lacks, written before a
+    DemoConfig field existed, count as that field's default)."""
+    from megatron_mis.testbed.demo.config import DemoConfig
+
     run = load_run(job.path)
-    return run is not None and _comparable(run["header"]["config"]) == _comparable(job.config)
+    if run is None:
+        return False
+    defaults = DemoConfig().to_dict()
+    return _comparable({**defaults, **run["header"]["config"]}) == _comparable({**defaults, **job.config})
 
 
 def _execute(job: RunJob, scratch: str) -> None:
@@ -165,7 +172,7 @@ def plan(study: StudyConfig) -> list[RunJob]:
     study holds complete pairs."""
     jobs = []
     for seed in study.seed_list:
-        for arm in study.arms:
+        for arm in study.arm_names:
             cfg = run_config(study, arm, seed)
             jobs.append(RunJob(study.setting, arm, seed, cfg.to_dict(), str(run_path(study, arm, seed))))
     return jobs

@@ -14,7 +14,9 @@ of each step's rollout batch):
   (``None`` if never);
 - ``k3_mean`` / ``k3_max``: mean and largest per-step K3 KL (each step's mean over its loss
   tokens); ``k3_token_max``: the largest single-token K3; ``k3_late_early``: mean K3 of the last
-  third of the steps over that of the first third (seed 000's "late K3 growth").
+  third of the steps over that of the first third (seed 000's "late K3 growth");
+- ``route_flip_mean`` (MoE runs): mean over steps of ``route_flip_fraction``, the fraction of the
+  rollout's experts that the trainer's float32 router would not choose (``None`` for dense runs).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run_metrics(records: Sequence[Mapping[str, Any]], end: Mapping[str, Any], *,
     third = max(1, len(k3) // 3)
     early, late = np.nanmean(k3[:third]), np.nanmean(k3[-third:])
     evaluation = end.get("evaluation", {})
+    flips = [r["route_flip_fraction"] for r in records if r.get("route_flip_fraction") is not None]
     return {
         "start_reward": start,
         "final_reward": final,
@@ -72,6 +75,8 @@ def run_metrics(records: Sequence[Mapping[str, Any]], end: Mapping[str, Any], *,
         "k3_late_early": float(late / early) if early > 0 and math.isfinite(late) else None,
         "rejected_fraction": float(np.mean([r.get("rejected_token_fraction", 0.0) or 0.0 for r in records])),
         "wall_s": float(end.get("wall_s", float("nan"))),
+        # MoE runs: mean over steps of the fraction of rollout experts the trainer's router does not choose
+        "route_flip_mean": float(np.mean(flips)) if flips else None,
     }
 
 
