@@ -124,18 +124,19 @@ METRIC_DOCS: dict[str, str] = {
 
 
 
-def k3_from_log_ratio(x: torch.Tensor) -> torch.Tensor:
+def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> torch.Tensor:
     """``exp(x) - 1 - x`` to float32 relative accuracy: a Taylor series for ``|x| < 0.5`` (the
     literal form cancels catastrophically near 0: ``r - 1`` rounds to the float32 grid, a floor of
-    ~6e-8 under a true value of ~1e-13), ``expm1(x) - x`` elsewhere. Truncation error of the
-    series at ``|x| = 0.5``: ``x^8/8! / (x^2/2) < 1e-7``."""
-    p = x * (1.0 / 5040.0) + (1.0 / 720.0)
-    p = p * x + (1.0 / 120.0)
-    p = p * x + (1.0 / 24.0)
-    p = p * x + (1.0 / 6.0)
-    p = p * x + 0.5
-    series = x * x * p
-    return torch.where(x.abs() < 0.5, series, torch.expm1(x) - x)
+    ~6e-8 under a true value of ~1e-13), ``expm1(x) - x`` elsewhere (``expm1_x`` if the caller
+    has it). Truncation error of the series at ``|x| = 0.5``: ``x^8/8! / (x^2/2) < 1e-7``.
+    Evaluated in place in two ``[T]`` buffers (allocation is a large share of the cost on CPU)."""
+    p = x * (1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5):
+        p.add_(c).mul_(x)
+    p.mul_(x)  # x^2 (1/2 + x/6 + ...)
+    direct = torch.expm1(x) if expm1_x is None else expm1_x.clone()
+    direct.sub_(x)
+    return torch.where(x.abs() < 0.5, p, direct)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -182,12 +183,14 @@ def build_metrics(
     seqs: SequenceDecisions,
     plan: Plan,
     normalizer: torch.Tensor,
-    keep: torch.Tensor,
+    keepf: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Token-aligned ``[T]`` float32 metrics and 0-dim float64 batch summaries (see module
     docstring). Pure tensor code (compilable); the op count does not depend on ``N``."""
     f32, f64 = torch.float32, torch.float64
     sid = tokens.seq_ids
+    num_tokens = int(sid.shape[0])
+    columns = tokens.columns
     col = stats.col
     n_mask, n_valid = seqs.n_mask, seqs.n_valid
     has_mask = n_mask > 0
@@ -212,7 +215,8 @@ def build_metrics(
 
     def batch(name: str, value: torch.Tensor) -> None:
         value = value.to(f64).reshape(())
-        per_seq.append((name, value.expand(n_mask.shape[0])))
+        # one value for every token: a stride-0 view, no [T] buffer
+        token_metrics[name] = _f32(value).expand(num_tokens)
         summary[name] = value
 
     def indicator(name: str, flags: torch.Tensor, count: SumCol) -> None:
@@ -226,10 +230,10 @@ def build_metrics(
     seq("mis_rollout_log_ppl", -rollout_mean)
     seq("mis_rollout_ppl", _exp(-rollout_mean))
     # k1 per token: rollout - train (0 where invalid); float32 overflow of extreme log-probs saturates
-    tok("mis_kl", (tokens.rollout - tokens.train).clamp(-_F32_MAX, _F32_MAX), -col(SumCol.SUM_LOG_R).sum())
-    validf = tokens.flags[SumCol.N_VALID]
-    tok("mis_k3_kl", tokens.k3 * validf, col(SumCol.SUM_K3).sum())
-    diff = rollout_mean - train_mean
+    tok("mis_kl", tokens.kl, -col(SumCol.SUM_LOG_R).sum())  # rollout - train, 0 where invalid
+    tok("mis_k3_kl", tokens.k3, col(SumCol.SUM_K3).sum())  # k3 is 0 where invalid (log r = 0)
+    # the exact float64 log-ratio sum, not the difference of two rounded means (they cancel)
+    diff = -_safe_div(col(SumCol.SUM_LOG_R), n_valid)
     seq("mis_log_ppl_diff", diff)
     seq("mis_log_ppl_abs_diff", diff.abs())
     seq("mis_ppl_ratio", _exp(diff))
@@ -237,7 +241,7 @@ def build_metrics(
     seq_log = seqs.level_log_r["sequence"]
     # float64: exp(2 * 80) is finite there
     seq("mis_chi2_seq", torch.where(n_valid > 0, torch.expm1(2.0 * seq_log), torch.zeros_like(n_valid)))
-    tok("mis_tv", 0.5 * tokens.r_minus_1.abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
+    tok("mis_tv", columns[SumCol.SUM_ABS_R1], 0.5 * col(SumCol.SUM_ABS_R1).sum())  # |r - 1| / 2, 0 where invalid
     nv = n_valid.sum()
     sum_r, sum_r2 = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum() + nv
     batch("mis_ess_token", torch.where(nv > 0, _safe_div(sum_r.square(), nv * sum_r2), torch.ones_like(nv)))
@@ -258,14 +262,13 @@ def build_metrics(
             "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
         }[plan.tis_mode]
         if plan.tis_level == "token":
-            tok("mis_tis_weight_before_bound", tokens.w_tok_unbounded * validf, col(SumCol.SUM_W_BEFORE).sum())
-            maskf = tokens.flags[SumCol.N_MASK]
-            host_after = (tokens.r if plan.tis_mode == "mask" else tokens.w_tok) * maskf
+            tok("mis_tis_weight_before_bound", columns[SumCol.SUM_W_BEFORE], col(SumCol.SUM_W_BEFORE).sum())
+            host_after = columns[SumCol.SUM_W_HOST]
             tok("mis_tis_weight_after_bound", host_after, col(SumCol.SUM_W_HOST).sum())
             token_metrics["mis_is_ratio_mean_after_tis_rs"] = host_after
             summary["mis_is_ratio_mean_after_tis_rs"] = summary["mis_tis_weight_after_bound"]
             if full:
-                tok("mis_weight_after_bound_kept", tokens.w_tok * maskf, col(SumCol.SUM_W_AFTER).sum())
+                tok("mis_weight_after_bound_kept", columns[SumCol.SUM_W_AFTER], col(SumCol.SUM_W_AFTER).sum())
             if frac_names[0]:
                 indicator(frac_names[0], tokens.is_low, SumCol.N_IS_LOW)
             indicator(frac_names[1], tokens.is_high, SumCol.N_IS_HIGH)
@@ -297,7 +300,7 @@ def build_metrics(
         indicator("mis_prob_veto_token_fraction", tokens.prob_veto, SumCol.N_PROB_VETO)
         seq("mis_prob_veto_seq_fraction", seqs.prob_vetoed)
 
-    rejected_tok = tokens.mask & ~keep
+    rejected_tok = tokens.flags[SumCol.N_MASK] - keepf  # 1 at loss-mask tokens not kept
     n_rej = torch.where(seqs.rejected, n_mask, col(SumCol.N_TOK_REJECTED))
     tok("mis_rejected_token_fraction", rejected_tok, n_rej.sum())
     seq("mis_rejected_seq_fraction", has_mask & ~seqs.kept)
@@ -339,12 +342,11 @@ def build_metrics(
             seq("mis_kept_weight_min_final", min_final)
             seq("mis_kept_weight_max_final", max_final)
 
-    # ---- every sequence / batch metric expanded to [T] by one index_select ----------------
+    # ---- every sequence metric expanded to [T]: one contiguous gather each ----------------
     if per_seq:
         block = _f32(torch.stack([v for _, v in per_seq], 0))  # [S, N]
-        expanded = block.index_select(1, sid)  # [S, T], each row contiguous
         for i, (name, _) in enumerate(per_seq):
-            token_metrics[name] = expanded[i]
+            token_metrics[name] = block[i].index_select(0, sid)
 
     # ---- summary-only batch statistics ---------------------------------------------------
     summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)
