@@ -225,7 +225,8 @@ def _token_stage(
     f32, f64 = torch.float32, torch.float64
     metrics_on = plan.metrics != "none"
     num_seqs = layout.num_segments
-    finite = torch.isfinite(train) & torch.isfinite(rollout)
+    # both finite <=> 0 * train + 0 * rollout == 0 (0 * inf and NaN give NaN); one [T] buffer
+    finite = (train * 0.0).add_(rollout, alpha=0.0) == 0.0
     valid = mask & finite
     nonfinite = mask & ~finite
     maskf, validf = mask.to(f32), valid.to(f32)
@@ -348,7 +349,7 @@ def _token_stage(
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
     kl = diff.neg_().clamp_(-_F32_MAX, _F32_MAX) if metrics_on else None
     tokens = TokenQuantities(
-        seq_ids=layout.ids, mask=mask, valid=valid, nonfinite=nonfinite, train=train, rollout=rollout,
+        mask=mask, valid=valid, nonfinite=nonfinite, train=train, rollout=rollout,
         log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
         flags=flags, layout=layout, kl=kl, columns=token_columns,
@@ -441,9 +442,9 @@ def _outputs(
     else:
         norm = normalizer
     f32 = torch.float32
-    sid = tokens.seq_ids
+    layout = tokens.layout
     alive = ~seqs.rejected
-    keep = tokens.tok_kept & alive.index_select(0, sid)
+    keep = tokens.tok_kept & layout.expand(alive)
     keepf = keep.to(f32)
     norm32 = norm.to(f32)
     # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
@@ -451,7 +452,7 @@ def _outputs(
         weights = (tokens.w_tok * keepf) / norm32
     elif plan.use_tis:
         seq_w = torch.where(alive, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
-        weights = seq_w.index_select(0, sid) * tokens.flags[SumCol.N_TOK_KEPT]
+        weights = layout.expand(seq_w).mul_(tokens.flags[SumCol.N_TOK_KEPT])
     else:
         weights = keepf
 
@@ -535,14 +536,14 @@ def _check_config(config: Any) -> MISConfig:
     return config
 
 
-def _raise_nonfinite(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> None:
+def _raise_nonfinite(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     # The one documented host synchronisation: raising needs to know.
     bad = (mask & ~(torch.isfinite(train) & torch.isfinite(rollout))).nonzero()
     if bad.numel():
         first = int(bad[0, 0])
         raise ValueError(
             f"{bad.shape[0]} loss-mask token(s) have NaN or inf log-probs (first at flat index {first}, "
-            f"sequence {int(seq_ids[first])}: train={float(train[first])}, rollout={float(rollout[first])}); "
+            f"sequence {int(torch.searchsorted(cu_seqlens, bad[0, 0], right=True)) - 1}: train={float(train[first])}, rollout={float(rollout[first])}); "
             "nonfinite_policy='error' (use 'neutralize' or 'reject' to continue)"
         )
 
@@ -553,7 +554,7 @@ def _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, confi
     train, rollout, mask, cu, num_tokens = _prepare(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
     layout = segment_layout(cu, num_tokens)
     if config.nonfinite_policy == "error" and check_nonfinite:
-        _raise_nonfinite(train, rollout, mask, layout.ids)
+        _raise_nonfinite(train, rollout, mask, cu)
     token_stage, outputs = _stage_functions(bool(getattr(config, "compile_engine", False)) and num_tokens > 0)
     tokens, sums, mins, maxs = token_stage(train, rollout, mask, layout, plan)
     stats = SequenceStatistics(sums, mins, maxs)

@@ -188,8 +188,8 @@ def build_metrics(
     """Token-aligned ``[T]`` float32 metrics and 0-dim float64 batch summaries (see module
     docstring). Pure tensor code (compilable); the op count does not depend on ``N``."""
     f32, f64 = torch.float32, torch.float64
-    sid = tokens.seq_ids
-    num_tokens = int(sid.shape[0])
+    layout = tokens.layout
+    num_tokens = layout.num_tokens
     columns = tokens.columns
     col = stats.col
     n_mask, n_valid = seqs.n_mask, seqs.n_valid
@@ -342,11 +342,11 @@ def build_metrics(
             seq("mis_kept_weight_min_final", min_final)
             seq("mis_kept_weight_max_final", max_final)
 
-    # ---- every sequence metric expanded to [T]: one contiguous gather each ----------------
+    # ---- every sequence metric expanded to [T] together: rows of one [S, T] block ---------
     if per_seq:
-        block = _f32(torch.stack([v for _, v in per_seq], 0))  # [S, N]
+        expanded = layout.expand(_f32(torch.stack([v for _, v in per_seq], 0)))  # [S, N] -> [S, T]
         for i, (name, _) in enumerate(per_seq):
-            token_metrics[name] = block[i].index_select(0, sid)
+            token_metrics[name] = expanded[i]
 
     # ---- summary-only batch statistics ---------------------------------------------------
     summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)

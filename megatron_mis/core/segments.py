@@ -10,6 +10,7 @@ the same description (local lengths) covers them.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -40,6 +41,8 @@ def _host_offsets(cu_seqlens: Sequence[int]) -> list[int]:
             f"cu_seqlens must be a list of N+1 integer offsets or a 1-D integer tensor, got "
             f"{type(cu_seqlens).__name__} ({cu_seqlens!r:.60})"
         )
+    if isinstance(cu_seqlens, list) and all(type(v) is int for v in cu_seqlens):
+        return cu_seqlens  # the hosts' case: Python ints already
     values = []
     for i, v in enumerate(cu_seqlens):
         if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__index__"):
@@ -79,11 +82,11 @@ def as_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor, num_tokens: int, dev
         raise ValueError("cu_seqlens must have N+1 >= 1 entries, got an empty sequence")
     if values[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
-    for i in range(1, len(values)):
-        if values[i] < values[i - 1]:
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing: cu_seqlens[{i}]={values[i]} < cu_seqlens[{i - 1}]={values[i - 1]}"
-            )
+    if not all(map(operator.le, values, values[1:])):  # C-level check; the loop names the culprit
+        i = next(i for i in range(1, len(values)) if values[i] < values[i - 1])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing: cu_seqlens[{i}]={values[i]} < cu_seqlens[{i - 1}]={values[i - 1]}"
+        )
     if values[-1] != num_tokens:
         raise ValueError(f"cu_seqlens[-1]={values[-1]} must equal the number of tokens {num_tokens}")
     return to_device(torch.tensor(values, dtype=torch.long), device)
@@ -124,8 +127,8 @@ def chunk_size(num_tokens: int, num_segments: int) -> int:
 
 class SegmentLayout(NamedTuple):
     """How ``N`` contiguous segments of a ``[T]`` token tensor fall on chunks of ``C`` tokens, for
-    per-segment reductions with no atomics, no Python loop over segments and no host
-    synchronisation.
+    per-segment reductions and expansions with no atomics, no Python loop over segments, no
+    ``[T]`` index tensor and no host synchronisation.
 
     Every token of segment ``n = [a, b)`` lies in exactly one of three parts: a *full chunk*
     (``C`` consecutive tokens starting at a multiple of ``C``, all inside ``[a, b)``), the *head*
@@ -133,13 +136,14 @@ class SegmentLayout(NamedTuple):
     ``C``), or the *tail* ``[max(fb, head end), b)`` after the last one (``fb`` = ``b`` rounded
     down). A reduction is then one contiguous ``[M, C]`` row reduction over the chunks (fast,
     vectorised), a scatter of the ``M = T // C`` chunk results to their segments, and one gather
-    of the ``[2N, C]`` head and tail windows. Sums are accumulated only within their segment, so a
-    segment's float64 sum does not depend on its neighbours' magnitudes. The chunk length is a
-    host constant (:func:`chunk_size`), so the op count never depends on ``N`` and the whole
-    computation traces with ``torch.compile(fullgraph=True, dynamic=True)``.
+    of the ``[2N, C]`` head and tail windows; an expansion is the mirror image (a broadcast write
+    of every full chunk, one scatter into the windows). Sums accumulate only within their
+    segment, so a segment's float64 sum does not depend on its neighbours' magnitudes. The chunk
+    length is a host constant (:func:`chunk_size`), so the op count never depends on ``N`` and
+    everything traces with ``torch.compile(fullgraph=True, dynamic=True)``.
 
     Attributes:
-        ids: ``[T]`` int64 segment of every token.
+        num_tokens: ``T``.
         chunk: ``C``.
         num_chunks: ``M``.
         chunk_segment: ``[M]`` int64 segment of each full chunk, ``N`` (a discard slot) for a chunk
@@ -147,14 +151,16 @@ class SegmentLayout(NamedTuple):
         window: ``[2N, C]`` int64 token index of the head (rows ``0..N-1``) and tail (rows
             ``N..2N-1``) windows, clamped into ``[0, T)``.
         window_valid: ``[2N, C]`` bool — the window position is a token of the part.
+        window_target: ``[2N * C]`` int64 — ``window`` where valid, ``T`` (a discard slot) elsewhere.
     """
 
-    ids: torch.Tensor
+    num_tokens: int
     chunk: int
     num_chunks: int
     chunk_segment: torch.Tensor
     window: torch.Tensor
     window_valid: torch.Tensor
+    window_target: torch.Tensor
 
     @property
     def num_segments(self) -> int:
@@ -169,7 +175,7 @@ class SegmentLayout(NamedTuple):
         and the parts are added in float64. Give a float64 column where the terms cancel or can
         exceed the float32 range. Booleans count exactly (float32 is exact below 2^24)."""
         n = self.num_segments
-        device = self.ids.device
+        device = self.window.device
         f64 = torch.float64
         if not columns:
             return torch.zeros(n, 0, dtype=f64, device=device)
@@ -202,7 +208,7 @@ class SegmentLayout(NamedTuple):
 
     def _extremes(self, columns: Sequence[torch.Tensor], fill: float, how: str) -> torch.Tensor:
         n = self.num_segments
-        device = self.ids.device
+        device = self.window.device
         dtype = columns[0].dtype if columns else torch.float32
         if not columns:
             return torch.zeros(n, 0, dtype=dtype, device=device)
@@ -226,21 +232,38 @@ class SegmentLayout(NamedTuple):
         return pick(out[:, :n], pick(parts[:, :n], parts[:, n:])).t()
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
-        """``[N, ...] -> [T, ...]``: each segment's value repeated over its tokens."""
-        return per_segment.index_select(0, self.ids)
+        """``[N] -> [T]`` (or ``[S, N] -> [S, T]``, each row contiguous): each segment's value
+        repeated over its tokens — a broadcast write of the full chunks and one scatter into the
+        head and tail windows (every token is written exactly once by one of the two)."""
+        rows = per_segment.dim() == 2
+        values = per_segment if rows else per_segment.unsqueeze(0)
+        s, n = values.shape
+        t, m, c = self.num_tokens, self.num_chunks, self.chunk
+        # value of the discard slot N: anything (straddling chunks are overwritten by windows)
+        padded = torch.cat([values, values[:, :1] if n else values.new_zeros(s, 1)], 1)  # [S, N+1]
+        out = values.new_empty(s, t + 1)  # column T: the discard slot of invalid window positions
+        if m:
+            out[:, : m * c].view(s, m, c).copy_(padded.index_select(1, self.chunk_segment).unsqueeze(2).expand(s, m, c))
+        if n:
+            row_values = torch.cat([values, values], 1)  # [S, 2N]: head rows, then tail rows
+            out[:, self.window_target] = row_values.unsqueeze(2).expand(s, 2 * n, c).reshape(s, 2 * n * c)
+        out = out[:, :t]
+        return out if rows else out[0]
 
 
 def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None = None) -> SegmentLayout:
     """The :class:`SegmentLayout` of ``cu_seqlens [N+1]`` (int64, on the tokens' device) over
-    ``num_tokens`` tokens; ``chunk`` defaults to :func:`chunk_size`. No host synchronisation."""
+    ``num_tokens`` tokens; ``chunk`` defaults to :func:`chunk_size`. ``O(M log N + N C)`` work,
+    no ``[T]`` tensor, no host synchronisation."""
     n = int(cu_seqlens.shape[0]) - 1
     c = chunk_size(num_tokens, n) if chunk is None else int(chunk)
     m = num_tokens // c
     device = cu_seqlens.device
-    ids = sequence_ids(cu_seqlens, num_tokens)
     if m:
-        grid = ids[: m * c].view(m, c)
-        first, last = grid[:, 0], grid[:, c - 1]
+        starts = torch.arange(m, device=device) * c
+        # the segment holding a token: the last n with cu[n] <= t (skips empty segments)
+        first = torch.searchsorted(cu_seqlens, starts, right=True) - 1
+        last = torch.searchsorted(cu_seqlens, starts + (c - 1), right=True) - 1
         chunk_segment = torch.where(first == last, first, torch.full_like(first, n))
     else:
         chunk_segment = torch.zeros(0, dtype=torch.long, device=device)
@@ -249,15 +272,10 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     fb = torch.div(b, c, rounding_mode="floor") * c
     head_end = torch.minimum(fa, b)
     tail_start = torch.maximum(fb, head_end)
-    starts = torch.cat([a, tail_start])  # [2N]
-    ends = torch.cat([head_end, b])
-    offsets = torch.arange(c, device=device)
-    window = starts.unsqueeze(1) + offsets  # [2N, C]
-    window_valid = window < ends.unsqueeze(1)
+    part_starts = torch.cat([a, tail_start])  # [2N]
+    part_ends = torch.cat([head_end, b])
+    window = part_starts.unsqueeze(1) + torch.arange(c, device=device)  # [2N, C]
+    window_valid = window < part_ends.unsqueeze(1)
+    window_target = torch.where(window_valid, window, torch.full_like(window, num_tokens)).reshape(-1)
     window = window.clamp(0, max(num_tokens - 1, 0))
-    return SegmentLayout(ids, c, m, chunk_segment, window, window_valid)
-
-
-def expand(per_sequence: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """``[N, ...]`` -> ``[T, ...]``: repeat each sequence's value over its tokens."""
-    return per_sequence.index_select(0, seq_ids)
+    return SegmentLayout(num_tokens, c, m, chunk_segment, window, window_valid, window_target)

@@ -92,7 +92,6 @@ class TokenQuantities:
     need them). Only what the outputs, the metrics and the lazy bucket table read is kept, so
     the call's temporaries are freed (and their memory reused) as early as possible."""
 
-    seq_ids: torch.Tensor  # int64
     mask: torch.Tensor  # bool
     valid: torch.Tensor  # bool
     nonfinite: torch.Tensor  # bool
