@@ -23,19 +23,28 @@ decision needs only per-sequence sums, counts, minima and maxima. :func:`compute
    sequences;
 3. derives sequence weights, rejections, normalisation and metrics from the reduced statistics.
 
-No step loops over sequences in Python or synchronises with the host: the per-sequence sums are
-one ``index_add_`` of a ``[T, K]`` column block per dtype (float32 counts, float64 sums), the
-extrema one ``scatter_reduce_``; ``cu_seqlens`` given as host data is validated on the host and
-moved with a non-blocking copy. The number of aten ops per call does not depend on ``N``
-(``tests/test_engine_speed_contract.py`` counts them), and the token and sequence stages compile
-with ``torch.compile(fullgraph=True, dynamic=True)`` without a graph break (``compile_engine``).
-The one documented synchronisation is ``nonfinite_policy="error"``, which must read the count
-to raise.
+No step loops over sequences in Python or synchronises with the host: the per-sequence sums,
+minima and maxima, and every expansion of a per-sequence value back to the tokens, go through
+one :class:`~megatron_mis.core.segments.SegmentLayout` per call (contiguous ``[M, C]`` chunk
+reductions, a scatter of the ``M`` chunk results, one gather of ``[2N, C]`` head and tail
+windows); ``cu_seqlens`` given as host data is validated on the host and moved with a
+non-blocking copy. The number of aten ops per call does not depend on ``N``
+(``tests/test_engine_contract.py`` counts them), and the token and sequence stages compile with
+``torch.compile(fullgraph=True, dynamic=True)`` without a graph break (``compile_engine``). The
+one documented synchronisation is ``nonfinite_policy="error"``, which must read the count to
+raise.
+
+Cost on a CPU is dominated by memory: every fresh ``[T]`` buffer costs its page faults, so the
+token stage works in place where it can, turns masks into float32 factors once, reduces a tensor
+that serves two statistics once, frees its temporaries early, and returns batch metrics as
+stride-0 views.
 
 Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 through a series
-near r = 1); per-sequence sums of values are accumulated in float64 from the float32 values
-(the log-ratio sum feeds exp at sequence level; sums of r^2 up to e^160 stay finite), counts in
-float32 (exact below 2^24 tokens per sequence).
+near r = 1). Per-sequence sums add float32 values within chunks of at most ``C`` tokens (torch's
+cascade summation) and the chunk results in float64, accumulating only within the sequence; the
+log-ratio sum that feeds exp at sequence level is the float64 sum of exact float64 differences,
+and r^2 - 1 is float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are
+exact. ``tests/test_engine_contract.py`` checks the values against a float64 computation.
 """
 
 from __future__ import annotations
@@ -54,11 +63,11 @@ from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, segment_lay
 from megatron_mis.core.statistics import (
     BIG,
     Plan as _Plan,
-    ExtCol,
+    SequenceExtremum,
     SequenceDecisions,
     SequenceStatistics,
     StatsReducer,
-    SumCol,
+    SequenceSum,
     TokenQuantities,
 )
 
@@ -278,20 +287,20 @@ def _token_stage(
 
     # ---- the columns to reduce per sequence (a tensor shared by two columns is reduced once;
     # columns that are also token metrics are kept for them) --------------------------------
-    flags: dict[SumCol, torch.Tensor] = {SumCol.N_MASK: maskf, SumCol.N_VALID: validf, SumCol.N_TOK_KEPT: keptf}
+    flags: dict[SequenceSum, torch.Tensor] = {SequenceSum.N_MASK: maskf, SequenceSum.N_VALID: validf, SequenceSum.N_TOK_KEPT: keptf}
     if metrics_on:
-        for c, v in ((SumCol.N_IS_LOW, is_low), (SumCol.N_IS_HIGH, is_high), (SumCol.N_RS_LOW, rs_low), (SumCol.N_RS_HIGH, rs_high)):
+        for c, v in ((SequenceSum.N_IS_LOW, is_low), (SequenceSum.N_IS_HIGH, is_high), (SequenceSum.N_RS_LOW, rs_low), (SequenceSum.N_RS_HIGH, rs_high)):
             if v is not None:
                 flags[c] = v.to(f32)
-    for c, v in ((SumCol.N_RATIO_VETO, ratio_veto), (SumCol.N_PROB_VETO, prob_veto)):
+    for c, v in ((SequenceSum.N_RATIO_VETO, ratio_veto), (SequenceSum.N_PROB_VETO, prob_veto)):
         if v is not None:
             flags[c] = v.to(f32)
-    columns: dict[SumCol, torch.Tensor] = dict(flags)
-    columns[SumCol.SUM_LOG_R] = log_r_64
+    columns: dict[SequenceSum, torch.Tensor] = dict(flags)
+    columns[SequenceSum.SUM_LOG_R] = log_r_64
     w_kept = None
     if plan.token_is:
         w_kept = w_tok * keptf  # the bounded weight over kept tokens (w_tok is 0 where IS-masked)
-        columns[SumCol.SUM_W_KEPT] = w_kept
+        columns[SequenceSum.SUM_W_KEPT] = w_kept
     k3 = half_abs_em1 = None
     if metrics_on:
         # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
@@ -302,19 +311,19 @@ def _token_stage(
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
         half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            SumCol.SUM_TRAIN_LP: train_v, SumCol.SUM_ROLLOUT_LP: rollout_v, SumCol.SUM_K3: k3,
-            SumCol.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SumCol.SUM_ABS_R1: half_abs_em1,
+            SequenceSum.SUM_TRAIN_LP: train_v, SequenceSum.SUM_ROLLOUT_LP: rollout_v, SequenceSum.SUM_K3: k3,
+            SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
         })
         del em1, em1_r2
         r_v = r * validf
-        columns[SumCol.SUM_R] = r_v
+        columns[SequenceSum.SUM_R] = r_v
         if plan.token_is:
             w_after = w_kept if keptf is maskf else w_tok * maskf  # over loss-mask tokens
-            columns[SumCol.SUM_W_BEFORE] = r_v  # the unbounded token weight is r
-            columns[SumCol.SUM_W_AFTER] = w_after
+            columns[SequenceSum.SUM_W_BEFORE] = r_v  # the unbounded token weight is r
+            columns[SequenceSum.SUM_W_AFTER] = w_after
             # the hosts' after-bound weight: bounded (truncate / clip), the raw ratio in mask mode
-            columns[SumCol.SUM_W_HOST] = r * maskf if plan.tis_mode == "mask" else w_after
-    order: list[SumCol] = []
+            columns[SequenceSum.SUM_W_HOST] = r * maskf if plan.tis_mode == "mask" else w_after
+    order: list[SequenceSum] = []
     unique: list[torch.Tensor] = []
     position: dict[int, int] = {}
     slots: list[int] = []
@@ -326,12 +335,12 @@ def _token_stage(
         slots.append(position[id(v)])
     reduced = layout.sums(unique)  # [N, U] float64
     del unique, log_r_64
-    sums = torch.zeros(num_seqs, len(SumCol), dtype=f64, device=train.device)
+    sums = torch.zeros(num_seqs, len(SequenceSum), dtype=f64, device=train.device)
     sums[:, [int(c) for c in order]] = reduced[:, slots]
-    sums[:, SumCol.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
+    sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
-    sums[:, SumCol.N_NONFINITE] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_VALID]
-    sums[:, SumCol.N_TOK_REJECTED] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_TOK_KEPT]
+    sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
+    sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]
 
     # ---- per-sequence extrema (token-level IS metrics only) --------------------------------
     if plan.token_is and metrics_on:
@@ -342,10 +351,10 @@ def _token_stage(
         mins = torch.where(low >= big, BIG, low)
         maxs = torch.where(high <= -big, -BIG, high)
     else:
-        mins = torch.full((num_seqs, len(ExtCol)), BIG, dtype=f64, device=train.device)
-        maxs = torch.full((num_seqs, len(ExtCol)), -BIG, dtype=f64, device=train.device)
+        mins = torch.full((num_seqs, len(SequenceExtremum)), BIG, dtype=f64, device=train.device)
+        maxs = torch.full((num_seqs, len(SequenceExtremum)), -BIG, dtype=f64, device=train.device)
 
-    token_columns = {c: columns[c] for c in (SumCol.SUM_W_BEFORE, SumCol.SUM_W_AFTER, SumCol.SUM_W_HOST, SumCol.SUM_ABS_R1) if c in columns}
+    token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST, SequenceSum.SUM_ABS_R1) if c in columns}
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
     kl = diff.neg_().clamp_(-_F32_MAX, _F32_MAX) if metrics_on else None
     tokens = TokenQuantities(
@@ -376,10 +385,10 @@ def _bound(w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions:
     bound = plan.bound
-    n_mask = stats.col(SumCol.N_MASK)
-    n_valid = stats.col(SumCol.N_VALID)
+    n_mask = stats.col(SequenceSum.N_MASK)
+    n_valid = stats.col(SequenceSum.N_VALID)
     has_valid = n_valid > 0
-    log_sum = stats.col(SumCol.SUM_LOG_R)
+    log_sum = stats.col(SequenceSum.SUM_LOG_R)
     level_log_r = {
         "sequence": log_sum.clamp(-bound, bound),
         "geometric": (log_sum / n_valid.clamp_min(1)).clamp(-bound, bound),
@@ -401,10 +410,10 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
         rs_high = has_valid & (rs_ratio > plan.rs_hi)
         rejected = rejected | rs_low | rs_high
 
-    ratio_vetoed = stats.col(SumCol.N_RATIO_VETO) > 0
-    prob_vetoed = stats.col(SumCol.N_PROB_VETO) > 0
+    ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0
+    prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0
     rejected = rejected | ratio_vetoed | prob_vetoed
-    kept = ~rejected & (stats.col(SumCol.N_TOK_KEPT) > 0)
+    kept = ~rejected & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
     return SequenceDecisions(
         n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
@@ -415,14 +424,14 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
 def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Plan) -> NormalizationStatistics:
     if plan.token_is:
         alive = (~seqs.rejected).to(torch.float64)
-        weight_sum = (stats.col(SumCol.SUM_W_KEPT) * alive).sum()
-        count = (stats.col(SumCol.N_TOK_KEPT) * alive).sum()
+        weight_sum = (stats.col(SequenceSum.SUM_W_KEPT) * alive).sum()
+        count = (stats.col(SequenceSum.N_TOK_KEPT) * alive).sum()
     elif plan.use_tis:
         keptf = seqs.kept.to(torch.float64)
         weight_sum = (seqs.w_seq * keptf).sum()
         count = keptf.sum()
     else:
-        count = (stats.col(SumCol.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
+        count = (stats.col(SequenceSum.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
         weight_sum = count.clone()
     return NormalizationStatistics(weight_sum, count)
 
@@ -452,16 +461,16 @@ def _outputs(
         weights = (tokens.w_tok * keepf) / norm32
     elif plan.use_tis:
         seq_w = torch.where(alive, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
-        weights = layout.expand(seq_w).mul_(tokens.flags[SumCol.N_TOK_KEPT])
+        weights = layout.expand(seq_w).mul_(tokens.flags[SequenceSum.N_TOK_KEPT])
     else:
         weights = keepf
 
     if plan.use_tis and plan.tis_level != "token":
         seq_weights = torch.where(seqs.kept, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
     else:
-        kept_count = stats.col(SumCol.N_TOK_KEPT)
+        kept_count = stats.col(SequenceSum.N_TOK_KEPT)
         if plan.use_tis:
-            seq_mean = stats.col(SumCol.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
+            seq_mean = stats.col(SequenceSum.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
         else:
             seq_mean = torch.ones_like(kept_count)
         seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
@@ -474,7 +483,7 @@ def _outputs(
     return dict(
         seqs=seqs, norm_stats=norm_stats, normalizer=norm32, weights=weights, keep=keep, seq_weights=seq_weights,
         token_metrics=token_metrics, summary=summary,
-        num_nonfinite=stats.col(SumCol.N_NONFINITE).sum().to(torch.int64),
+        num_nonfinite=stats.col(SequenceSum.N_NONFINITE).sum().to(torch.int64),
     )
 
 

@@ -16,10 +16,10 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 
-__all__ = ["Plan", "SumCol", "ExtCol", "SequenceStatistics", "StatsReducer", "TokenQuantities", "SequenceDecisions", "BIG"]
+__all__ = ["Plan", "SequenceSum", "SequenceExtremum", "SumCol", "ExtCol", "SequenceStatistics", "StatsReducer", "TokenQuantities", "SequenceDecisions", "BIG"]
 
 
-class SumCol(IntEnum):
+class SequenceSum(IntEnum):
     """Columns of :attr:`SequenceStatistics.sums` (per-sequence sums over the held tokens)."""
 
     N_MASK = 0  # loss-mask tokens
@@ -46,12 +46,16 @@ class SumCol(IntEnum):
     SUM_W_HOST = 21  # token-level IS: the hosts' after-bound weight over loss-mask tokens (raw in mask mode)
 
 
-class ExtCol(IntEnum):
+class SequenceExtremum(IntEnum):
     """Columns of :attr:`SequenceStatistics.mins` / ``maxs``."""
 
     LOG_R = 0  # clamped token log r over valid tokens
     W_KEPT = 1  # token-level IS: bounded weight over token-kept tokens
 
+
+#: Former names of :class:`SequenceSum` and :class:`SequenceExtremum`.
+SumCol = SequenceSum
+ExtCol = SequenceExtremum
 
 #: fill for empty minima / maxima (finite, so sums of fills never make NaN)
 BIG = 1e30
@@ -63,16 +67,16 @@ class SequenceStatistics:
     context-parallel ranks.
 
     Attributes:
-        sums: ``[N, len(SumCol)]`` float64 — summed across ranks.
-        mins: ``[N, len(ExtCol)]`` float64 — minimum across ranks (``+1e30`` where empty).
-        maxs: ``[N, len(ExtCol)]`` float64 — maximum across ranks (``-1e30`` where empty).
+        sums: ``[N, len(SequenceSum)]`` float64 — summed across ranks.
+        mins: ``[N, len(SequenceExtremum)]`` float64 — minimum across ranks (``+1e30`` where empty).
+        maxs: ``[N, len(SequenceExtremum)]`` float64 — maximum across ranks (``-1e30`` where empty).
     """
 
     sums: torch.Tensor
     mins: torch.Tensor
     maxs: torch.Tensor
 
-    def col(self, c: SumCol) -> torch.Tensor:
+    def col(self, c: SequenceSum) -> torch.Tensor:
         """``[N]`` column of the sums."""
         return self.sums[:, int(c)]
 
@@ -109,7 +113,7 @@ class TokenQuantities:
     rs_high: torch.Tensor | None
     ratio_veto: torch.Tensor | None
     prob_veto: torch.Tensor | None
-    #: float32 0/1 factors of the flags, keyed by :class:`SumCol`, made once and shared by the
+    #: float32 0/1 factors of the flags, keyed by :class:`SequenceSum`, made once and shared by the
     #: per-sequence counts, the weights and the indicator metrics
     flags: dict = field(default_factory=dict)
     #: how the tokens fall into sequences (:class:`megatron_mis.core.segments.SegmentLayout`)
@@ -117,7 +121,7 @@ class TokenQuantities:
     #: the k1 token metric ``rollout - train`` (0 where invalid, saturated at +-3.4e38); ``None``
     #: without metrics
     kl: torch.Tensor | None = None
-    #: reduced columns that are also token metrics, keyed by :class:`SumCol`: ``SUM_W_BEFORE``,
+    #: reduced columns that are also token metrics, keyed by :class:`SequenceSum`: ``SUM_W_BEFORE``,
     #: ``SUM_W_AFTER``, ``SUM_W_HOST`` and ``SUM_ABS_R1`` (which holds ``|r - 1| / 2``, the TV)
     columns: dict = field(default_factory=dict)
 
