@@ -37,7 +37,6 @@ from typing import get_args
 
 import torch
 
-
 from megatron_mis.config.loss import AggregationMode
 from megatron_mis.core.segments import segment_sum as _segment_sum, sequence_ids
 
