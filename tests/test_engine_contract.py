@@ -176,19 +176,19 @@ def test_stages_compile_fullgraph_dynamic_and_agree(name):
     plan = Plan.of(_cfg(**CONFIGS[name]))
     tok = torch.compile(engine._token_stage, fullgraph=True, dynamic=True, backend="eager")
     out = torch.compile(engine._outputs, fullgraph=True, dynamic=True, backend="eager")
-    from megatron_mis.core.segments import sequence_ids
+    from megatron_mis.core.segments import segment_layout
 
     for n, length in ((5, 7), (9, 13)):
         total = n * length
         cu = torch.arange(n + 1) * length
-        sid = sequence_ids(cu, total)
+        lay = segment_layout(cu, total)
         g = torch.Generator().manual_seed(n)
         tr = -torch.rand(total, generator=g)
         ro = tr + 0.2 * torch.randn(total, generator=g)
         m = torch.rand(total, generator=g) > 0.1
-        tokens, sums, mins, maxs = tok(tr, ro, m, sid, n, plan)
+        tokens, sums, mins, maxs = tok(tr, ro, m, lay, plan)
         got = out(tokens, SequenceStatistics(sums, mins, maxs), None, plan)
-        ref_tokens, *ref_stats = engine._token_stage(tr, ro, m, sid, n, plan)
+        ref_tokens, *ref_stats = engine._token_stage(tr, ro, m, lay, plan)
         ref = engine._outputs(ref_tokens, SequenceStatistics(*ref_stats), None, plan)
         assert torch.equal(got["keep"], ref["keep"])
         torch.testing.assert_close(got["weights"], ref["weights"])

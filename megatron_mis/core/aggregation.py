@@ -38,6 +38,7 @@ from typing import get_args
 import torch
 
 from megatron_mis.config.loss import AggregationMode
+from megatron_mis.core.segments import segment_sum as _segment_sum, sequence_ids
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -92,18 +93,17 @@ def _check_cu(cu_seqlens: torch.Tensor, num_tokens: int, what: str = "values") -
 
 
 def segment_ids(cu_seqlens: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """``[T]`` long: the sequence index of every token, from ``cu_seqlens [N+1]``."""
+    """``[T]`` long: the sequence index of every token, from ``cu_seqlens [N+1]`` — the losses'
+    name for :func:`megatron_mis.core.segments.sequence_ids` (one implementation)."""
     cu = cu_seqlens.to(device=device or cu_seqlens.device, dtype=torch.long)
-    lengths = cu[1:] - cu[:-1]
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    return sequence_ids(cu, int(cu[-1]) if cu.numel() else 0)
 
 
 def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[N]``: the sum of ``values [T]`` over each sequence of ``cu_seqlens [N+1]`` (differentiable)."""
+    """``[N]``: the sum of ``values [T]`` over each sequence of ``cu_seqlens [N+1]`` (differentiable;
+    validates ``cu_seqlens``, then :func:`megatron_mis.core.segments.segment_sum`)."""
     _check_cu(cu_seqlens, values.shape[0])
-    num_seq = cu_seqlens.numel() - 1
-    out = values.new_zeros((num_seq,) + tuple(values.shape[1:]))
-    return out.index_add(0, segment_ids(cu_seqlens, values.device), values)
+    return _segment_sum(values, cu_seqlens)
 
 
 def denominator_mask(loss_mask: torch.Tensor, keep_mask: torch.Tensor | None, rejected_in_denominator: bool) -> torch.Tensor:

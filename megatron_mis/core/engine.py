@@ -23,19 +23,28 @@ decision needs only per-sequence sums, counts, minima and maxima. :func:`compute
    sequences;
 3. derives sequence weights, rejections, normalisation and metrics from the reduced statistics.
 
-No step loops over sequences in Python or synchronises with the host: the per-sequence sums are
-one ``index_add_`` of a ``[T, K]`` column block per dtype (float32 counts, float64 sums), the
-extrema one ``scatter_reduce_``; ``cu_seqlens`` given as host data is validated on the host and
-moved with a non-blocking copy. The number of aten ops per call does not depend on ``N``
-(``tests/test_engine_speed_contract.py`` counts them), and the token and sequence stages compile
-with ``torch.compile(fullgraph=True, dynamic=True)`` without a graph break (``compile_engine``).
-The one documented synchronisation is ``nonfinite_policy="error"``, which must read the count
-to raise.
+No step loops over sequences in Python or synchronises with the host: the per-sequence sums,
+minima and maxima, and every expansion of a per-sequence value back to the tokens, go through
+one :class:`~megatron_mis.core.segments.SegmentLayout` per call (contiguous ``[M, C]`` chunk
+reductions, a scatter of the ``M`` chunk results, one gather of ``[2N, C]`` head and tail
+windows); ``cu_seqlens`` given as host data is validated on the host and moved with a
+non-blocking copy. The number of aten ops per call does not depend on ``N``
+(``tests/test_engine_contract.py`` counts them), and the token and sequence stages compile with
+``torch.compile(fullgraph=True, dynamic=True)`` without a graph break (``compile_engine``). The
+one documented synchronisation is ``nonfinite_policy="error"``, which must read the count to
+raise.
+
+Cost on a CPU is dominated by memory: every fresh ``[T]`` buffer costs its page faults, so the
+token stage works in place where it can, turns masks into float32 factors once, reduces a tensor
+that serves two statistics once, frees its temporaries early, and returns batch metrics as
+stride-0 views.
 
 Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 through a series
-near r = 1); per-sequence sums of values are accumulated in float64 from the float32 values
-(the log-ratio sum feeds exp at sequence level; sums of r^2 up to e^160 stay finite), counts in
-float32 (exact below 2^24 tokens per sequence).
+near r = 1). Per-sequence sums add float32 values within chunks of at most ``C`` tokens (torch's
+cascade summation) and the chunk results in float64, accumulating only within the sequence; the
+log-ratio sum that feeds exp at sequence level is the float64 sum of exact float64 differences,
+and r^2 - 1 is float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are
+exact. ``tests/test_engine_contract.py`` checks the values against a float64 computation.
 """
 
 from __future__ import annotations
@@ -50,15 +59,15 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
-from megatron_mis.core.segments import as_cu_seqlens, sequence_ids
+from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, segment_layout
 from megatron_mis.core.statistics import (
     BIG,
     Plan as _Plan,
-    ExtCol,
+    SequenceExtremum,
     SequenceDecisions,
     SequenceStatistics,
     StatsReducer,
-    SumCol,
+    SequenceSum,
     TokenQuantities,
 )
 
@@ -213,24 +222,33 @@ class DeferredCount:
 
 # ===================================================================================== engine
 def _token_stage(
-    train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, plan: _Plan
+    train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, layout: SegmentLayout, plan: _Plan
 ) -> tuple[TokenQuantities, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token quantities and this call's per-sequence partial statistics ``(sums [N, K],
-    mins [N, E], maxs [N, E])``. Pure tensor code, no host synchronisation, compilable."""
+    mins [N, E], maxs [N, E])``. Pure tensor code, no host synchronisation, compilable.
+
+    Cost discipline (CPU and GPU alike are memory-bound here): every ``[T]`` pass counts, so
+    masks become float32 factors once and are multiplied in (every multiplied value is finite:
+    non-finite log-probs are zeroed first), columns shared by two statistics are reduced once,
+    and nothing is stacked into ``[T, K]`` blocks."""
     f32, f64 = torch.float32, torch.float64
-    full_metrics = plan.metrics != "none"
-    bound = plan.bound
-    finite = torch.isfinite(train) & torch.isfinite(rollout)
+    metrics_on = plan.metrics != "none"
+    num_seqs = layout.num_segments
+    # both finite <=> 0 * train + 0 * rollout == 0 (0 * inf and NaN give NaN); one [T] buffer
+    finite = (train * 0.0).add_(rollout, alpha=0.0) == 0.0
     valid = mask & finite
     nonfinite = mask & ~finite
-    zero = torch.zeros_like(train)
-    train_v = torch.where(valid, train, zero)
-    rollout_v = torch.where(valid, rollout, zero)
-    log_r = (train_v - rollout_v).clamp(-bound, bound)  # an fp32 inf difference clamps to the bound
-    r = torch.exp(log_r)
-    k3 = _metrics.k3_from_log_ratio(log_r) if full_metrics else None
+    maskf, validf = mask.to(f32), valid.to(f32)
+    train_v = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
+    rollout_v = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
+    diff = train_v - rollout_v  # float32; a difference beyond the float32 range is +-inf
+    # the log-ratio sum feeds exp() at sequence level: float64 difference of the float32
+    # log-probs (exact, and finite even for log-probs near +-3e38)
+    log_r_64 = train_v.to(f64).sub_(rollout_v)
+    log_r = diff.clamp(-plan.bound, plan.bound)  # 0 where invalid
+    r = torch.exp(log_r)  # 1 where invalid
 
-    tok_rejected = nonfinite if plan.reject_nonfinite else torch.zeros_like(mask)
+    tok_rejected = nonfinite if plan.reject_nonfinite else None
     # Decisions on the ratio see a neutralised (non-finite) loss token as ratio 1 (r is exactly 1
     # there), like any finite ratio-1 token; a rejected one is out anyway.
     w_unb = w_tok = is_low = is_high = None
@@ -244,94 +262,114 @@ def _token_stage(
             w_tok = r.clamp(plan.tis_lo, plan.tis_hi)
         else:  # mask
             outside = is_low | is_high
-            w_tok = torch.where(outside, zero, r)
-            tok_rejected = tok_rejected | outside
+            w_tok = r * (~outside).to(f32)
+            tok_rejected = outside if tok_rejected is None else tok_rejected | outside
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level == "token":
         rs_low = mask & (r < plan.rs_lo)
         rs_high = mask & (r > plan.rs_hi)
-        tok_rejected = tok_rejected | rs_low | rs_high
+        out = rs_low | rs_high
+        tok_rejected = out if tok_rejected is None else tok_rejected | out
 
     ratio_veto = prob_veto = None
     if plan.log_ratio_veto is not None:
-        # raw difference against log(threshold); an fp32 -inf difference of finite values vetoes
-        ratio_veto = valid & ((train_v - rollout_v) < plan.log_ratio_veto)
+        # the float32 difference against log(threshold); -inf (finite values far apart) vetoes
+        ratio_veto = valid & (diff < plan.log_ratio_veto)
     if plan.log_prob_veto is not None:
         source = train if plan.prob_veto_train else rollout
         # -inf log-probs (probability 0) are vetoed too; NaN never compares below.
         prob_veto = mask & (source < plan.log_prob_veto)
 
-    tok_kept = mask & ~tok_rejected
+    # without any token-level rejection the kept tokens are the loss-mask tokens
+    tok_kept = mask if tok_rejected is None else mask & ~tok_rejected
+    keptf = maskf if tok_rejected is None else tok_kept.to(f32)
 
-    # ---- per-sequence partial statistics: one index_add_ per dtype ------------------------
-    counts: list[tuple[SumCol, torch.Tensor]] = [(SumCol.N_MASK, mask), (SumCol.N_VALID, valid), (SumCol.N_TOK_KEPT, tok_kept)]
-    if full_metrics:
-        counts += [(c, v) for c, v in ((SumCol.N_IS_LOW, is_low), (SumCol.N_IS_HIGH, is_high),
-                                       (SumCol.N_RS_LOW, rs_low), (SumCol.N_RS_HIGH, rs_high)) if v is not None]
-    counts += [(c, v) for c, v in ((SumCol.N_RATIO_VETO, ratio_veto), (SumCol.N_PROB_VETO, prob_veto)) if v is not None]
-    count_block = torch.stack([v for _, v in counts], 1).to(f32)  # [T, Kc]
-
-    # float64 sums of float32 values; the log-ratio difference is taken in float64 (finite for
-    # any finite float32 log-probs, even near +-3e38).
-    values: list[tuple[SumCol, torch.Tensor]] = [(SumCol.SUM_LOG_R, train_v.to(f64) - rollout_v.to(f64))]
+    # ---- the columns to reduce per sequence (a tensor shared by two columns is reduced once;
+    # columns that are also token metrics are kept for them) --------------------------------
+    flags: dict[SequenceSum, torch.Tensor] = {SequenceSum.N_MASK: maskf, SequenceSum.N_VALID: validf, SequenceSum.N_TOK_KEPT: keptf}
+    if metrics_on:
+        for c, v in ((SequenceSum.N_IS_LOW, is_low), (SequenceSum.N_IS_HIGH, is_high), (SequenceSum.N_RS_LOW, rs_low), (SequenceSum.N_RS_HIGH, rs_high)):
+            if v is not None:
+                flags[c] = v.to(f32)
+    for c, v in ((SequenceSum.N_RATIO_VETO, ratio_veto), (SequenceSum.N_PROB_VETO, prob_veto)):
+        if v is not None:
+            flags[c] = v.to(f32)
+    columns: dict[SequenceSum, torch.Tensor] = dict(flags)
+    columns[SequenceSum.SUM_LOG_R] = log_r_64
     w_kept = None
     if plan.token_is:
-        w_kept = torch.where(tok_kept, w_tok, zero)
-        values.append((SumCol.SUM_W_KEPT, w_kept))
-    if full_metrics:
-        r_v = torch.where(valid, r, zero)
+        w_kept = w_tok * keptf  # the bounded weight over kept tokens (w_tok is 0 where IS-masked)
+        columns[SequenceSum.SUM_W_KEPT] = w_kept
+    k3 = half_abs_em1 = None
+    if metrics_on:
         # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
-        # r^2 - 1 = (r - 1)(r + 1) in float64: the chi-square from log space, accurate for tiny
-        # mismatches and finite up to log_ratio_bound 80 (e^160)
-        em1 = torch.where(valid, tokens_em1 := torch.expm1(log_r), zero).to(f64)
-        values += [
-            (SumCol.SUM_TRAIN_LP, train_v), (SumCol.SUM_ROLLOUT_LP, rollout_v), (SumCol.SUM_K3, torch.where(valid, k3, zero)),
-            (SumCol.SUM_R, r_v), (SumCol.SUM_R2, em1 * (em1 + 2.0)), (SumCol.SUM_ABS_R1, em1.abs()),
-        ]
+        # r^2 - 1 = (r - 1)(r + 1): the chi-square from log space, accurate for tiny mismatches
+        # (float64 when e^(2 bound) exceeds the float32 range)
+        em1 = torch.expm1(log_r)  # 0 where invalid
+        k3 = _metrics.k3_from_log_ratio(log_r, em1)  # 0 where invalid
+        em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
+        half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
+        columns.update({
+            SequenceSum.SUM_TRAIN_LP: train_v, SequenceSum.SUM_ROLLOUT_LP: rollout_v, SequenceSum.SUM_K3: k3,
+            SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
+        })
+        del em1, em1_r2
+        r_v = r * validf
+        columns[SequenceSum.SUM_R] = r_v
         if plan.token_is:
+            w_after = w_kept if keptf is maskf else w_tok * maskf  # over loss-mask tokens
+            columns[SequenceSum.SUM_W_BEFORE] = r_v  # the unbounded token weight is r
+            columns[SequenceSum.SUM_W_AFTER] = w_after
             # the hosts' after-bound weight: bounded (truncate / clip), the raw ratio in mask mode
-            w_host = r if plan.tis_mode == "mask" else w_tok
-            values += [
-                (SumCol.SUM_W_BEFORE, torch.where(valid, w_unb, zero)),
-                (SumCol.SUM_W_AFTER, torch.where(mask, w_tok, zero)),
-                (SumCol.SUM_W_HOST, torch.where(mask, w_host, zero)),
-            ]
-    value_block = torch.stack([v.to(f64) for _, v in values], 1)  # [T, Kv]
-
-    device = train.device
-    count_sums = torch.zeros(num_seqs, len(counts), dtype=f32, device=device).index_add_(0, seq_ids, count_block)
-    value_sums = torch.zeros(num_seqs, len(values), dtype=f64, device=device).index_add_(0, seq_ids, value_block)
-    sums = torch.zeros(num_seqs, len(SumCol), dtype=f64, device=device)
-    sums[:, [int(c) for c, _ in counts]] = count_sums.to(f64)
-    sums[:, [int(c) for c, _ in values]] = value_sums
+            columns[SequenceSum.SUM_W_HOST] = r * maskf if plan.tis_mode == "mask" else w_after
+    order: list[SequenceSum] = []
+    unique: list[torch.Tensor] = []
+    position: dict[int, int] = {}
+    slots: list[int] = []
+    for c, v in columns.items():
+        if id(v) not in position:
+            position[id(v)] = len(unique)
+            unique.append(v)
+        order.append(c)
+        slots.append(position[id(v)])
+    reduced = layout.sums(unique)  # [N, U] float64
+    del unique, log_r_64
+    sums = torch.zeros(num_seqs, len(SequenceSum), dtype=f64, device=train.device)
+    sums[:, [int(c) for c in order]] = reduced[:, slots]
+    sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
-    sums[:, SumCol.N_NONFINITE] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_VALID]
-    sums[:, SumCol.N_TOK_REJECTED] = sums[:, SumCol.N_MASK] - sums[:, SumCol.N_TOK_KEPT]
+    sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
+    sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]
 
-    # ---- per-sequence extrema (token-level IS metrics only): one scatter_reduce_ ----------
-    mins = torch.full((num_seqs, len(ExtCol)), BIG, dtype=f64, device=device)
-    maxs = torch.full((num_seqs, len(ExtCol)), -BIG, dtype=f64, device=device)
-    if plan.token_is and full_metrics:
+    # ---- per-sequence extrema (token-level IS metrics only) --------------------------------
+    if plan.token_is and metrics_on:
         big = 3e38
-        ext = torch.stack([
-            torch.where(valid, log_r, big), torch.where(tok_kept, w_tok, big),
-            torch.where(valid, -log_r, big), torch.where(tok_kept, -w_tok, big),
-        ], 1)  # [T, 4]: minima of (log r, w) and of their negatives (= -maxima)
-        red = torch.full((num_seqs, 4), big, dtype=f32, device=device)
-        red = red.scatter_reduce_(0, seq_ids.unsqueeze(1).expand(-1, 4), ext, "amin", include_self=True).to(f64)
-        empty = red >= big
-        mins = torch.where(empty[:, :2], BIG, red[:, :2])
-        maxs = torch.where(empty[:, 2:], -BIG, -red[:, 2:])
+        low = layout.mins([torch.where(valid, log_r, big), torch.where(tok_kept, w_tok, big)], big)
+        high = layout.maxs([torch.where(valid, log_r, -big), torch.where(tok_kept, w_tok, -big)], -big)
+        low, high = low.to(f64), high.to(f64)
+        mins = torch.where(low >= big, BIG, low)
+        maxs = torch.where(high <= -big, -BIG, high)
+    else:
+        mins = torch.full((num_seqs, len(SequenceExtremum)), BIG, dtype=f64, device=train.device)
+        maxs = torch.full((num_seqs, len(SequenceExtremum)), -BIG, dtype=f64, device=train.device)
 
-    flags = {c: count_block[:, i] for i, (c, _) in enumerate(counts)}
+    token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST, SequenceSum.SUM_ABS_R1) if c in columns}
+    # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
+    kl = diff.neg_().clamp_(-_F32_MAX, _F32_MAX) if metrics_on else None
     tokens = TokenQuantities(
-        seq_ids=seq_ids, mask=mask, valid=valid, nonfinite=nonfinite, train=train_v, rollout=rollout_v,
+        mask=mask, valid=valid, nonfinite=nonfinite, train=train, rollout=rollout,
         log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
-        flags=flags, r_minus_1=tokens_em1 if full_metrics else None,
+        flags=flags, layout=layout, kl=kl, columns=token_columns,
     )
     return tokens, sums, mins, maxs
+
+
+#: Largest log-ratio bound whose r^2 = e^(2 bound) stays inside the float32 range (e^88.7).
+_F32_SAFE_BOUND = 44.0
+#: Largest float32.
+_F32_MAX = 3.4028234663852886e38
 
 
 def _bound(w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -347,10 +385,10 @@ def _bound(w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions:
     bound = plan.bound
-    n_mask = stats.col(SumCol.N_MASK)
-    n_valid = stats.col(SumCol.N_VALID)
+    n_mask = stats.col(SequenceSum.N_MASK)
+    n_valid = stats.col(SequenceSum.N_VALID)
     has_valid = n_valid > 0
-    log_sum = stats.col(SumCol.SUM_LOG_R)
+    log_sum = stats.col(SequenceSum.SUM_LOG_R)
     level_log_r = {
         "sequence": log_sum.clamp(-bound, bound),
         "geometric": (log_sum / n_valid.clamp_min(1)).clamp(-bound, bound),
@@ -372,10 +410,10 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
         rs_high = has_valid & (rs_ratio > plan.rs_hi)
         rejected = rejected | rs_low | rs_high
 
-    ratio_vetoed = stats.col(SumCol.N_RATIO_VETO) > 0
-    prob_vetoed = stats.col(SumCol.N_PROB_VETO) > 0
+    ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0
+    prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0
     rejected = rejected | ratio_vetoed | prob_vetoed
-    kept = ~rejected & (stats.col(SumCol.N_TOK_KEPT) > 0)
+    kept = ~rejected & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
     return SequenceDecisions(
         n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
@@ -386,14 +424,14 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
 def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Plan) -> NormalizationStatistics:
     if plan.token_is:
         alive = (~seqs.rejected).to(torch.float64)
-        weight_sum = (stats.col(SumCol.SUM_W_KEPT) * alive).sum()
-        count = (stats.col(SumCol.N_TOK_KEPT) * alive).sum()
+        weight_sum = (stats.col(SequenceSum.SUM_W_KEPT) * alive).sum()
+        count = (stats.col(SequenceSum.N_TOK_KEPT) * alive).sum()
     elif plan.use_tis:
         keptf = seqs.kept.to(torch.float64)
         weight_sum = (seqs.w_seq * keptf).sum()
         count = keptf.sum()
     else:
-        count = (stats.col(SumCol.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
+        count = (stats.col(SequenceSum.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
         weight_sum = count.clone()
     return NormalizationStatistics(weight_sum, count)
 
@@ -413,23 +451,26 @@ def _outputs(
     else:
         norm = normalizer
     f32 = torch.float32
-    sid = tokens.seq_ids
-    keep = tokens.tok_kept & ~seqs.rejected.index_select(0, sid)
+    layout = tokens.layout
+    alive = ~seqs.rejected
+    keep = tokens.tok_kept & layout.expand(alive)
+    keepf = keep.to(f32)
     norm32 = norm.to(f32)
-    zero = torch.zeros_like(tokens.r)
+    # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
     if plan.token_is:
-        weights = torch.where(keep, tokens.w_tok / norm32, zero)
+        weights = (tokens.w_tok * keepf) / norm32
     elif plan.use_tis:
-        weights = torch.where(keep, (seqs.w_seq / norm).to(f32).index_select(0, sid), zero)
+        seq_w = torch.where(alive, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
+        weights = layout.expand(seq_w).mul_(tokens.flags[SequenceSum.N_TOK_KEPT])
     else:
-        weights = keep.to(f32)
+        weights = keepf
 
     if plan.use_tis and plan.tis_level != "token":
         seq_weights = torch.where(seqs.kept, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
     else:
-        kept_count = stats.col(SumCol.N_TOK_KEPT)
+        kept_count = stats.col(SequenceSum.N_TOK_KEPT)
         if plan.use_tis:
-            seq_mean = stats.col(SumCol.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
+            seq_mean = stats.col(SequenceSum.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
         else:
             seq_mean = torch.ones_like(kept_count)
         seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
@@ -438,11 +479,11 @@ def _outputs(
         token_metrics: dict[str, torch.Tensor] = {}
         summary: dict[str, torch.Tensor] = {}
     else:
-        token_metrics, summary = _metrics.build_metrics(tokens, stats, seqs, plan, norm, keep)
+        token_metrics, summary = _metrics.build_metrics(tokens, stats, seqs, plan, norm, keepf)
     return dict(
         seqs=seqs, norm_stats=norm_stats, normalizer=norm32, weights=weights, keep=keep, seq_weights=seq_weights,
         token_metrics=token_metrics, summary=summary,
-        num_nonfinite=stats.col(SumCol.N_NONFINITE).sum().to(torch.int64),
+        num_nonfinite=stats.col(SequenceSum.N_NONFINITE).sum().to(torch.int64),
     )
 
 
@@ -504,14 +545,14 @@ def _check_config(config: Any) -> MISConfig:
     return config
 
 
-def _raise_nonfinite(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> None:
+def _raise_nonfinite(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     # The one documented host synchronisation: raising needs to know.
     bad = (mask & ~(torch.isfinite(train) & torch.isfinite(rollout))).nonzero()
     if bad.numel():
         first = int(bad[0, 0])
         raise ValueError(
             f"{bad.shape[0]} loss-mask token(s) have NaN or inf log-probs (first at flat index {first}, "
-            f"sequence {int(seq_ids[first])}: train={float(train[first])}, rollout={float(rollout[first])}); "
+            f"sequence {int(torch.searchsorted(cu_seqlens, bad[0, 0], right=True)) - 1}: train={float(train[first])}, rollout={float(rollout[first])}); "
             "nonfinite_policy='error' (use 'neutralize' or 'reject' to continue)"
         )
 
@@ -520,12 +561,11 @@ def _run_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, confi
     config = _check_config(config)
     plan = _Plan.of(config)
     train, rollout, mask, cu, num_tokens = _prepare(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
-    num_seqs = int(cu.shape[0]) - 1
-    seq_ids = sequence_ids(cu, num_tokens)
+    layout = segment_layout(cu, num_tokens)
     if config.nonfinite_policy == "error" and check_nonfinite:
-        _raise_nonfinite(train, rollout, mask, seq_ids)
+        _raise_nonfinite(train, rollout, mask, cu)
     token_stage, outputs = _stage_functions(bool(getattr(config, "compile_engine", False)) and num_tokens > 0)
-    tokens, sums, mins, maxs = token_stage(train, rollout, mask, seq_ids, num_seqs, plan)
+    tokens, sums, mins, maxs = token_stage(train, rollout, mask, layout, plan)
     stats = SequenceStatistics(sums, mins, maxs)
     if reduce_stats is not None:
         stats = reduce_stats(stats)

@@ -25,10 +25,12 @@ definition of Miles' bundled ``mis.py`` example (docs/metrics.md). Added here: `
 ``mis_weight_after_bound_kept`` and ``mis_kept_weight_{mean,min,max}_final`` (our definitions of
 what the hosts' names measure differently).
 
-Cost: token metrics are one pass each; every sequence and batch metric is expanded to ``[T]`` by
-ONE ``index_select`` of an ``[S, N]`` block (each metric a contiguous row of the ``[S, T]``
-result). Values that do not fit float32 (chi-square at ``log_ratio_bound`` 80, KL of log-probs
-near +-3e38) saturate at +-3.4e38 in the ``[T]`` tensors; the float64 summaries stay exact.
+Cost: token metrics are one pass each, and reuse the ``[T]`` columns the per-sequence statistics
+were reduced from; every sequence metric is expanded to ``[T]`` in one
+:meth:`~megatron_mis.core.segments.SegmentLayout.expand` of an ``[S, N]`` block (each metric a
+contiguous row of the ``[S, T]`` result); batch metrics are stride-0 views of one value. Values
+that do not fit float32 (chi-square at ``log_ratio_bound`` 80, KL of log-probs near +-3e38)
+saturate at +-3.4e38 in the ``[T]`` tensors; the float64 summaries stay exact.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_mis.core.statistics import ExtCol, Plan, SequenceDecisions, SequenceStatistics, SumCol, TokenQuantities
+from megatron_mis.core.statistics import SequenceExtremum, Plan, SequenceDecisions, SequenceStatistics, SequenceSum, TokenQuantities
 
 
 __all__ = ["k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_edges", "METRIC_DOCS", "HOST_METRIC_NAMES"]
@@ -124,18 +126,19 @@ METRIC_DOCS: dict[str, str] = {
 
 
 
-def k3_from_log_ratio(x: torch.Tensor) -> torch.Tensor:
+def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> torch.Tensor:
     """``exp(x) - 1 - x`` to float32 relative accuracy: a Taylor series for ``|x| < 0.5`` (the
     literal form cancels catastrophically near 0: ``r - 1`` rounds to the float32 grid, a floor of
-    ~6e-8 under a true value of ~1e-13), ``expm1(x) - x`` elsewhere. Truncation error of the
-    series at ``|x| = 0.5``: ``x^8/8! / (x^2/2) < 1e-7``."""
-    p = x * (1.0 / 5040.0) + (1.0 / 720.0)
-    p = p * x + (1.0 / 120.0)
-    p = p * x + (1.0 / 24.0)
-    p = p * x + (1.0 / 6.0)
-    p = p * x + 0.5
-    series = x * x * p
-    return torch.where(x.abs() < 0.5, series, torch.expm1(x) - x)
+    ~6e-8 under a true value of ~1e-13), ``expm1(x) - x`` elsewhere (``expm1_x`` if the caller
+    has it). Truncation error of the series at ``|x| = 0.5``: ``x^8/8! / (x^2/2) < 1e-7``.
+    Evaluated in place in two ``[T]`` buffers (allocation is a large share of the cost on CPU)."""
+    p = x * (1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5):
+        p.add_(c).mul_(x)
+    p.mul_(x)  # x^2 (1/2 + x/6 + ...)
+    direct = torch.expm1(x) if expm1_x is None else expm1_x.clone()
+    direct.sub_(x)
+    return torch.where(x.abs() < 0.5, p, direct)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -182,12 +185,14 @@ def build_metrics(
     seqs: SequenceDecisions,
     plan: Plan,
     normalizer: torch.Tensor,
-    keep: torch.Tensor,
+    keepf: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Token-aligned ``[T]`` float32 metrics and 0-dim float64 batch summaries (see module
     docstring). Pure tensor code (compilable); the op count does not depend on ``N``."""
     f32, f64 = torch.float32, torch.float64
-    sid = tokens.seq_ids
+    layout = tokens.layout
+    num_tokens = layout.num_tokens
+    columns = tokens.columns
     col = stats.col
     n_mask, n_valid = seqs.n_mask, seqs.n_valid
     has_mask = n_mask > 0
@@ -212,34 +217,35 @@ def build_metrics(
 
     def batch(name: str, value: torch.Tensor) -> None:
         value = value.to(f64).reshape(())
-        per_seq.append((name, value.expand(n_mask.shape[0])))
+        # one value for every token: a stride-0 view, no [T] buffer
+        token_metrics[name] = _f32(value).expand(num_tokens)
         summary[name] = value
 
-    def indicator(name: str, flags: torch.Tensor, count: SumCol) -> None:
+    def indicator(name: str, flags: torch.Tensor, count: SequenceSum) -> None:
         tok(name, tokens.flags.get(count, flags), col(count).sum())
 
     # ---- mismatch metrics (always) -------------------------------------------------------
-    train_mean = _safe_div(col(SumCol.SUM_TRAIN_LP), n_valid)
-    rollout_mean = _safe_div(col(SumCol.SUM_ROLLOUT_LP), n_valid)
+    train_mean = _safe_div(col(SequenceSum.SUM_TRAIN_LP), n_valid)
+    rollout_mean = _safe_div(col(SequenceSum.SUM_ROLLOUT_LP), n_valid)
     seq("mis_training_log_ppl", -train_mean)
     seq("mis_training_ppl", _exp(-train_mean))
     seq("mis_rollout_log_ppl", -rollout_mean)
     seq("mis_rollout_ppl", _exp(-rollout_mean))
     # k1 per token: rollout - train (0 where invalid); float32 overflow of extreme log-probs saturates
-    tok("mis_kl", (tokens.rollout - tokens.train).clamp(-_F32_MAX, _F32_MAX), -col(SumCol.SUM_LOG_R).sum())
-    validf = tokens.flags[SumCol.N_VALID]
-    tok("mis_k3_kl", tokens.k3 * validf, col(SumCol.SUM_K3).sum())
-    diff = rollout_mean - train_mean
+    tok("mis_kl", tokens.kl, -col(SequenceSum.SUM_LOG_R).sum())  # rollout - train, 0 where invalid
+    tok("mis_k3_kl", tokens.k3, col(SequenceSum.SUM_K3).sum())  # k3 is 0 where invalid (log r = 0)
+    # the exact float64 log-ratio sum, not the difference of two rounded means (they cancel)
+    diff = -_safe_div(col(SequenceSum.SUM_LOG_R), n_valid)
     seq("mis_log_ppl_diff", diff)
     seq("mis_log_ppl_abs_diff", diff.abs())
     seq("mis_ppl_ratio", _exp(diff))
-    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SumCol.SUM_R2), n_valid), torch.zeros_like(n_valid)))
+    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SequenceSum.SUM_R2), n_valid), torch.zeros_like(n_valid)))
     seq_log = seqs.level_log_r["sequence"]
     # float64: exp(2 * 80) is finite there
     seq("mis_chi2_seq", torch.where(n_valid > 0, torch.expm1(2.0 * seq_log), torch.zeros_like(n_valid)))
-    tok("mis_tv", 0.5 * tokens.r_minus_1.abs() * validf, 0.5 * col(SumCol.SUM_ABS_R1).sum())
+    tok("mis_tv", columns[SequenceSum.SUM_ABS_R1], 0.5 * col(SequenceSum.SUM_ABS_R1).sum())  # |r - 1| / 2, 0 where invalid
     nv = n_valid.sum()
-    sum_r, sum_r2 = col(SumCol.SUM_R).sum(), col(SumCol.SUM_R2).sum() + nv
+    sum_r, sum_r2 = col(SequenceSum.SUM_R).sum(), col(SequenceSum.SUM_R2).sum() + nv
     batch("mis_ess_token", torch.where(nv > 0, _safe_div(sum_r.square(), nv * sum_r2), torch.ones_like(nv)))
     has_valid = (n_valid > 0).to(f64)
     w_seq_raw = torch.exp(seq_log) * has_valid  # float64: e^80 squared stays finite
@@ -248,7 +254,7 @@ def build_metrics(
         "mis_ess_seq",
         torch.where(nsv > 0, _safe_div(w_seq_raw.sum().square(), nsv * w_seq_raw.square().sum()), torch.ones_like(nsv)),
     )
-    indicator("mis_nonfinite_token_fraction", tokens.nonfinite, SumCol.N_NONFINITE)
+    indicator("mis_nonfinite_token_fraction", tokens.nonfinite, SequenceSum.N_NONFINITE)
 
     # ---- importance sampling (the hosts emit these only with use_tis) --------------------------
     if plan.use_tis:
@@ -258,17 +264,16 @@ def build_metrics(
             "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
         }[plan.tis_mode]
         if plan.tis_level == "token":
-            tok("mis_tis_weight_before_bound", tokens.w_tok_unbounded * validf, col(SumCol.SUM_W_BEFORE).sum())
-            maskf = tokens.flags[SumCol.N_MASK]
-            host_after = (tokens.r if plan.tis_mode == "mask" else tokens.w_tok) * maskf
-            tok("mis_tis_weight_after_bound", host_after, col(SumCol.SUM_W_HOST).sum())
+            tok("mis_tis_weight_before_bound", columns[SequenceSum.SUM_W_BEFORE], col(SequenceSum.SUM_W_BEFORE).sum())
+            host_after = columns[SequenceSum.SUM_W_HOST]
+            tok("mis_tis_weight_after_bound", host_after, col(SequenceSum.SUM_W_HOST).sum())
             token_metrics["mis_is_ratio_mean_after_tis_rs"] = host_after
             summary["mis_is_ratio_mean_after_tis_rs"] = summary["mis_tis_weight_after_bound"]
             if full:
-                tok("mis_weight_after_bound_kept", tokens.w_tok * maskf, col(SumCol.SUM_W_AFTER).sum())
+                tok("mis_weight_after_bound_kept", columns[SequenceSum.SUM_W_AFTER], col(SequenceSum.SUM_W_AFTER).sum())
             if frac_names[0]:
-                indicator(frac_names[0], tokens.is_low, SumCol.N_IS_LOW)
-            indicator(frac_names[1], tokens.is_high, SumCol.N_IS_HIGH)
+                indicator(frac_names[0], tokens.is_low, SequenceSum.N_IS_LOW)
+            indicator(frac_names[1], tokens.is_high, SequenceSum.N_IS_HIGH)
         else:
             seq("mis_tis_weight_before_bound", seqs.w_seq_unbounded)
             host_after = seqs.w_seq_unbounded if plan.tis_mode == "mask" else seqs.w_seq
@@ -285,20 +290,20 @@ def build_metrics(
     # ---- rejection sampling and veto -----------------------------------------------------
     if plan.use_rs:
         if plan.rs_level == "token":
-            indicator("mis_rs_mask_fraction_low", tokens.rs_low, SumCol.N_RS_LOW)
-            indicator("mis_rs_mask_fraction_high", tokens.rs_high, SumCol.N_RS_HIGH)
+            indicator("mis_rs_mask_fraction_low", tokens.rs_low, SequenceSum.N_RS_LOW)
+            indicator("mis_rs_mask_fraction_high", tokens.rs_high, SequenceSum.N_RS_HIGH)
         else:
             seq("mis_rs_mask_fraction_low", seqs.rs_low)
             seq("mis_rs_mask_fraction_high", seqs.rs_high)
     if plan.log_ratio_veto is not None:
-        indicator("mis_rs_catastrophic_token_fraction", tokens.ratio_veto, SumCol.N_RATIO_VETO)
+        indicator("mis_rs_catastrophic_token_fraction", tokens.ratio_veto, SequenceSum.N_RATIO_VETO)
         seq("mis_rs_catastrophic_seq_fraction", seqs.ratio_vetoed)
     if plan.log_prob_veto is not None:
-        indicator("mis_prob_veto_token_fraction", tokens.prob_veto, SumCol.N_PROB_VETO)
+        indicator("mis_prob_veto_token_fraction", tokens.prob_veto, SequenceSum.N_PROB_VETO)
         seq("mis_prob_veto_seq_fraction", seqs.prob_vetoed)
 
-    rejected_tok = tokens.mask & ~keep
-    n_rej = torch.where(seqs.rejected, n_mask, col(SumCol.N_TOK_REJECTED))
+    rejected_tok = tokens.flags[SequenceSum.N_MASK] - keepf  # 1 at loss-mask tokens not kept
+    n_rej = torch.where(seqs.rejected, n_mask, col(SequenceSum.N_TOK_REJECTED))
     tok("mis_rejected_token_fraction", rejected_tok, n_rej.sum())
     seq("mis_rejected_seq_fraction", has_mask & ~seqs.kept)
 
@@ -309,13 +314,13 @@ def build_metrics(
         zeros = torch.zeros_like(n_mask)
         # the hosts' definition: over ALL loss-mask tokens of the after-bound weight / normaliser
         if plan.tis_level == "token":
-            mean_host = _safe_div(col(SumCol.SUM_W_HOST), n_mask) / normalizer
-            lo_r = torch.exp(stats.mins[:, ExtCol.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
-            hi_r = torch.exp(stats.maxs[:, ExtCol.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
+            mean_host = _safe_div(col(SequenceSum.SUM_W_HOST), n_mask) / normalizer
+            lo_r = torch.exp(stats.mins[:, SequenceExtremum.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
+            hi_r = torch.exp(stats.maxs[:, SequenceExtremum.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
             if plan.tis_mode != "mask":  # truncate / clip are monotone in r
                 lo_r, hi_r = _bound_values(lo_r, plan), _bound_values(hi_r, plan)
             has_v = n_valid > 0
-            has_nf = col(SumCol.N_NONFINITE) > 0  # neutralised tokens: ratio 1
+            has_nf = col(SequenceSum.N_NONFINITE) > 0  # neutralised tokens: ratio 1
             one = _bound_values(torch.ones_like(n_mask), plan) if plan.tis_mode != "mask" else torch.ones_like(n_mask)
             lo_r = torch.where(has_v, torch.where(has_nf, torch.minimum(lo_r, one), lo_r), one)
             hi_r = torch.where(has_v, torch.where(has_nf, torch.maximum(hi_r, one), hi_r), one)
@@ -329,20 +334,19 @@ def build_metrics(
         seq("mis_is_ratio_max_final", max_host)
         if full:
             if plan.tis_level == "token":
-                n_kept = col(SumCol.N_TOK_KEPT)
-                mean_final = torch.where(kept, _safe_div(col(SumCol.SUM_W_KEPT), n_kept) / normalizer, zeros)
-                min_final = torch.where(kept, stats.mins[:, ExtCol.W_KEPT] / normalizer, zeros)
-                max_final = torch.where(kept, stats.maxs[:, ExtCol.W_KEPT] / normalizer, zeros)
+                n_kept = col(SequenceSum.N_TOK_KEPT)
+                mean_final = torch.where(kept, _safe_div(col(SequenceSum.SUM_W_KEPT), n_kept) / normalizer, zeros)
+                min_final = torch.where(kept, stats.mins[:, SequenceExtremum.W_KEPT] / normalizer, zeros)
+                max_final = torch.where(kept, stats.maxs[:, SequenceExtremum.W_KEPT] / normalizer, zeros)
             else:
                 mean_final = min_final = max_final = torch.where(kept, seqs.w_seq / normalizer, zeros)
             seq("mis_kept_weight_mean_final", mean_final)
             seq("mis_kept_weight_min_final", min_final)
             seq("mis_kept_weight_max_final", max_final)
 
-    # ---- every sequence / batch metric expanded to [T] by one index_select ----------------
+    # ---- every sequence metric expanded to [T] together: rows of one [S, T] block ---------
     if per_seq:
-        block = _f32(torch.stack([v for _, v in per_seq], 0))  # [S, N]
-        expanded = block.index_select(1, sid)  # [S, T], each row contiguous
+        expanded = layout.expand(_f32(torch.stack([v for _, v in per_seq], 0)))  # [S, N] -> [S, T]
         for i, (name, _) in enumerate(per_seq):
             token_metrics[name] = expanded[i]
 
@@ -350,7 +354,7 @@ def build_metrics(
     summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)
     summary["num_loss_tokens"] = total_mask
     alive = (~seqs.rejected).to(f64)
-    summary["num_kept_tokens"] = (col(SumCol.N_TOK_KEPT) * alive).sum()
+    summary["num_kept_tokens"] = (col(SequenceSum.N_TOK_KEPT) * alive).sum()
     summary["num_kept_sequences"] = keptf.sum()
     if plan.use_tis:
         big = torch.full((), 1e30, dtype=f64, device=n_mask.device)
@@ -364,18 +368,18 @@ def build_metrics(
 
         if plan.tis_level == "token":
             any_valid = nv > 0
-            summary["mis_weight_before_bound_mean"] = _safe_div(col(SumCol.SUM_W_BEFORE).sum(), nv)
+            summary["mis_weight_before_bound_mean"] = _safe_div(col(SequenceSum.SUM_W_BEFORE).sum(), nv)
             everywhere = torch.ones_like(has_mask)
-            min_lr = amin(stats.mins[:, ExtCol.LOG_R], everywhere)
-            max_lr = amax(stats.maxs[:, ExtCol.LOG_R], everywhere)
+            min_lr = amin(stats.mins[:, SequenceExtremum.LOG_R], everywhere)
+            max_lr = amax(stats.maxs[:, SequenceExtremum.LOG_R], everywhere)
             summary["mis_weight_before_bound_min"] = torch.where(any_valid, torch.exp(min_lr.clamp(-_EXP_CAP, _EXP_CAP)), zero0)
             summary["mis_weight_before_bound_max"] = torch.where(any_valid, torch.exp(max_lr.clamp(-_EXP_CAP, _EXP_CAP)), zero0)
-            n_alive = (col(SumCol.N_TOK_KEPT) * alive).sum()
+            n_alive = (col(SequenceSum.N_TOK_KEPT) * alive).sum()
             any_kept = n_alive > 0
             alive_b = alive > 0
-            summary["mis_weight_after_bound_mean"] = _safe_div((col(SumCol.SUM_W_KEPT) * alive).sum(), n_alive)
-            summary["mis_weight_after_bound_min"] = torch.where(any_kept, amin(stats.mins[:, ExtCol.W_KEPT], alive_b), zero0)
-            summary["mis_weight_after_bound_max"] = torch.where(any_kept, amax(stats.maxs[:, ExtCol.W_KEPT], alive_b), zero0)
+            summary["mis_weight_after_bound_mean"] = _safe_div((col(SequenceSum.SUM_W_KEPT) * alive).sum(), n_alive)
+            summary["mis_weight_after_bound_min"] = torch.where(any_kept, amin(stats.mins[:, SequenceExtremum.W_KEPT], alive_b), zero0)
+            summary["mis_weight_after_bound_max"] = torch.where(any_kept, amax(stats.maxs[:, SequenceExtremum.W_KEPT], alive_b), zero0)
         else:
             hv = n_valid > 0
             any_valid = hv.any()

@@ -10,16 +10,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from megatron_mis.config.mis import MISConfig
 
-__all__ = ["Plan", "SumCol", "ExtCol", "SequenceStatistics", "StatsReducer", "TokenQuantities", "SequenceDecisions", "BIG"]
+__all__ = ["Plan", "SequenceSum", "SequenceExtremum", "SumCol", "ExtCol", "SequenceStatistics", "StatsReducer", "TokenQuantities", "SequenceDecisions", "BIG"]
 
 
-class SumCol(IntEnum):
+class SequenceSum(IntEnum):
     """Columns of :attr:`SequenceStatistics.sums` (per-sequence sums over the held tokens)."""
 
     N_MASK = 0  # loss-mask tokens
@@ -46,12 +46,16 @@ class SumCol(IntEnum):
     SUM_W_HOST = 21  # token-level IS: the hosts' after-bound weight over loss-mask tokens (raw in mask mode)
 
 
-class ExtCol(IntEnum):
+class SequenceExtremum(IntEnum):
     """Columns of :attr:`SequenceStatistics.mins` / ``maxs``."""
 
     LOG_R = 0  # clamped token log r over valid tokens
     W_KEPT = 1  # token-level IS: bounded weight over token-kept tokens
 
+
+#: Former names of :class:`SequenceSum` and :class:`SequenceExtremum`.
+SumCol = SequenceSum
+ExtCol = SequenceExtremum
 
 #: fill for empty minima / maxima (finite, so sums of fills never make NaN)
 BIG = 1e30
@@ -63,16 +67,16 @@ class SequenceStatistics:
     context-parallel ranks.
 
     Attributes:
-        sums: ``[N, len(SumCol)]`` float64 — summed across ranks.
-        mins: ``[N, len(ExtCol)]`` float64 — minimum across ranks (``+1e30`` where empty).
-        maxs: ``[N, len(ExtCol)]`` float64 — maximum across ranks (``-1e30`` where empty).
+        sums: ``[N, len(SequenceSum)]`` float64 — summed across ranks.
+        mins: ``[N, len(SequenceExtremum)]`` float64 — minimum across ranks (``+1e30`` where empty).
+        maxs: ``[N, len(SequenceExtremum)]`` float64 — maximum across ranks (``-1e30`` where empty).
     """
 
     sums: torch.Tensor
     mins: torch.Tensor
     maxs: torch.Tensor
 
-    def col(self, c: SumCol) -> torch.Tensor:
+    def col(self, c: SequenceSum) -> torch.Tensor:
         """``[N]`` column of the sums."""
         return self.sums[:, int(c)]
 
@@ -89,17 +93,17 @@ StatsReducer = Callable[[SequenceStatistics], SequenceStatistics]
 @dataclass
 class TokenQuantities:
     """Per-token quantities of one call, ``[T]`` each (``None`` where the configuration does not
-    need them)."""
+    need them). Only what the outputs, the metrics and the lazy bucket table read is kept, so
+    the call's temporaries are freed (and their memory reused) as early as possible."""
 
-    seq_ids: torch.Tensor  # int64
     mask: torch.Tensor  # bool
     valid: torch.Tensor  # bool
     nonfinite: torch.Tensor  # bool
-    train: torch.Tensor  # float32, 0 where invalid
+    train: torch.Tensor  # float32 as given (NaN / inf where given; read where ``valid``)
     rollout: torch.Tensor
     log_r: torch.Tensor  # clamped, 0 where invalid
     r: torch.Tensor
-    k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1)
+    k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1), 0 where invalid
     tok_kept: torch.Tensor  # bool
     w_tok_unbounded: torch.Tensor | None  # token-level IS only
     w_tok: torch.Tensor | None  # bounded (0 where IS-masked)
@@ -109,11 +113,17 @@ class TokenQuantities:
     rs_high: torch.Tensor | None
     ratio_veto: torch.Tensor | None
     prob_veto: torch.Tensor | None
-    #: float32 copies of the 0/1 flags, keyed by :class:`SumCol`, made once and shared by the
-    #: per-sequence counts and the indicator metrics
+    #: float32 0/1 factors of the flags, keyed by :class:`SequenceSum`, made once and shared by the
+    #: per-sequence counts, the weights and the indicator metrics
     flags: dict = field(default_factory=dict)
-    #: ``expm1(log r)`` (0 where invalid), float32 to relative accuracy; ``None`` without metrics
-    r_minus_1: torch.Tensor | None = None
+    #: how the tokens fall into sequences (:class:`megatron_mis.core.segments.SegmentLayout`)
+    layout: Any = None
+    #: the k1 token metric ``rollout - train`` (0 where invalid, saturated at +-3.4e38); ``None``
+    #: without metrics
+    kl: torch.Tensor | None = None
+    #: reduced columns that are also token metrics, keyed by :class:`SequenceSum`: ``SUM_W_BEFORE``,
+    #: ``SUM_W_AFTER``, ``SUM_W_HOST`` and ``SUM_ABS_R1`` (which holds ``|r - 1| / 2``, the TV)
+    columns: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -192,7 +192,7 @@ class CPInputs:
         if self.layout not in ("thd", "bshd", "allgather"):
             raise ValueError(f"cp_layout / layout={self.layout!r} is not supported; valid: 'thd', 'bshd', 'allgather'")
         validate_lengths(total, resp)
-        got = [t.shape[0] if t.dim() == 1 else -1 for t in rollout_list]
+        got = _lengths_1d(rollout_list)
         if cp.size == 1:
             lay, expected, index = None, resp, None
         else:
@@ -212,16 +212,15 @@ class CPInputs:
                         f"(total_length={total[i]}, response_length={resp[i]})",
                     )
         if train_list is not None:
-            got_t = [t.shape for t in train_list]
-            shapes = [t.shape for t in rollout_list]
-            if got_t != shapes:
+            got_t = _lengths_1d(train_list)
+            if got_t != got:
                 for i in range(n):
-                    if got_t[i] != shapes[i]:
+                    if got_t[i] != got[i]:
                         raise _PieceError(
                             i, int(train_list[i].numel()), got[i],
                             f"sequence {i}: train_log_probs has {train_list[i].numel()} values, rollout_log_probs {got[i]}",
                         )
-        mask_lengths = [m.shape[0] if m.dim() == 1 else -1 for m in masks]
+        mask_lengths = _lengths_1d(masks)
         if mask_lengths != resp:
             for i in range(n):
                 if mask_lengths[i] != resp[i]:
@@ -251,15 +250,21 @@ class _PieceError(ValueError):
         self.seq, self.got, self.expected = seq, got, expected
 
 
+def _lengths_1d(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The length of each tensor, ``-1`` for one that is not 1-D (C-level ``map`` over the list:
+    no per-sequence Python bytecode on the hot path)."""
+    if all(d == 1 for d in set(map(torch.Tensor.dim, tensors))):
+        return list(map(len, tensors))
+    return [len(t) if t.dim() == 1 else -1 for t in tensors]
+
+
 def _tensor_list(name: str, value: Any) -> Sequence[torch.Tensor]:
     if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
         raise TypeError(
             f"{name} must be a list with one 1-D tensor per sample, got {type(value).__name__}"
             + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f" ({value!r:.60})")
         )
-    try:
-        [t.dim for t in value]
-    except AttributeError:
+    if not all(isinstance(t, torch.Tensor) for t in value):
         for i, t in enumerate(value):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__} ({t!r:.40})") from None
