@@ -43,7 +43,8 @@ Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 th
 near r = 1). Per-sequence sums add float32 values within chunks of at most ``C`` tokens (torch's
 cascade summation) and the chunk results in float64, accumulating only within the sequence; the
 log-ratio sum that feeds exp at sequence level is the float64 sum of exact float64 differences,
-and r^2 - 1 is float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are
+the log-prob sums are float64 (a float32 chunk of log-probs near -3e38 would overflow), and
+r^2 - 1 is float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are
 exact. ``tests/test_engine_contract.py`` checks the values against a float64 computation.
 """
 
@@ -311,7 +312,8 @@ def _token_stage(
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
         half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            SequenceSum.SUM_TRAIN_LP: train_v, SequenceSum.SUM_ROLLOUT_LP: rollout_v, SequenceSum.SUM_K3: k3,
+            # float64: a float32 chunk sum of log-probs near -3e38 would overflow
+            SequenceSum.SUM_TRAIN_LP: train_v.to(f64), SequenceSum.SUM_ROLLOUT_LP: rollout_v.to(f64), SequenceSum.SUM_K3: k3,
             SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
         })
         del em1, em1_r2
@@ -345,8 +347,14 @@ def _token_stage(
     # ---- per-sequence extrema (token-level IS metrics only) --------------------------------
     if plan.token_is and metrics_on:
         big = 3e38
-        low = layout.mins([torch.where(valid, log_r, big), torch.where(tok_kept, w_tok, big)], big)
-        high = layout.maxs([torch.where(valid, log_r, -big), torch.where(tok_kept, w_tok, -big)], -big)
+        # excluded tokens get +-big by arithmetic (x * 1 + 0 = x exactly; every x is finite),
+        # three cheap passes where a select costs one slow one
+        out_valid = (1.0 - validf).mul_(big)
+        out_kept = out_valid if keptf is validf else (1.0 - keptf).mul_(big)
+        # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there
+        low = layout.mins([log_r + out_valid, w_kept + out_kept], big)
+        high = layout.maxs([log_r - out_valid, w_kept - out_kept], -big)
+        del out_valid, out_kept
         low, high = low.to(f64), high.to(f64)
         mins = torch.where(low >= big, BIG, low)
         maxs = torch.where(high <= -big, -BIG, high)
