@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from naive_mis import naive_mis  # noqa: E402
 
 from megatron_mis import MISConfig  # noqa: E402
-from megatron_mis.integrations.hosts import compute_mis_weights_fsdp  # noqa: E402
+from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp  # noqa: E402
 
 SEED000 = dict(use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
                rs_upper_bound=1.001, rs_veto_threshold=1e-4, tis_batch_normalize=True)

@@ -15,15 +15,14 @@ import pytest
 import torch
 
 from megatron_mis.config import ConfigError
-from megatron_mis.monitor import (
+from megatron_mis.lr_schedule import (
     LR_SCHEDULES,
-    LengthDecayConfig,
     LengthDecayParamScheduler,
     LengthDecaySchedule,
     LengthDecayScheduler,
-    SurgeConfig,
     build_lr_schedule,
 )
+from megatron_mis.monitor import LengthDecayConfig, SurgeConfig
 
 ETA0 = 1.0e-6  # seed 002's initial learning rate
 
@@ -380,7 +379,8 @@ def _slime_host_case(mode, lengths_by_rollout, num_steps_per_rollout, stop_after
     """The slime loop as read at 624b824a (actor.train_actor -> model.train -> train_one_step):
     rollout_data_postprocess(args, rollout_id, rollout_data) on every rank, then per step the
     before-train-step hook, optimizer.step(), opt_param_scheduler.step(increment=gbs)."""
-    from megatron_mis.integrations import scheduler_hooks as hooks
+    from megatron_mis.integrations import slime as hooks
+    from megatron_mis.integrations.scheduler_hooks import HOST_STATE_ATTR
     from megatron_mis.testing.distributed import megatron_parallel
 
     args = argparse.Namespace(length_decay_enabled=True, length_surge_min_steps=5)
@@ -395,14 +395,14 @@ def _slime_host_case(mode, lengths_by_rollout, num_steps_per_rollout, stop_after
         for rollout_id in range(first_rollout, len(lengths_by_rollout)):
             # each rank holds half of the rollout's samples
             rollout_data = {"response_lengths": lengths_by_rollout[rollout_id][rank::2]}
-            hooks.slime_rollout_data_postprocess(args, rollout_id, rollout_data)
+            hooks.rollout_data_postprocess(args, rollout_id, rollout_data)
             for step_id in range(num_steps_per_rollout):
                 if mode == "hooks":
                     hooks.before_train_step(args, rollout_id, step_id, None, opt, sched)
                 lrs.append(opt.param_groups[0]["lr"])
                 sched.step(increment=8)
             if stop_after is not None and rollout_id + 1 == stop_after:
-                return lrs, sched.state_dict(), pickle.loads(pickle.dumps(args)).__dict__[hooks.HOST_STATE_ATTR]
+                return lrs, sched.state_dict(), pickle.loads(pickle.dumps(args)).__dict__[HOST_STATE_ATTR]
         return lrs, None, None
 
 

@@ -359,7 +359,7 @@ def replay_monitor(rows: list[dict[str, Any]], monitor_config, surge_config, dec
         schedule would halve the learning rate.
     """
     from megatron_mis.monitor import MismatchMonitor, build_surge_detector
-    from megatron_mis.monitor.scheduler import LengthDecaySchedule
+    from megatron_mis.lr_schedule import LengthDecaySchedule
 
     monitor = MismatchMonitor(monitor_config, surge_config, sinks=[])
     schedule = LengthDecaySchedule(decay_config, detector=build_surge_detector(surge_config))
