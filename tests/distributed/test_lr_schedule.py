@@ -27,7 +27,7 @@ from megatron_mis.monitor import LengthDecayConfig, SurgeConfig
 ETA0 = 1.0e-6  # seed 002's initial learning rate
 
 # Seed 002 (section 4.2): the length surges near step 110. The trace jumps 1000 -> 3000 at step
-# 110, which the default detector reports on step 112 with onset 110 (see tests/test_surge.py).
+# 110, which the default detector reports on step 112 with onset 110 (see tests/unit/test_surge.py).
 # The period is 1.8 x the onset (198); the decay is triggered at the detection step (112).
 # (Before issue 13 this trace jumped at 108 and the period came from the detection step.)
 SURGE_TRACE = [1000.0] * 109 + [3000.0] * 1000

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = sorted(
     [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "examples").rglob("*"), *(REPO / "configs").rglob("*.yaml"),
      *(REPO / "patches").glob("*.patch")]
