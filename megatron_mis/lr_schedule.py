@@ -1,4 +1,4 @@
-"""The response-length-surge learning-rate schedule (seed 002, Algorithm 1).
+"""The response-length-surge learning-rate schedule (Beyond Precision (arXiv:2602.01826), Algorithm 1).
 
 Three layers:
 
@@ -67,7 +67,7 @@ LR_SCHEDULES: Registry[type["LengthDecaySchedule"]] = Registry("learning-rate sc
 
 @LR_SCHEDULES.register("length_decay")
 class LengthDecaySchedule:
-    """Seed 002's length-decay multiplier (see the module docstring for the exact formula).
+    """Beyond Precision (arXiv:2602.01826)'s length-decay multiplier (see the module docstring for the exact formula).
 
     Args:
         decay: the decay settings.

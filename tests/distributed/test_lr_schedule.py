@@ -1,4 +1,4 @@
-"""The length-decay learning-rate schedule (seed 002, Algorithm 1): the 110 -> 198 case, halving
+"""The length-decay learning-rate schedule (Beyond Precision (arXiv:2602.01826), Algorithm 1): the 110 -> 198 case, halving
 at each period down to the floor, Algorithm 1 verbatim, the Megatron-Core wrapper (warm-up
 first), exact resume mid-decay, the global-mean collective and the slime / Miles hooks on 2 gloo
 ranks."""
@@ -24,9 +24,9 @@ from megatron_mis.lr_schedule import (
 )
 from megatron_mis.monitor import LengthDecayConfig, SurgeConfig
 
-ETA0 = 1.0e-6  # seed 002's initial learning rate
+ETA0 = 1.0e-6  # Beyond Precision (arXiv:2602.01826)'s initial learning rate
 
-# Seed 002 (section 4.2): the length surges near step 110. The trace jumps 1000 -> 3000 at step
+# Beyond Precision (arXiv:2602.01826) (section 4.2): the length surges near step 110. The trace jumps 1000 -> 3000 at step
 # 110, which the default detector reports on step 112 with onset 110 (see tests/unit/test_surge.py).
 # The period is 1.8 x the onset (198); the decay is triggered at the detection step (112).
 # (Before issue 13 this trace jumped at 108 and the period came from the detection step.)
@@ -49,7 +49,7 @@ def seed002_expected_factor(t: int) -> float:
 # ------------------------------------------------------------------------------ pure schedule
 def test_decay_period_from_the_surge_step():
     cfg = LengthDecayConfig(length_decay_enabled=True)
-    assert cfg.resolve_period(110) == 198  # seed 002, Qwen3-4B: surge near step 110
+    assert cfg.resolve_period(110) == 198  # Beyond Precision (arXiv:2602.01826), Qwen3-4B: surge near step 110
     assert cfg.resolve_period(90) == 162  # Qwen3-8B: surge at 90, best period ~160
     on = dict(length_decay_enabled=True)
     assert LengthDecayConfig(length_decay_period_multiple=1.25, **on).resolve_period(2) == 3  # 2.5 rounds up
@@ -86,7 +86,7 @@ def test_seed002_surge_at_110_halves_every_198_steps_down_to_the_floor(how):
 @pytest.mark.parametrize("period", [1, 7, 50, 198])
 @pytest.mark.parametrize("floor", [0.0, 0.1, 0.3])
 def test_trigger_start_is_algorithm_1_verbatim(period, floor):
-    # Algorithm 1 of seed 002, literally: eta_t <- max(eta_{t-1} / 2, eta_inf) when t mod T == 0.
+    # Algorithm 1 of Beyond Precision (arXiv:2602.01826), literally: eta_t <- max(eta_{t-1} / 2, eta_inf) when t mod T == 0.
     schedule = build_lr_schedule(
         LengthDecayConfig(
             length_decay_enabled=True, length_decay_trigger="start", length_decay_period=period,
