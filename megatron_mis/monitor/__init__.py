@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_mis._deprecated import moved_names
+from megatron_mis.monitor import scheduler as _lr_names  # the deprecated names, forwarded
 from megatron_mis.monitor.config import (
     SCHEDULE_KEYS,
     LengthDecayConfig,
@@ -63,18 +64,4 @@ def _lazy(name: str) -> Any:
     raise AttributeError(f"module 'megatron_mis.monitor' has no attribute {name!r}")
 
 
-__getattr__ = moved_names(
-    __name__,
-    {
-        name: f"megatron_mis.lr_schedule.{name}"
-        for name in (
-            "ConstantSchedule",
-            "LR_SCHEDULES",
-            "LengthDecayParamScheduler",
-            "LengthDecaySchedule",
-            "LengthDecayScheduler",
-            "build_lr_schedule",
-        )
-    },
-    fallback=_lazy,
-)
+__getattr__ = moved_names(__name__, _lr_names.MOVED, fallback=_lazy)
