@@ -6,7 +6,7 @@ seed-000 default (token TIS + geometric RS + veto + batch normalisation), prints
 of:
 
 - ``per-sequence``: ``naive_mis.py`` — the same semantics and every statistic, written the way
-  per-sequence implementations are (a Python loop over sequences; ``tests/test_bench_reference.py``
+  per-sequence implementations are (a Python loop over sequences; ``tests/e2e/test_bench_reference.py``
   checks it computes the engine's weights, masks and metrics);
 - ``engine``: ``compute_mis_weights_fsdp`` (lists in, lists out; ``mis_metrics: standard``, every
   statistic);
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from naive_mis import naive_mis  # noqa: E402
 
 from megatron_mis import MISConfig  # noqa: E402
-from megatron_mis.integrations.hosts import compute_mis_weights_fsdp  # noqa: E402
+from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp  # noqa: E402
 
 SEED000 = dict(use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
                rs_upper_bound=1.001, rs_veto_threshold=1e-4, tis_batch_normalize=True)

@@ -1,4 +1,4 @@
-"""The fuzz suite of ``tests/test_fuzz.py``, longer: thousands of generated cases over every public
+"""The fuzz suite of ``tests/unit/test_fuzz.py``, longer: thousands of generated cases over every public
 entry point, classified as correct / clear / unclear / silent / hang, with the counts per class and
 per entry point (the test run stops at a few hundred cases and fails on the last three classes).
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _load_suite():
     sys.path.insert(0, str(REPO))
-    spec = importlib.util.spec_from_file_location("mis_fuzz_suite", REPO / "tests" / "test_fuzz.py")
+    spec = importlib.util.spec_from_file_location("mis_fuzz_suite", REPO / "tests" / "unit" / "test_fuzz.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["mis_fuzz_suite"] = module
     spec.loader.exec_module(module)

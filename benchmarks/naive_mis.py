@@ -1,6 +1,6 @@
 """The baseline for ``bench_mis.py``: the same MIS semantics and the same full set of metrics,
 written the way per-sequence implementations in RL frameworks are (a Python loop over sequences,
-torch ops inside, boolean indexing and ``.item()`` per sequence). ``tests/test_bench_reference.py``
+torch ops inside, boolean indexing and ``.item()`` per sequence). ``tests/e2e/test_bench_reference.py``
 checks that it produces the engine's weights, masks and every token metric, so the benchmark
 compares equal work.
 """

@@ -29,8 +29,8 @@ __all__ = [
 _LAZY = {
     "compute_mis": "megatron_mis.core.engine",
     "compute_mis_from_lists": "megatron_mis.core.engine",
-    "compute_mis_weights_with_cp": "megatron_mis.integrations.hosts",
-    "compute_mis_weights_fsdp": "megatron_mis.integrations.hosts",
+    "compute_mis_weights_with_cp": "megatron_mis.integrations.tis_functions",
+    "compute_mis_weights_fsdp": "megatron_mis.integrations.tis_functions",
     "LossConfig": "megatron_mis.config.loss",
     "MegatronRLLoss": "megatron_mis.integrations.megatron_loss",
     "RoutingReplay": "megatron_mis.routing.replay",

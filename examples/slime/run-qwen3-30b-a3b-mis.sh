@@ -89,7 +89,7 @@ MIS_ARGS=(
    # Before every optimizer step: apply the length-decay learning rate to slime's scheduler.
    # (For exact resume and decayed LR in slime's own logs, apply
    # patches/slime-624b824a-length-decay.patch instead of this hook.)
-   --custom-megatron-before-train-step-hook-path megatron_mis.integrations.scheduler_hooks.before_train_step
+   --custom-megatron-before-train-step-hook-path megatron_mis.integrations.slime.before_train_step
    # Rollout routing replay (R3): SGLang returns the experts it chose and the trainer's routers
    # replay them (slime turns on --enable-return-routed-experts in SGLang for this). megatron-mis'
    # own RoutingReplay (compact uint8 routes, per-rank shards, schedule-safe backward replay) needs

@@ -12,7 +12,7 @@ file at a time and rows spread over several files (per-rank dumps) merge exactly
   (the reported value is the geometric centre of its bin: within 1.2% of the exact quantile);
 - the mismatch by rollout-probability bucket from per-bucket counts and sums.
 
-:func:`replay_monitor` replays the mismatch monitor's warnings and seed 002's length-surge
+:func:`replay_monitor` replays the mismatch monitor's warnings and Beyond Precision (arXiv:2602.01826)'s length-surge
 detector over the finished rows.
 """
 
@@ -347,7 +347,7 @@ def process_batch(
 
 
 def replay_monitor(rows: list[dict[str, Any]], monitor_config, surge_config, decay_config) -> tuple[list[dict], dict[str, Any]]:
-    """Replay the mismatch monitor and seed 002's length-surge detector over finished rows.
+    """Replay the mismatch monitor and Beyond Precision (arXiv:2602.01826)'s length-surge detector over finished rows.
 
     Steps: RL step = rollout id + 1 (rollout ids count from 0 in slime and Miles; the schedule's
     steps from 1).
@@ -359,7 +359,7 @@ def replay_monitor(rows: list[dict[str, Any]], monitor_config, surge_config, dec
         schedule would halve the learning rate.
     """
     from megatron_mis.monitor import MismatchMonitor, build_surge_detector
-    from megatron_mis.monitor.scheduler import LengthDecaySchedule
+    from megatron_mis.lr_schedule import LengthDecaySchedule
 
     monitor = MismatchMonitor(monitor_config, surge_config, sinks=[])
     schedule = LengthDecaySchedule(decay_config, detector=build_surge_detector(surge_config))

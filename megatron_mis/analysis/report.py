@@ -153,7 +153,7 @@ def to_json(report: dict[str, Any]) -> str:
 
 def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     """Write the PNG: K3 trends with the log-ppl gap, response length with the surge verdict, the
-    mismatch by rollout-probability bucket (seed 001) and the IS-weight distribution."""
+    mismatch by rollout-probability bucket (the Qwen / Ling mismatch reports (docs/references.md)) and the IS-weight distribution."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -201,7 +201,7 @@ def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax3.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    ax.set_title("Response length and seed 002's surge detector")
+    ax.set_title("Response length and Beyond Precision (arXiv:2602.01826)'s surge detector")
 
     ax = axes[1, 0]
     buckets = report["buckets"]
@@ -224,7 +224,7 @@ def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_xticklabels(labels, rotation=30, fontsize=7, ha="right")
     ax.set_xlim(-0.5, len(xs_b) - 0.5)
     ax.legend(fontsize=8)
-    ax.set_title("Mismatch vs rollout probability (seed 001: grows as p -> 0)")
+    ax.set_title("Mismatch vs rollout probability (the Qwen / Ling mismatch reports (docs/references.md): grows as p -> 0)")
 
     ax = axes[1, 1]
     w = report["weights"]

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
             "automatically) and report the mismatch: for one batch the full metric report, for a run one "
             "row per rollout id (K3 KL mean / p99 / max, log-ppl gap, chi-square, TV, ESS, what --config "
             "rejects and vetoes, response length), the mismatch monitor's warnings replayed over that "
-            "history and seed 002's length-surge verdict. --compare applies several configurations to the "
+            "history and Beyond Precision (arXiv:2602.01826)'s length-surge verdict. --compare applies several configurations to the "
             "same data. Without PATH a built-in sample is generated at run time (a small random model "
             "scored in fp32 and bf16). Exit status: 0, 1 if some files were skipped as bad, 2 if nothing "
             "could be analysed."

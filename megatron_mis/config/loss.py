@@ -13,7 +13,7 @@ Names of losses, KL estimators and advantage estimators are checked against the 
 :data:`KL_ESTIMATORS`, :data:`ADVANTAGE_ESTIMATORS`), into which :mod:`megatron_mis.core.losses`,
 :mod:`megatron_mis.core.kl` and :mod:`megatron_mis.core.advantages` register their functions (and
 user code its own). This module never imports the math, so a config can be built and validated
-without it; ``tests/test_losses.py`` checks that the built-in names equal what core registers.
+without it; ``tests/unit/test_losses.py`` checks that the built-in names equal what core registers.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class MISConfig(ConfigBase):
     prob_veto_threshold: float | None = doc(
         None,
         "Probability veto: reject the whole sequence if any kept token's probability under "
-        "prob_veto_source is below this value (seed 000's 'near-zero probability' reading). null: off.",
+        "prob_veto_source is below this value (Let Speed Be With Stability (lmsys.org/blog/2026-01-16-training-inference-mismatch)'s 'near-zero probability' reading). null: off.",
     )
     prob_veto_source: Literal["rollout", "train"] = doc(
         "rollout", "Which policy's token probability the probability veto looks at."

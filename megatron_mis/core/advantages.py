@@ -1,5 +1,5 @@
 """Advantage estimators for outcome rewards (one reward per sequence), as used by the seeds'
-experiments: GRPO (seed 000), RLOO (seed 002) and REINFORCE with a baseline.
+experiments: GRPO (Let Speed Be With Stability (lmsys.org/blog/2026-01-16-training-inference-mismatch)), RLOO (Beyond Precision (arXiv:2602.01826)) and REINFORCE with a baseline.
 
 Each sequence belongs to a group (the samples drawn for one prompt). An estimator maps the
 rewards ``[N]``, the group ids ``[N]`` and a validity mask ``[N]`` to one advantage per sequence;

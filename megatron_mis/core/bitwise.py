@@ -1,4 +1,4 @@
-"""Are rollout and training log-probs bitwise identical? (seed 000's true on-policy check)
+"""Are rollout and training log-probs bitwise identical? (Let Speed Be With Stability (lmsys.org/blog/2026-01-16-training-inference-mismatch)'s true on-policy check)
 
 Point :func:`compare_log_probs` at the log-probs your rollout engine recorded and the ones your
 trainer recomputed for the same tokens. It compares BIT PATTERNS, not values: ``-0.0`` and

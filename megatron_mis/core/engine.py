@@ -29,7 +29,7 @@ one :class:`~megatron_mis.core.segments.SegmentLayout` per call (contiguous ``[M
 reductions, a scatter of the ``M`` chunk results, one gather of ``[2N, C]`` head and tail
 windows); ``cu_seqlens`` given as host data is validated on the host and moved with a
 non-blocking copy. The number of aten ops per call does not depend on ``N``
-(``tests/test_engine_contract.py`` counts them), and the token and sequence stages compile with
+(``tests/unit/test_engine_contract.py`` counts them), and the token and sequence stages compile with
 ``torch.compile(fullgraph=True, dynamic=True)`` without a graph break (``compile_engine``). The
 one documented synchronisation is ``nonfinite_policy="error"``, which must read the count to
 raise.
@@ -45,7 +45,7 @@ cascade summation) and the chunk results in float64, accumulating only within th
 log-ratio sum that feeds exp at sequence level is the float64 sum of exact float64 differences,
 the log-prob sums are float64 (a float32 chunk of log-probs near -3e38 would overflow), and
 r^2 - 1 is float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are
-exact. ``tests/test_engine_contract.py`` checks the values against a float64 computation.
+exact. ``tests/unit/test_engine_contract.py`` checks the values against a float64 computation.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class NormalizationStatistics:
         return torch.where(self.count > 0, self.weight_sum / self.count.clamp_min(1), torch.ones_like(self.weight_sum))
 
 
-#: Bucket edges on the rollout probability (seed 001: the mismatch grows as probabilities fall).
+#: Bucket edges on the rollout probability (the Qwen / Ling mismatch reports, docs/references.md: the mismatch grows as probabilities fall).
 DEFAULT_PROB_BUCKET_EDGES: tuple[float, ...] = (0.0, 1e-6, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 

@@ -15,7 +15,7 @@ it is the gradient of KL(pi_ref || pi_theta) instead, for ``k1`` it is zero in e
 DeepSeek-V3.2's unbiased estimator multiplies the estimate by ``pi_theta / pi_old`` (the sampling
 policy), the ratio *not* detached: then ``E_{y~pi_old}[pi_theta/pi_old * k(y)] =
 E_{y~pi_theta}[k(y)]`` and its autograd gradient is exactly the gradient of KL(pi_theta || pi_ref)
-for ``k1`` and ``k3`` (``tests/test_kl.py`` checks this by exact enumeration).
+for ``k1`` and ``k3`` (``tests/unit/test_kl.py`` checks this by exact enumeration).
 
 Clamps and gradients. Every log-ratio (the one that goes into ``exp``, and k1's and k2's) is clamped to
 ``[-log_ratio_bound, log_ratio_bound]`` first, so nothing overflows, and ``low_var_kl`` clamps its

@@ -1,7 +1,7 @@
 """Policy losses with training-inference mismatch correction, and the assembly of the full RL
 loss (policy term, OPSM, KL to a reference, entropy bonus) for one micro-batch.
 
-Three policies meet in the loss (seed 000): the target pi_theta (being trained, with grad), the
+Three policies meet in the loss (Let Speed Be With Stability (lmsys.org/blog/2026-01-16-training-inference-mismatch)): the target pi_theta (being trained, with grad), the
 proximal pi_old (the trainer's recomputed log-probs at the start of the step) and the behaviour
 pi_rollout (the rollout engine's log-probs). The registered policy losses (all per token, with
 ``r = pi_theta / pi_old``, ``A`` the advantage, ``eps_low = eps_clip``, ``eps_high =

@@ -60,7 +60,7 @@ schedule, ``/ W`` by DDP: ``c``). In every case the gradient that reaches the op
 ``d L / d theta``; the token normalisation already happened through the global denominators
 (Megatron's reported "total_num_tokens" counts micro-batches x ranks, not tokens). Without
 Megatron's DDP, SUM the gradients over the data-parallel-with-CP group and divide by ``W``
-yourself (what DDP does with ``calculate_per_token_loss=False``). ``tests/test_megatron_loss.py``
+yourself (what DDP does with ``calculate_per_token_loss=False``). ``tests/distributed/test_megatron_loss.py``
 checks all three paths, and CP = 2 and TP = 2 x CP = 2 against the single-process run.
 """
 
@@ -69,146 +69,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_mis.config.loss import LossConfig
 from megatron_mis.core.aggregation import Denominators, segment_sum
-from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss, finalize_metrics, opsm_sequence_stats
+from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss, opsm_sequence_stats
+from megatron_mis.integrations.rl_batch import RLMicroBatch, _LocalView, response_positions
+from megatron_mis.integrations.rl_metrics import engine_metrics, masked_extreme, reduce_metric_store
 from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
 
 __all__ = ["MegatronRLLoss", "RLMicroBatch", "response_positions"]
-
-
-def response_positions(cu_seqlens: torch.Tensor, response_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the response tokens of packed sequences are, and which logit predicts each.
-
-    Args:
-        cu_seqlens: ``[N+1]`` boundaries of the packed (prompt + response) sequences.
-        response_lengths: ``[N]`` response tokens at the end of each sequence (each sequence
-            needs at least one prompt token before its response).
-
-    Returns:
-        ``(logit_rows [R], target_positions [R])`` long, ``R = sum(response_lengths)``: token
-        ``t`` is predicted by the logits at position ``t - 1``.
-    """
-    cu = cu_seqlens.to(torch.long).cpu()
-    resp = torch.as_tensor(response_lengths, dtype=torch.long).cpu()
-    totals = cu[1:] - cu[:-1]
-    if resp.shape != totals.shape:
-        raise ValueError(f"response_lengths has {resp.numel()} entries, expected {totals.numel()} (one per sequence)")
-    if bool((resp < 0).any()) or bool((resp > totals - 1).any()):
-        bad = torch.nonzero((resp < 0) | (resp > totals - 1)).flatten().tolist()[:8]
-        raise ValueError(
-            f"response_lengths must lie in [0, total_length - 1] (at least one prompt token), violated by sequence(s) {bad}"
-        )
-    starts = cu[1:] - resp  # first response token of each sequence
-    offsets = torch.arange(int(resp.sum())) - torch.repeat_interleave(torch.cumsum(resp, 0) - resp, resp)
-    targets = torch.repeat_interleave(starts, resp) + offsets
-    return targets - 1, targets
-
-
-@dataclass(slots=True)
-class RLMicroBatch:
-    """One micro-batch of whole packed sequences (``thd`` format, micro-batch size 1). Under
-    context parallelism every CP rank gets the same micro-batch; the forward step packs this
-    rank's share.
-
-    Attributes:
-        tokens: ``[S]`` the packed prompt + response tokens of ``N`` sequences.
-        cu_seqlens: ``[N+1]`` sequence boundaries in ``tokens``.
-        response_lengths: ``[N]`` response tokens at the end of each sequence.
-        loss_mask: ``[R]`` over the concatenated responses, ``R = sum(response_lengths)``.
-        advantages: ``[R]``.
-        rollout_log_probs: ``[R]`` pi_rollout from the rollout engine, or ``None``.
-        old_log_probs: ``[R]`` pi_old recomputed by the trainer, or ``None`` (pi_theta detached).
-        ref_log_probs: ``[R]`` reference policy, or ``None``.
-        slot_length: pad every sequence to this many tokens when packing (the fixed layout the
-            true-on-policy rollout path reproduces; context-parallel size 1 only); ``None``:
-            sequences are packed back to back (padded to a multiple of ``2cp`` under CP).
-        pad_token_id: token written into padding.
-    """
-
-    tokens: torch.Tensor
-    cu_seqlens: torch.Tensor
-    response_lengths: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    rollout_log_probs: torch.Tensor | None = None
-    old_log_probs: torch.Tensor | None = None
-    ref_log_probs: torch.Tensor | None = None
-    slot_length: int | None = None
-    pad_token_id: int = 0
-
-    def __post_init__(self) -> None:
-        self.response_lengths = torch.as_tensor(self.response_lengths, dtype=torch.long)
-        if self.tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D [S] (packed sequences), got shape {tuple(self.tokens.shape)}")
-        if self.cu_seqlens.dim() != 1 or int(self.cu_seqlens[0]) != 0 or int(self.cu_seqlens[-1]) != self.tokens.numel():
-            raise ValueError(f"cu_seqlens must be [N+1] from 0 to len(tokens)={self.tokens.numel()}")
-        num_resp = int(self.response_lengths.sum())
-        for name in ("loss_mask", "advantages", "rollout_log_probs", "old_log_probs", "ref_log_probs"):
-            t = getattr(self, name)
-            if t is not None and (t.dim() != 1 or t.numel() != num_resp):
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)}, expected [{num_resp}] (one per response token, "
-                    f"sum of response_lengths)"
-                )
-        response_positions(self.cu_seqlens, self.response_lengths)  # validates the lengths
-        if self.slot_length is not None:
-            longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()) if self.num_sequences else 0
-            if self.slot_length < max(longest, 1):
-                raise ValueError(f"slot_length={self.slot_length!r} is shorter than the longest sequence ({longest} tokens)")
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.cu_seqlens.numel()) - 1
-
-    @property
-    def total_lengths(self) -> torch.Tensor:
-        """``[N]`` prompt + response lengths."""
-        cu = self.cu_seqlens.to(torch.long).cpu()
-        return cu[1:] - cu[:-1]
-
-    @property
-    def response_cu_seqlens(self) -> torch.Tensor:
-        """``[N+1]`` boundaries of the sequences in the ``[R]`` response tensors."""
-        return torch.nn.functional.pad(torch.cumsum(self.response_lengths, 0), (1, 0))
-
-    def sequences(self) -> list[torch.Tensor]:
-        """``N`` int64 ``[L_n]`` token sequences."""
-        cu = self.cu_seqlens.tolist()
-        return [self.tokens[a:b] for a, b in zip(cu[:-1], cu[1:])]
-
-    def with_old_log_probs(self, old_log_probs: torch.Tensor | None) -> "RLMicroBatch":
-        """A copy with ``old_log_probs`` replaced (e.g. by :meth:`MegatronRLLoss.recompute_log_probs`)."""
-        return dataclasses.replace(self, old_log_probs=old_log_probs)
-
-
-@dataclass
-class _LocalView:
-    """One micro-batch as this CP rank sees it.
-
-    Attributes:
-        pack: this rank's packed model input.
-        rows: ``[R_local]`` local positions whose labels are response tokens (``local_response_layout``
-            order: per sequence chunk 0, then chunk 1).
-        targets: ``[R_local]`` the response token ids predicted at ``rows``.
-        full_index: ``[R_local]`` index of every local response token in the full ``[R]`` tensors.
-        cu: ``[N+1]`` boundaries of the sequences in the local ``[R_local]`` tensors.
-    """
-
-    pack: Any
-    rows: torch.Tensor
-    targets: torch.Tensor
-    full_index: torch.Tensor
-    cu: torch.Tensor
-
-
-def _metric_store_key(name: str) -> bool:
-    return name.partition("/")[0] in ("share", "sum", "lsum", "count", "max", "min")
 
 
 class MegatronRLLoss:
@@ -585,7 +457,7 @@ class MegatronRLLoss:
             keep_mask = res.keep_mask.to(dev)
             if self.policy.uses_is_weights:
                 is_weights = res.weights.to(dev)
-            extra = _engine_metrics(res, train.detach().float(), rollout.float(), lmask, keep_mask, self.mis_config)
+            extra = engine_metrics(res, train.detach().float(), rollout.float(), lmask, keep_mask, self.mis_config)
 
         seq_token_counts = opsm_stats = None
         if self.cp.size > 1:
@@ -632,8 +504,8 @@ class MegatronRLLoss:
                 n = dropped.sum() if self.cp.rank == 0 else torch.zeros((), device=dev)
                 metrics["count/num_opsm_sequences"] = n.float()
         if is_weights is not None:
-            extra["max/is_weight"] = _masked_extreme(is_weights.float(), out.valid_mask, "max")
-            extra["min/is_weight"] = _masked_extreme(is_weights.float(), out.valid_mask, "min")
+            extra["max/is_weight"] = masked_extreme(is_weights.float(), out.valid_mask, "max")
+            extra["min/is_weight"] = masked_extreme(is_weights.float(), out.valid_mask, "min")
         metrics.update(extra)
         world = _group_size(self.dp_group)
         if self.return_num_tokens:
@@ -657,73 +529,7 @@ class MegatronRLLoss:
 
         if not ps.is_pipeline_last_stage():
             return {}
-        keys = sorted({k for d in forward_data_store for k in d if _metric_store_key(k)})
-        sum_keys = [k for k in keys if k.partition("/")[0] not in ("max", "min")]
-        ext_keys = [k for k in keys if k.partition("/")[0] in ("max", "min")]
-        local = torch.zeros(len(sum_keys), dtype=torch.float64)
-        for d in forward_data_store:
-            for i, k in enumerate(sum_keys):
-                if k in d:
-                    local[i] += float(d[k])
-        total = self._all_reduce(local)
-        summed = dict(zip(sum_keys, total.tolist()))
-        got = (summed.get("count/num_denominator_tokens", 0.0), summed.get("count/num_denominator_sequences", 0.0))
-        if got != (denominators.num_tokens, denominators.num_sequences):
-            raise ValueError(
-                f"the step counted {got[0]:g} denominator tokens and {got[1]:g} sequences but the loss was "
-                f"normalised by {denominators.num_tokens:g} and {denominators.num_sequences:g}: the denominators "
-                "were not computed from this step's micro-batches (use count_denominators on the same data)"
-            )
-        num_loss = summed.get("count/num_loss_tokens", 0.0)
-        lsums = {k: summed.pop(k) for k in list(summed) if k.startswith("lsum/")}
-        out = finalize_metrics(summed)
-        for k, v in lsums.items():
-            out[k.partition("/")[2]] = v / num_loss if num_loss > 0 else 0.0
-        if ext_keys:
-            # one MAX all-reduce: maxima as they are, minima negated
-            ext = torch.full((len(ext_keys),), float("-inf"), dtype=torch.float64)
-            for d in forward_data_store:
-                for i, k in enumerate(ext_keys):
-                    if k in d:
-                        v = float(d[k]) if k.startswith("max/") else -float(d[k])
-                        if v == v:  # NaN: no value in this micro-batch
-                            ext[i] = max(float(ext[i]), v)
-            ext = self._all_reduce(ext, op="max")
-            for k, v in zip(ext_keys, ext.tolist()):
-                kind, _, name = k.partition("/")
-                if v != float("-inf"):
-                    out[f"{name}_{kind}"] = v if kind == "max" else -v
-        return out
-
-
-def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
-    """0-dim max / min of ``values [T]`` over ``mask``; NaN when the mask is empty."""
-    if not bool(mask.any()):
-        return torch.tensor(float("nan"))
-    v = values[mask].double()
-    return (v.max() if kind == "max" else v.min()).detach().cpu()
-
-
-def _engine_metrics(res, train: torch.Tensor, rollout: torch.Tensor, lmask: torch.Tensor, keep: torch.Tensor, mis_config) -> dict[str, torch.Tensor]:
-    """The engine's token metrics as loss-token sums (``lsum/``), and the extremes the demo and
-    monitors plot: the largest token K3 KL and the raw token ratio pi_old / pi_rollout (before any
-    bound) over valid loss tokens."""
-    dev = lmask.device
-    out: dict[str, torch.Tensor] = {}
-    for name, values in res.token_metrics.items():
-        v = values.detach().float().to(dev)
-        ok = lmask & torch.isfinite(v)
-        out[f"lsum/{name}"] = torch.where(ok, v, torch.zeros_like(v)).sum()
-    valid = lmask & torch.isfinite(train) & torch.isfinite(rollout)
-    log_r = torch.where(valid, train - rollout, torch.zeros_like(train)).clamp(-mis_config.log_ratio_bound, mis_config.log_ratio_bound)
-    ratio = log_r.exp()
-    out["lsum/mis_ratio"] = torch.where(lmask, ratio, torch.zeros_like(ratio)).sum()
-    out["max/mis_ratio"] = _masked_extreme(ratio, valid, "max")
-    out["min/mis_ratio"] = _masked_extreme(ratio, valid, "min")
-    k3 = res.token_metrics.get("mis_k3_kl")
-    if k3 is not None:
-        out["max/mis_k3_kl"] = _masked_extreme(k3.float().to(dev), valid, "max")
-    return out
+        return reduce_metric_store(forward_data_store, denominators, self._all_reduce)
 
 
 def _is_nccl(group: Any) -> bool:

@@ -21,8 +21,8 @@ Hence two ways to run the length-decay scheduler (configs from the ``length_surg
 ``length_decay_*`` keys on ``args``; a step is a rollout, ``step = rollout_id + 1``):
 
 Hooks only (slime, no patch)
-    ``--rollout-data-postprocess-path megatron_mis.integrations.scheduler_hooks.slime_rollout_data_postprocess``
-    ``--custom-megatron-before-train-step-hook-path megatron_mis.integrations.scheduler_hooks.before_train_step``
+    ``--rollout-data-postprocess-path megatron_mis.integrations.slime.rollout_data_postprocess``
+    ``--custom-megatron-before-train-step-hook-path megatron_mis.integrations.slime.before_train_step``
     The first hook computes the global-batch mean response length (one all-reduce over the
     data-parallel group); the second attaches a :class:`LengthDecayParamScheduler` to the host's
     scheduler object (without replacing it) and rescales the learning rates before every step.
@@ -39,6 +39,9 @@ Patched (slime or Miles; ``patches/*.patch``)
 
 All state lives on ``args`` (attribute :data:`HOST_STATE_ATTR`), the object the host passes to
 every hook; nothing is global.
+
+Users point their flags at the host's entry module (:mod:`megatron_mis.integrations.slime`,
+:mod:`megatron_mis.integrations.miles`), which re-exports these hooks; this module implements them.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_mis._deprecated import moved_names
 from megatron_mis.monitor.config import LengthDecayConfig, MonitorConfig, ScheduleConfigs, SurgeConfig
-from megatron_mis.monitor.scheduler import LengthDecayParamScheduler, build_lr_schedule
+from megatron_mis.lr_schedule import LengthDecayParamScheduler, build_lr_schedule
 
 __all__ = [
     "HOST_STATE_ATTR",
@@ -57,7 +61,6 @@ __all__ = [
     "host_state",
     "monitor_train_step",
     "observe_rollout",
-    "slime_rollout_data_postprocess",
     "wrap_opt_param_scheduler",
 ]
 
@@ -175,13 +178,6 @@ def observe_rollout(args: Any, rollout_id: int, rollout_data: dict, *, group: An
     return mean
 
 
-def slime_rollout_data_postprocess(args: Any, rollout_id: int, rollout_data: dict) -> None:
-    """slime's ``--rollout-data-postprocess-path`` hook: :func:`observe_rollout` with Megatron's
-    data-parallel group. (To combine it with another postprocess function, call both from a
-    function of your own.)"""
-    observe_rollout(args, rollout_id, rollout_data)
-
-
 def before_train_step(
     args: Any, rollout_id: int, step_id: int, model: Any, optimizer: Any, opt_param_scheduler: Any
 ) -> None:
@@ -272,3 +268,9 @@ def monitor_train_step(args: Any, step: int, log_dict: dict[str, Any], *, strip_
             metrics["lr"] = float(groups[0]["lr"])
             metrics["length_decay_factor"] = state.scheduler.factor
     return state.monitor.update(step, metrics)
+
+
+# Deprecated for one release: the slime hook now lives in (and does everything from) one place.
+__getattr__ = moved_names(
+    __name__, {"slime_rollout_data_postprocess": "megatron_mis.integrations.slime.rollout_data_postprocess"}
+)

@@ -1,21 +1,23 @@
-"""Mismatch monitoring and the response-length-surge learning-rate scheduler (seed 002).
+"""Mismatch monitoring and the response-length surge detector.
 
 Importing this package is cheap: no torch, no Megatron. See ``docs/monitor.md``.
 
 - :class:`SurgeConfig`, :class:`LengthDecayConfig`, :class:`MonitorConfig`,
   :func:`load_schedule_configs` (``configs/lr_schedule.yaml``);
 - :data:`SURGE_DETECTORS` (``window_ratio``, ``ema_jump``), :func:`build_surge_detector`;
-- :data:`LR_SCHEDULES` (``length_decay``, ``constant``), :func:`build_lr_schedule`,
-  :class:`LengthDecayScheduler` (standalone), :class:`LengthDecayParamScheduler` (wraps
-  Megatron-Core's ``OptimizerParamScheduler``);
 - :class:`MismatchMonitor`, :class:`MonitorWarning`, :class:`MismatchWarning`;
 - :func:`global_mean_response_length` (one all-reduce over an explicit data-parallel group).
+
+The learning-rate schedule driven by the surge detector lives in :mod:`megatron_mis.lr_schedule`;
+its names are still served from here for one release, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from megatron_mis._deprecated import moved_names
+from megatron_mis.monitor import scheduler as _lr_names  # the deprecated names, forwarded
 from megatron_mis.monitor.config import (
     SCHEDULE_KEYS,
     LengthDecayConfig,
@@ -25,14 +27,6 @@ from megatron_mis.monitor.config import (
     load_schedule_configs,
 )
 from megatron_mis.monitor.monitor import MismatchMonitor, MismatchWarning, MonitorWarning
-from megatron_mis.monitor.scheduler import (
-    LR_SCHEDULES,
-    ConstantSchedule,
-    LengthDecayParamScheduler,
-    LengthDecaySchedule,
-    LengthDecayScheduler,
-    build_lr_schedule,
-)
 from megatron_mis.monitor.surge import (
     SURGE_DETECTORS,
     EmaJumpDetector,
@@ -43,13 +37,8 @@ from megatron_mis.monitor.surge import (
 )
 
 __all__ = [
-    "ConstantSchedule",
     "EmaJumpDetector",
-    "LR_SCHEDULES",
     "LengthDecayConfig",
-    "LengthDecayParamScheduler",
-    "LengthDecaySchedule",
-    "LengthDecayScheduler",
     "MismatchMonitor",
     "MismatchWarning",
     "MonitorConfig",
@@ -61,16 +50,18 @@ __all__ = [
     "SurgeDetector",
     "SurgeEvent",
     "WindowRatioDetector",
-    "build_lr_schedule",
     "build_surge_detector",
     "global_mean_response_length",
     "load_schedule_configs",
 ]
 
 
-def __getattr__(name: str) -> Any:
+def _lazy(name: str) -> Any:
     if name == "global_mean_response_length":  # imports torch: resolved lazily
         from megatron_mis.monitor.distributed import global_mean_response_length
 
         return global_mean_response_length
     raise AttributeError(f"module 'megatron_mis.monitor' has no attribute {name!r}")
+
+
+__getattr__ = moved_names(__name__, _lr_names.MOVED, fallback=_lazy)

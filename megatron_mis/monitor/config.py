@@ -41,7 +41,7 @@ __all__ = [
 
 @dataclass(kw_only=True, slots=True)
 class SurgeConfig(ConfigBase):
-    """Detector of a surge in the mean response length (seed 002: "the average length can triple
+    """Detector of a surge in the mean response length (Beyond Precision (arXiv:2602.01826): "the average length can triple
     in just a few steps", e.g. 1000 -> 3000-4000 tokens around step 100).
 
     The detector smooths the per-step global-batch mean length over ``length_surge_smoothing``
@@ -55,12 +55,12 @@ class SurgeConfig(ConfigBase):
         "window_ratio",
         "Registered detector name. window_ratio: the smoothed length reached ratio x the smoothed "
         "length length_surge_window observations earlier, or x the upper quartile of the earlier "
-        "such values (seed 002's 'triples within a few steps'). ema_jump: the smoothed length reached ratio x a slow exponential moving average "
+        "such values (Beyond Precision (arXiv:2602.01826)'s 'triples within a few steps'). ema_jump: the smoothed length reached ratio x a slow exponential moving average "
         "of the lengths before the smoothing window (frozen during a rise, see docs).",
     )
     length_surge_ratio: float = doc(
         2.0,
-        "Fold increase that counts as a surge (> 1). Seed 002 describes tripling; 2.0 fires while a "
+        "Fold increase that counts as a surge (> 1). Beyond Precision (arXiv:2602.01826) describes tripling; 2.0 fires while a "
         "tripling is under way, 3.0 is the literal reading.",
     )
     length_surge_window: int = doc(
@@ -119,7 +119,7 @@ class SurgeConfig(ConfigBase):
 
 @dataclass(kw_only=True, slots=True)
 class LengthDecayConfig(ConfigBase):
-    """The length-decay learning-rate schedule of seed 002 (Algorithm 1).
+    """The length-decay learning-rate schedule of Beyond Precision (arXiv:2602.01826) (Algorithm 1).
 
     The schedule is a multiplier on the base learning rate (Megatron's warm-up / decay schedule
     when wrapped, a constant otherwise): 1 until the trigger step s, then multiplied by
@@ -149,7 +149,7 @@ class LengthDecayConfig(ConfigBase):
     length_decay_period_multiple: float = doc(
         1.8,
         "Multiple of the surge (onset) step that gives T_decay when length_decay_period is null "
-        "(seed 002 section 4.2: about 1.8). Rounded half up, at least 1.",
+        "(Beyond Precision (arXiv:2602.01826) section 4.2: about 1.8). Rounded half up, at least 1.",
     )
     length_decay_anchor: Literal["start", "trigger"] = doc(
         "start",
@@ -162,7 +162,7 @@ class LengthDecayConfig(ConfigBase):
     )
     length_decay_min_ratio: float = doc(
         0.1,
-        "Floor of the multiplier, eta_inf / eta_0, in [0, 1] (seed 002: 10% of the initial rate).",
+        "Floor of the multiplier, eta_inf / eta_0, in [0, 1] (Beyond Precision (arXiv:2602.01826): 10% of the initial rate).",
     )
     length_decay_surge_step: int | None = doc(
         None,
@@ -250,7 +250,7 @@ class MonitorConfig(ConfigBase):
         "Metrics watched for a sustained rise over monitor_window observations.",
     )
     monitor_spike_metrics: list[str] = doc(
-        ["mis_k3_kl"], "Metrics watched for single-step spikes (seed 001: K3 KL spikes come first)."
+        ["mis_k3_kl"], "Metrics watched for single-step spikes (the Qwen / Ling mismatch reports (docs/references.md): K3 KL spikes come first)."
     )
     monitor_length_metric: str | None = doc(
         "response_length",

@@ -1,7 +1,7 @@
 """The mismatch monitor: per-step metrics in, smoothed histories and structured warnings out.
 
-Seed 001: the warning signs of a collapse come in order: K3 KL (training vs rollout) spikes and
-rises, then the gradient norm and the training perplexity follow. Seed 002: the mismatch
+The Qwen / Ling mismatch reports (docs/references.md): the warning signs of a collapse come in order: K3 KL (training vs rollout) spikes and
+rises, then the gradient norm and the training perplexity follow. Beyond Precision (arXiv:2602.01826): the mismatch
 (``log_ppl_abs_diff``) grows together with the gradient noise, and a surge of the response length
 comes before it. The monitor watches exactly that::
 
@@ -242,7 +242,7 @@ class MismatchMonitor:
                         message=(
                             f"response length surge at step {step}: smoothed mean {event.smoothed_length:.1f} "
                             f"is {event.ratio:.2f}x the reference {event.reference_length:.1f} "
-                            f"({event.detector}); seed 002 decays the learning rate from here "
+                            f"({event.detector}); Beyond Precision (arXiv:2602.01826) decays the learning rate from here "
                             "(length_decay_enabled)"
                         ),
                         details={"smoothed_length": event.smoothed_length, "reference_length": event.reference_length},

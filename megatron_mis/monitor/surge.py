@@ -1,4 +1,4 @@
-"""Detectors of a surge in the mean response length (seed 002, section 3.3).
+"""Detectors of a surge in the mean response length (Beyond Precision (arXiv:2602.01826), section 3.3).
 
 A detector consumes one value per step: the step's mean response length over the *global* batch
 (every data-parallel rank must feed the same number, see
@@ -15,7 +15,7 @@ nearest rank) of ``B_{n-H+1}, ..., B_n``, ``H = length_surge_baseline_window`` (
 dip can only lower ``Q_n`` once it fills three quarters of those ``H`` values, so the recovery
 from any dip shorter than about ``0.75 H`` observations (37 steps by default) does not fire; a
 quartile rather than the maximum, because the maximum of 50 noisy values sits well above the
-level (about +25 % at a coefficient of variation of 0.2) and then missed real triplings. Seed 002's signal is a surge to a *new* level (1000 -> 3000-4000
+level (about +25 % at a coefficient of variation of 0.2) and then missed real triplings. Beyond Precision (arXiv:2602.01826)'s signal is a surge to a *new* level (1000 -> 3000-4000
 tokens); lengths that dip and come back to where they were are not one. Comparing with the
 value ``W`` steps earlier alone fired on such a recovery (1000 for 30 steps, 450 for 5, back to
 1000 fired at step 44: the reference was the dip).
@@ -26,7 +26,7 @@ Registered detectors (:data:`SURGE_DETECTORS`):
     ``B_n = S_{n-W}``, the smoothed length ``W = length_surge_window`` observations earlier, so
     ``R_n`` is the larger of that value and the upper quartile of the smoothed lengths between
     ``W + H - 1`` and ``W`` observations ago: the length rose ``ratio``-fold above the level it
-    held before the last ``W`` steps (seed 002: "can triple in just a few steps"). A slow drift
+    held before the last ``W`` steps (Beyond Precision (arXiv:2602.01826): "can triple in just a few steps"). A slow drift
     rises far less than 2-fold within ``W`` steps.
 
 ``ema_jump``
@@ -40,7 +40,7 @@ Onset. A detector fires a few steps after the run-up began (smoothing, patience,
 event also carries :attr:`SurgeEvent.onset_step`, the first step of the run-up: the first step of
 the run of raw lengths above ``R * ratio ** 0.25`` (a quarter of the way, in log scale, from the
 reference to a surge) that leads up to the firing observation, looked for among the last
-``W + smoothing + patience`` observations. Seed 002's decay period is a multiple of the step
+``W + smoothing + patience`` observations. Beyond Precision (arXiv:2602.01826)'s decay period is a multiple of the step
 *where the surge happens*, so the LR schedule takes it from the onset (a tripling starting at step
 110 fires at 112; the period is 1.8 x 110 = 198, not 1.8 x 112 = 202). Noise-free, the onset of a
 jump or of a ramp is exact; under noise a step just before the run-up that happens to exceed the
@@ -53,7 +53,7 @@ length_surge_smoothing + length_surge_patience`` and the minimum steps have pass
 defaults and a tripling it fires on ``s + 2``. A ramp adds its length.
 
 Noise: with the defaults, 100 simulated 1000-step traces of stationary log-normal noise with a
-coefficient of variation of 0.2 per step (a batch mean of a few dozen responses; seed 002's
+coefficient of variation of 0.2 per step (a batch mean of a few dozen responses; Beyond Precision (arXiv:2602.01826)'s
 1024-response batches are far quieter), and 100 with the level doubling slowly over the run,
 gave no false alarm, while a tripling ramped over 5 steps was detected within 8 steps every
 time. Noisier traces need more ``length_surge_smoothing`` (5 for a variation of 0.3).

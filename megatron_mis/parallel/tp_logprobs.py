@@ -25,7 +25,7 @@ softmax chunk by chunk, so no ``[T, V/tp]`` float32 buffer beyond one chunk's is
 forward and backward (the returned gradient itself is ``[T, V/tp]``, as for any loss).
 
 Equal (up to rounding) to ``-megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` and to
-``log_softmax`` of the gathered logits; ``tests/test_tp_logprobs.py`` checks both, on a real
+``log_softmax`` of the gathered logits; ``tests/distributed/test_tp_logprobs.py`` checks both, on a real
 Megatron-Core GPT with TP=2.
 """
 

@@ -7,5 +7,5 @@
 - :mod:`~megatron_mis.testbed.study`: ``megatron-mis study`` (arms x seeds, statistics, report).
 
 The library (``core``, ``parallel``, ``integrations``, ``routing``, ``monitor``, ``config``) never
-imports this package (``tests/test_architecture.py``).
+imports this package (``tests/unit/test_architecture.py``).
 """

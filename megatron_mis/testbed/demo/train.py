@@ -184,14 +184,8 @@ class GRPOTrainer:
         from megatron_mis.testbed.demo.task import PAD, DigitTask, TaskConfig
         from megatron_mis.integrations.megatron_loss import MegatronRLLoss
         from megatron_mis.testbed.models.gpt import GPTSpec, build_gpt
-        from megatron_mis.monitor import (
-            LengthDecayConfig,
-            LengthDecayParamScheduler,
-            MismatchMonitor,
-            MonitorConfig,
-            SurgeConfig,
-            build_lr_schedule,
-        )
+        from megatron_mis.lr_schedule import LengthDecayParamScheduler, build_lr_schedule
+        from megatron_mis.monitor import LengthDecayConfig, MismatchMonitor, MonitorConfig, SurgeConfig
 
         self.cfg, self.arm = cfg, arm
         self.tp_group = ps.get_tensor_model_parallel_group()

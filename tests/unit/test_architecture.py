@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CORE = sorted(p.stem for p in (REPO / "megatron_mis" / "core").glob("*.py") if p.stem != "__init__")
 
 
@@ -126,3 +126,20 @@ def test_library_never_imports_the_testbed():
         if bad:
             offenders[str(path.relative_to(REPO))] = bad
     assert not offenders, offenders
+
+
+def test_tests_live_in_their_tiers():
+    """Every test file sits in one tier directory, pytest's default run covers exactly the three
+    tiers, and CI runs that default run (``make test`` -> ``python -m pytest``)."""
+    import configparser
+
+    tests = REPO / "tests"
+    assert not sorted(p.name for p in tests.glob("test_*.py")), "test files belong in tests/unit, distributed or e2e"
+    tiers = ["tests/unit", "tests/distributed", "tests/e2e"]
+    for tier in tiers:
+        assert sorted((REPO / tier).glob("test_*.py")), tier
+    ini = configparser.ConfigParser()
+    ini.read(REPO / "pytest.ini")
+    assert ini["pytest"]["testpaths"].split() == tiers
+    assert "$(BIN)/python -m pytest\n" in (REPO / "Makefile").read_text()
+    assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-1] == "make test"

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_mis.config.sections import load_sections
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((REPO / "examples").glob("*/run-*.sh"))
 HOST_SCRIPTS = [p for p in SCRIPTS if p.parent.name in ("slime", "miles")]
 

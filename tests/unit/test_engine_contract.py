@@ -17,7 +17,7 @@ from megatron_mis import MISConfig
 from megatron_mis.core import engine
 from megatron_mis.core.engine import compute_mis, compute_mis_from_lists
 from megatron_mis.core.statistics import Plan, SequenceStatistics
-from megatron_mis.integrations.hosts import compute_mis_weights_fsdp, compute_mis_weights_with_cp
+from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp, compute_mis_weights_with_cp
 
 SEED000 = dict(use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
                rs_upper_bound=1.001, rs_veto_threshold=1e-4, tis_batch_normalize=True)

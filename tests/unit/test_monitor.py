@@ -27,7 +27,7 @@ from megatron_mis.monitor import (
 )
 from megatron_mis.monitor.monitor import kendall_tau, trend_statistics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 QUIET = dict(monitor_emit="none")
 
 

@@ -14,7 +14,7 @@ from megatron_mis.config.loss import LossConfig
 from megatron_mis.monitor import LengthDecayConfig, MonitorConfig, SurgeConfig
 from megatron_mis.routing.config import RoutingReplayConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 
 

@@ -14,7 +14,7 @@ import torch
 
 from megatron_mis import MISConfig
 from megatron_mis.core.engine import compute_mis, compute_mis_from_lists
-from megatron_mis.integrations.hosts import compute_mis_weights_fsdp, compute_mis_weights_with_cp
+from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp, compute_mis_weights_with_cp
 
 
 def _cfg(**kw) -> MISConfig:

@@ -14,7 +14,7 @@ import yaml
 from megatron_mis.config import HOST_KEYS, ConfigError, MISConfig, load_yaml_mapping
 from megatron_mis.presets import configs_dir, preset_names, preset_path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_host_keys():

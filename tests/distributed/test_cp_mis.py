@@ -363,7 +363,7 @@ def slime_global_norm(seed: int):
     from megatron.core import parallel_state as mpu
 
     import megatron_mis
-    from megatron_mis.integrations.hosts import prepare_global_normalizer
+    from megatron_mis.integrations.tis_functions import prepare_global_normalizer
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(cp=2):

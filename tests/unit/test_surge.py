@@ -35,7 +35,7 @@ def noisy(num_steps, cv, seed, level=lambda t: 1000.0):
 
 # ----------------------------------------------------------------------------- hand-derived
 def test_tripling_at_step_108_fires_at_step_110():
-    # Lengths 1000 up to step 107, 3000 from step 108 (seed 002: 1000 -> 3000-4000).
+    # Lengths 1000 up to step 107, 3000 from step 108 (Beyond Precision (arXiv:2602.01826): 1000 -> 3000-4000).
     # Smoothed over 3: S_108 = 5000/3 = 1667 (1.67x the value 10 steps earlier: no),
     # S_109 = 7000/3 = 2333 (2.33x: yes, streak 1), S_110 = 3000 (3x: streak 2 = patience) -> fires.
     det = build_surge_detector(SurgeConfig())
@@ -118,7 +118,7 @@ def test_never_fires_without_a_surge(detector, trace_name):
 @pytest.mark.parametrize("detector", DETECTORS)
 @pytest.mark.parametrize("cv", [0.1, 0.2])
 def test_fires_within_bounded_delay_of_a_surge(detector, cv):
-    # Seed 002's surge: 1000 -> 3000 within a few steps (here a 5-step ramp) at a random step.
+    # Beyond Precision (arXiv:2602.01826)'s surge: 1000 -> 3000 within a few steps (here a 5-step ramp) at a random step.
     rng = random.Random(1234)
     for seed in range(12):
         onset = rng.randint(30, 300)

@@ -34,7 +34,7 @@ import torch
 
 from megatron_mis.routing.replay import _RECORD, _REPLAY, _ReplayHook, legacy_routing_call
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PATCH = ROOT / "patches" / "megatron-core-0.15.3-router-replay-hook.patch"
 FILES = ("megatron/core/transformer/moe/moe_utils.py", "megatron/core/transformer/moe/router.py")
 

@@ -1,4 +1,4 @@
-"""The length-decay learning-rate schedule (seed 002, Algorithm 1): the 110 -> 198 case, halving
+"""The length-decay learning-rate schedule (Beyond Precision (arXiv:2602.01826), Algorithm 1): the 110 -> 198 case, halving
 at each period down to the floor, Algorithm 1 verbatim, the Megatron-Core wrapper (warm-up
 first), exact resume mid-decay, the global-mean collective and the slime / Miles hooks on 2 gloo
 ranks."""
@@ -15,20 +15,19 @@ import pytest
 import torch
 
 from megatron_mis.config import ConfigError
-from megatron_mis.monitor import (
+from megatron_mis.lr_schedule import (
     LR_SCHEDULES,
-    LengthDecayConfig,
     LengthDecayParamScheduler,
     LengthDecaySchedule,
     LengthDecayScheduler,
-    SurgeConfig,
     build_lr_schedule,
 )
+from megatron_mis.monitor import LengthDecayConfig, SurgeConfig
 
-ETA0 = 1.0e-6  # seed 002's initial learning rate
+ETA0 = 1.0e-6  # Beyond Precision (arXiv:2602.01826)'s initial learning rate
 
-# Seed 002 (section 4.2): the length surges near step 110. The trace jumps 1000 -> 3000 at step
-# 110, which the default detector reports on step 112 with onset 110 (see tests/test_surge.py).
+# Beyond Precision (arXiv:2602.01826) (section 4.2): the length surges near step 110. The trace jumps 1000 -> 3000 at step
+# 110, which the default detector reports on step 112 with onset 110 (see tests/unit/test_surge.py).
 # The period is 1.8 x the onset (198); the decay is triggered at the detection step (112).
 # (Before issue 13 this trace jumped at 108 and the period came from the detection step.)
 SURGE_TRACE = [1000.0] * 109 + [3000.0] * 1000
@@ -50,7 +49,7 @@ def seed002_expected_factor(t: int) -> float:
 # ------------------------------------------------------------------------------ pure schedule
 def test_decay_period_from_the_surge_step():
     cfg = LengthDecayConfig(length_decay_enabled=True)
-    assert cfg.resolve_period(110) == 198  # seed 002, Qwen3-4B: surge near step 110
+    assert cfg.resolve_period(110) == 198  # Beyond Precision (arXiv:2602.01826), Qwen3-4B: surge near step 110
     assert cfg.resolve_period(90) == 162  # Qwen3-8B: surge at 90, best period ~160
     on = dict(length_decay_enabled=True)
     assert LengthDecayConfig(length_decay_period_multiple=1.25, **on).resolve_period(2) == 3  # 2.5 rounds up
@@ -87,7 +86,7 @@ def test_seed002_surge_at_110_halves_every_198_steps_down_to_the_floor(how):
 @pytest.mark.parametrize("period", [1, 7, 50, 198])
 @pytest.mark.parametrize("floor", [0.0, 0.1, 0.3])
 def test_trigger_start_is_algorithm_1_verbatim(period, floor):
-    # Algorithm 1 of seed 002, literally: eta_t <- max(eta_{t-1} / 2, eta_inf) when t mod T == 0.
+    # Algorithm 1 of Beyond Precision (arXiv:2602.01826), literally: eta_t <- max(eta_{t-1} / 2, eta_inf) when t mod T == 0.
     schedule = build_lr_schedule(
         LengthDecayConfig(
             length_decay_enabled=True, length_decay_trigger="start", length_decay_period=period,
@@ -380,7 +379,8 @@ def _slime_host_case(mode, lengths_by_rollout, num_steps_per_rollout, stop_after
     """The slime loop as read at 624b824a (actor.train_actor -> model.train -> train_one_step):
     rollout_data_postprocess(args, rollout_id, rollout_data) on every rank, then per step the
     before-train-step hook, optimizer.step(), opt_param_scheduler.step(increment=gbs)."""
-    from megatron_mis.integrations import scheduler_hooks as hooks
+    from megatron_mis.integrations import slime as hooks
+    from megatron_mis.integrations.scheduler_hooks import HOST_STATE_ATTR
     from megatron_mis.testing.distributed import megatron_parallel
 
     args = argparse.Namespace(length_decay_enabled=True, length_surge_min_steps=5)
@@ -395,14 +395,14 @@ def _slime_host_case(mode, lengths_by_rollout, num_steps_per_rollout, stop_after
         for rollout_id in range(first_rollout, len(lengths_by_rollout)):
             # each rank holds half of the rollout's samples
             rollout_data = {"response_lengths": lengths_by_rollout[rollout_id][rank::2]}
-            hooks.slime_rollout_data_postprocess(args, rollout_id, rollout_data)
+            hooks.rollout_data_postprocess(args, rollout_id, rollout_data)
             for step_id in range(num_steps_per_rollout):
                 if mode == "hooks":
                     hooks.before_train_step(args, rollout_id, step_id, None, opt, sched)
                 lrs.append(opt.param_groups[0]["lr"])
                 sched.step(increment=8)
             if stop_after is not None and rollout_id + 1 == stop_after:
-                return lrs, sched.state_dict(), pickle.loads(pickle.dumps(args)).__dict__[hooks.HOST_STATE_ATTR]
+                return lrs, sched.state_dict(), pickle.loads(pickle.dumps(args)).__dict__[HOST_STATE_ATTR]
         return lrs, None, None
 
 

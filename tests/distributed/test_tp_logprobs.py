@@ -136,7 +136,7 @@ def test_gpt_tp2_log_probs_equal_unsharded_log_softmax(pool2, temperature):
     tp2 = pool2.run(_gpt_logprobs, 2, tokens, targets, weights, temperature)
 
     full = tp2[0]["full_logits"]
-    # CPU init from one seed gives the same full model at TP=1 and TP=2 (tests/test_models_cpu.py).
+    # CPU init from one seed gives the same full model at TP=1 and TP=2 (tests/distributed/test_models_cpu.py).
     torch.testing.assert_close(full, ref["full_logits"], rtol=1e-5, atol=1e-5)
     x = full.double().requires_grad_()
     logp = torch.log_softmax(x / temperature, dim=-1)
