@@ -40,12 +40,13 @@ that serves two statistics once, frees its temporaries early, and returns batch 
 stride-0 views.
 
 Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 through a series
-near r = 1). Per-sequence sums add float32 values within chunks of at most ``C`` tokens (torch's
-cascade summation) and the chunk results in float64, accumulating only within the sequence; the
-log-ratio sum that feeds exp at sequence level is the float64 sum of exact float64 differences,
-the log-prob sums are float64 (a float32 chunk of log-probs near -3e38 would overflow), and
-r^2 - 1 is float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are
-exact. ``tests/unit/test_engine_contract.py`` checks the values against a float64 computation.
+near r = 1). Per-sequence sums of values are float64 sums of the float32 values (each column is
+converted just before its reduction, one at a time), accumulated only within the sequence, so a
+sequence's statistics do not depend on its place in the batch; the log-ratio sum that feeds exp
+at sequence level is the float64 sum of exact float64 differences, and r^2 - 1 is formed in
+float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are exact (float32
+chunks of 0/1). ``tests/unit/test_engine_contract.py`` checks the values against a float64
+computation.
 """
 
 from __future__ import annotations
@@ -312,8 +313,7 @@ def _token_stage(
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
         half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            # float64: a float32 chunk sum of log-probs near -3e38 would overflow
-            SequenceSum.SUM_TRAIN_LP: train_v.to(f64), SequenceSum.SUM_ROLLOUT_LP: rollout_v.to(f64), SequenceSum.SUM_K3: k3,
+            SequenceSum.SUM_TRAIN_LP: train_v, SequenceSum.SUM_ROLLOUT_LP: rollout_v, SequenceSum.SUM_K3: k3,
             SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
         })
         del em1, em1_r2
@@ -335,7 +335,10 @@ def _token_stage(
             unique.append(v)
         order.append(c)
         slots.append(position[id(v)])
-    reduced = layout.sums(unique)  # [N, U] float64
+    # 0/1 counts sum exactly in float32 chunks; values are summed in float64 so that a sequence's
+    # statistics do not depend on its place in the batch
+    num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))
+    reduced = torch.cat([layout.sums(unique[:num_counts], float64=False), layout.sums(unique[num_counts:])], 1)
     del unique, log_r_64
     sums = torch.zeros(num_seqs, len(SequenceSum), dtype=f64, device=train.device)
     sums[:, [int(c) for c in order]] = reduced[:, slots]

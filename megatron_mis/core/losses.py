@@ -484,10 +484,12 @@ def compute_rl_loss(
     overflow = valid & ~torch.isfinite(terms.loss.detach())
     if bool(overflow.any()):
         biggest = float(adv[valid].abs().max())
+        heaviest = "" if weights is None else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
         raise ValueError(
-            f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}, "
-            f"and ratio * IS weight * A exceeds the float range (ratio up to exp(ratio_log_bound="
-            f"{config.ratio_log_bound}) = {math.exp(config.ratio_log_bound):.3g}); normalise the advantages"
+            f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}"
+            f"{heaviest}, and ratio * IS weight * A exceeds the float range (ratio up to exp(ratio_log_bound="
+            f"{config.ratio_log_bound}) = {math.exp(config.ratio_log_bound):.3g}); normalise the advantages, "
+            "bound the IS weights or lower ratio_log_bound"
         )
     pg_mask = valid
     num_opsm_tokens = torch.zeros((), dtype=torch.float32)

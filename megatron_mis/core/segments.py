@@ -166,14 +166,15 @@ class SegmentLayout(NamedTuple):
     def num_segments(self) -> int:
         return int(self.window.shape[0]) // 2
 
-    def sums(self, columns: Sequence[torch.Tensor]) -> torch.Tensor:
+    def sums(self, columns: Sequence[torch.Tensor], float64: bool = True) -> torch.Tensor:
         """``K x [T] -> [N, K]`` float64 per-segment sums of FINITE columns (a transposed view of
         a ``[K, N]`` block: each column ``[:, k]`` is contiguous).
 
-        Each chunk and window is reduced in the column's own dtype (torch's cascade summation:
-        float32 columns keep float32 relative accuracy over the at most ``C`` tokens of a part),
-        and the parts are added in float64. Give a float64 column where the terms cancel or can
-        exceed the float32 range. Booleans count exactly (float32 is exact below 2^24)."""
+        With ``float64`` (the default) each column is converted to float64 one at a time (the
+        copy is freed before the next, so its memory is reused) and summed exactly: a segment's
+        sum then depends on its values only, not on where the batch places it. ``float64=False``
+        sums each chunk and window in the column's own dtype (torch's cascade summation) — exact
+        for 0/1 float32 counts, which is what it is for. Booleans count."""
         n = self.num_segments
         device = self.window.device
         f64 = torch.float64
@@ -186,6 +187,8 @@ class SegmentLayout(NamedTuple):
         for col in columns:
             if col.dtype == torch.bool:
                 col = col.to(torch.float32)
+            if float64:
+                col = col.to(f64)
             chunk_parts.append(col[: m * c].view(m, c).sum(1).to(f64))
             if col.numel():
                 win = col.index_select(0, flat).view(valid.shape)

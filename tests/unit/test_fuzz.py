@@ -284,6 +284,19 @@ def _mask_mode_rule(res: Any, cfg: MISConfig, train: torch.Tensor, rollout: torc
     return []
 
 
+def _product_may_overflow(adv: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor, log_bound: float) -> bool:
+    """The documented refusal of compute_rl_loss: max ratio (e^ratio_log_bound) x max |IS weight|
+    x max |A| over loss tokens beyond float32 may be refused (a loss that does not fit is an error)."""
+    on = (mask != 0) & torch.isfinite(adv)
+    if weights is not None:
+        on = on & torch.isfinite(weights)
+    if not bool(on.any()):
+        return False
+    a = float(adv[on].abs().max())
+    w = 1.0 if weights is None else float(weights[on].abs().max())
+    return math.log(max(a, 1e-300)) + math.log(max(w, 1e-300)) + float(log_bound) > math.log(F32_MAX)
+
+
 def _tensor(values: list[float], dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
@@ -588,9 +601,11 @@ def rl_loss_cases(draw) -> Case:
     expect, names = "ok", ()
     if cfg.nonfinite_input_policy == "error" and nonfinite:
         expect, names = "error", ("non-finite",)
-    elif bool(((adv.abs() >= 1e30) & torch.isfinite(adv) & (mask != 0)).any()):
-        # ratio (up to e^ratio_log_bound) x IS weight x A may not fit float32 for such advantages:
-        # a finite loss, or an error naming the advantages (compute_rl_loss checks the terms).
+    elif bool(((adv.abs() >= 1e30) & torch.isfinite(adv) & (mask != 0)).any()) or _product_may_overflow(
+        adv, w if policy.uses_is_weights else None, mask, cfg.ratio_log_bound
+    ):
+        # ratio (up to e^ratio_log_bound) x IS weight x A may not fit float32: a finite loss, or an
+        # error naming the advantages and the IS weights (compute_rl_loss checks the terms).
         expect, names = "either", ("advantages",)
     label = (f"cfg={cfg.to_dict()} lengths={lengths} log_probs={lp.tolist()} adv={adv.tolist()} old={old.tolist()} "
              f"rollout={rollout.tolist()} mask={mask.tolist()}")
