@@ -350,10 +350,10 @@ def _token_stage(
     # ---- per-sequence extrema (token-level IS metrics only) --------------------------------
     if plan.token_is and metrics_on:
         big = 3e38
-        # excluded tokens get +-big by arithmetic (x * 1 + 0 = x exactly; every x is finite),
-        # three cheap passes where a select costs one slow one
+        # excluded tokens get +-big by arithmetic (x + 0 = x exactly; every x is finite): cheap
+        # passes where a select costs one slow one
         out_valid = (1.0 - validf).mul_(big)
-        out_kept = out_valid if keptf is validf else (1.0 - keptf).mul_(big)
+        out_kept = (1.0 - keptf).mul_(big)
         # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there
         low = layout.mins([log_r + out_valid, w_kept + out_kept], big)
         high = layout.maxs([log_r - out_valid, w_kept - out_kept], -big)
