@@ -123,8 +123,8 @@ class MISConfig(ConfigBase):
     compile_engine: bool = doc(
         False,
         "Run the engine's token and sequence stages through torch.compile(fullgraph=True, "
-        "dynamic=True). Faster on long batches once compiled (see benchmarks/README.md); the first "
-        "call of a process compiles (seconds to minutes).",
+        "dynamic=True); the first call of a process compiles (seconds to minutes). Measured slower than "
+        "eager on a 2-core CPU (benchmarks/README.md); not yet timed on a GPU.",
     )
     rs_without_tis: bool = doc(
         False,
