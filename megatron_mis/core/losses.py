@@ -316,6 +316,207 @@ def _check_1d(name: str, t: torch.Tensor | None, n: int) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{n}] (one value per token, like log_probs)")
 
 
+def _check_loss_inputs(
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: LossConfig,
+    denominators: Denominators,
+    old_log_probs: torch.Tensor | None,
+    rollout_log_probs: torch.Tensor | None,
+    ref_log_probs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    keep_mask: torch.Tensor | None,
+):
+    """Types, shapes and the inputs the configured terms need; returns the policy-loss entry.
+
+    Raises:
+        TypeError / ValueError: naming the argument, the value and what is allowed.
+    """
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+    if not isinstance(denominators, Denominators):
+        raise TypeError(
+            f"denominators must be a Denominators(num_tokens, num_sequences), got {type(denominators).__name__} "
+            f"{denominators!r:.80}"
+        )
+    if not isinstance(log_probs, torch.Tensor):
+        raise TypeError(f"log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        got = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {got} {cu_seqlens!r:.80}")
+    policy = POLICY_LOSSES.get(config.policy_loss)
+    if log_probs.dim() != 1:
+        raise ValueError(f"log_probs must be 1-D [T], got shape {tuple(log_probs.shape)}")
+    n = log_probs.shape[0]
+    for name, t in (
+        ("advantages", advantages),
+        ("loss_mask", loss_mask),
+        ("old_log_probs", old_log_probs),
+        ("rollout_log_probs", rollout_log_probs),
+        ("ref_log_probs", ref_log_probs),
+        ("entropy", entropy),
+        ("is_weights", is_weights),
+        ("keep_mask", keep_mask),
+    ):
+        _check_1d(name, t, n)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0:
+        raise ValueError(
+            f"cu_seqlens must be [N+1] from 0 to the number of tokens ({n}), got {cu_seqlens.tolist()[:8]}"
+        )
+    if policy.old_policy == "rollout" and rollout_log_probs is None:
+        raise ValueError(f"policy_loss={policy.name!r} needs rollout_log_probs (they play pi_old)")
+    if policy.uses_is_weights and is_weights is None:
+        raise ValueError(
+            f"policy_loss={policy.name!r} needs is_weights (pi_old/pi_rollout, MISResult.weights); "
+            "pass torch.ones_like(log_probs) to train without IS"
+        )
+    if not policy.uses_is_weights and is_weights is not None:
+        why = (
+            "its ratio pi_theta/pi_rollout already is the IS ratio (weights would count it twice)"
+            if policy.old_policy == "rollout"
+            else "it is the uncorrected baseline (use decoupled_ppo to apply IS weights)"
+        )
+        raise ValueError(f"policy_loss={policy.name!r} takes no is_weights: {why}")
+    if config.kl_active and ref_log_probs is None:
+        raise ValueError("the KL term is on (use_kl_loss, kl_loss_coef > 0) but ref_log_probs is None")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef!r} > 0 but entropy is None")
+
+    return policy
+
+
+def _screen_nonfinite(inputs: dict[str, torch.Tensor], lmask: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(finite [T], bad [T])``: tokens whose every input is finite, and loss tokens with a
+    non-finite input — an error under ``nonfinite_input_policy="error"``, else a warning (they
+    are dropped from the loss and counted).
+
+    Raises:
+        ValueError: a non-finite input on a loss token under the ``error`` policy.
+    """
+    finite = torch.ones_like(lmask)
+    for t in inputs.values():
+        finite &= torch.isfinite(t)
+    bad = lmask & ~finite
+    num_bad = int(bad.sum())
+    if num_bad:
+        detail = ", ".join(
+            f"{k}: {int((lmask & ~torch.isfinite(t)).sum())}" for k, t in inputs.items() if bool((lmask & ~torch.isfinite(t)).any())
+        )
+        if config.nonfinite_input_policy == "error":
+            raise ValueError(
+                f"{num_bad} loss token(s) with a non-finite input ({detail}); "
+                "set nonfinite_input_policy='neutralize' to drop them"
+            )
+        warnings.warn(
+            f"{num_bad} loss token(s) with a non-finite input ({detail}) dropped from the loss "
+            "(counted in num_nonfinite_inputs)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return finite, bad
+
+
+def _finite_or_zero(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` in ``dtype`` with non-finite entries 0 (``torch.where`` keeps the gradient of the
+    finite ones)."""
+    if t is None:
+        return None
+    t = t.to(dtype)
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype, device=t.device))
+
+
+def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig, dtype: torch.dtype) -> PolicyLossTerms:
+    """The per-token policy-loss terms; an error if the loss does not fit ``dtype``.
+
+    Raises:
+        ValueError: ratio * IS weight * A beyond the float range (naming the advantages, the IS
+            weights and what to change).
+    """
+    # Tokens outside ``valid`` get advantage 0 and weight 0 in the policy term: torch.where below
+    # would drop their value, but a huge advantage there still makes 0 * inf = NaN in the backward.
+    nil = torch.zeros((), dtype=dtype, device=lp.device)
+    terms = policy.fn(
+        lp, old, torch.where(valid, adv, nil), None if weights is None else torch.where(valid, weights, nil), config
+    )
+    overflow = valid & ~torch.isfinite(terms.loss.detach())
+    if bool(overflow.any()):
+        biggest = float(adv[valid].abs().max())
+        heaviest = "" if weights is None else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
+        raise ValueError(
+            f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}"
+            f"{heaviest}, and ratio * IS weight * A exceeds the float range (ratio up to exp(ratio_log_bound="
+            f"{config.ratio_log_bound}) = {math.exp(config.ratio_log_bound):.3g}); normalise the advantages, "
+            "bound the IS weights or lower ratio_log_bound"
+        )
+    return terms
+
+
+def _opsm_policy_mask(adv, lp, old, lmask, finite, valid, cu_seqlens, config: LossConfig, opsm_seq_stats):
+    """``(pg_mask, num_opsm_tokens, num_opsm_sequences)``: the policy term's tokens after
+    off-policy sequence masking (``valid`` when OPSM is off)."""
+    pg_mask = valid
+    num_opsm_tokens = torch.zeros((), dtype=torch.float32)
+    num_opsm_sequences = torch.zeros((), dtype=torch.float32)
+    if config.use_opsm:
+        if opsm_seq_stats is None:
+            opsm_seq_stats = opsm_sequence_stats(lp, old, lmask & finite, cu_seqlens)
+        opsm_keep, off_policy = opsm_keep_mask(adv, cu_seqlens, *opsm_seq_stats, delta=config.opsm_delta)
+        num_opsm_tokens = (valid & ~opsm_keep).sum().float()
+        seq = segment_ids(cu_seqlens, lp.device)
+        dropped_seq = torch.zeros(cu_seqlens.numel() - 1, dtype=torch.bool, device=lp.device)
+        dropped_seq[seq[valid & ~opsm_keep]] = True
+        num_opsm_sequences = dropped_seq.sum().float()
+        pg_mask = valid & opsm_keep
+
+    return pg_mask, num_opsm_tokens, num_opsm_sequences
+
+
+def _token_sums(terms: PolicyLossTerms, valid, old, lp, weights, ent, kl_values, config: LossConfig) -> dict[str, torch.Tensor]:
+    """Sums over this micro-batch's valid tokens of the per-token diagnostics (clip fractions,
+    the PPO KL, the ratio, IS weight, entropy, KL); :func:`finalize_metrics` divides them."""
+    def tsum(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float()
+        return torch.where(valid, x, torch.zeros_like(x)).sum()
+
+    token_sums = {
+        "pg_clipfrac": tsum(terms.clipped.float()),
+        "pg_clipfrac_low": tsum(terms.clipped_low.float()),
+        "pg_clipfrac_high": tsum(terms.clipped_high.float()),
+        "pg_dualclip_frac": tsum(terms.dual_clipped.float()),
+        # log(pi_old / pi_theta) clamped like the policy ratio, so no finite input overflows the sum
+        "ppo_kl": tsum((old - lp.detach()).clamp(-config.ratio_log_bound, config.ratio_log_bound)),
+        "ratio": tsum(terms.ratio),
+    }
+    if weights is not None:
+        token_sums["is_weight"] = tsum(weights)
+    if ent is not None:
+        token_sums["entropy"] = tsum(ent)
+    if kl_values is not None:
+        token_sums["kl"] = tsum(kl_values)
+    return token_sums
+
+
+def _counts(lmask, finite, keep, valid, bad, den_mask, cu_seqlens, seq_token_counts, num_opsm_tokens, num_opsm_sequences) -> dict[str, torch.Tensor]:
+    """This micro-batch's token and sequence counts (loss, valid, rejected, non-finite, OPSM,
+    denominator)."""
+    device = valid.device
+    den_counts = segment_sum(den_mask.float(), cu_seqlens) if seq_token_counts is None else seq_token_counts
+    counts = {
+        "num_loss_tokens": lmask.sum().float(),
+        "num_valid_tokens": valid.sum().float(),
+        "num_rejected_tokens": (lmask & finite & ~keep).sum().float(),
+        "num_nonfinite_inputs": bad.sum().float(),
+        "num_opsm_tokens": num_opsm_tokens.to(device),
+        "num_opsm_sequences": num_opsm_sequences.to(device),
+        "num_denominator_tokens": den_mask.sum().float(),
+        "num_denominator_sequences": (den_counts > 0).sum().float(),
+    }
+    return counts
+
+
 def compute_rl_loss(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
@@ -369,56 +570,10 @@ def compute_rl_loss(
             ``nonfinite_input_policy="error"``.
         KeyError: unknown loss / KL names (listing the valid ones).
     """
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
-    if not isinstance(denominators, Denominators):
-        raise TypeError(
-            f"denominators must be a Denominators(num_tokens, num_sequences), got {type(denominators).__name__} "
-            f"{denominators!r:.80}"
-        )
-    if not isinstance(log_probs, torch.Tensor):
-        raise TypeError(f"log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-        got = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
-        raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {got} {cu_seqlens!r:.80}")
-    policy = POLICY_LOSSES.get(config.policy_loss)
-    if log_probs.dim() != 1:
-        raise ValueError(f"log_probs must be 1-D [T], got shape {tuple(log_probs.shape)}")
-    n = log_probs.shape[0]
-    for name, t in (
-        ("advantages", advantages),
-        ("loss_mask", loss_mask),
-        ("old_log_probs", old_log_probs),
-        ("rollout_log_probs", rollout_log_probs),
-        ("ref_log_probs", ref_log_probs),
-        ("entropy", entropy),
-        ("is_weights", is_weights),
-        ("keep_mask", keep_mask),
-    ):
-        _check_1d(name, t, n)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0:
-        raise ValueError(
-            f"cu_seqlens must be [N+1] from 0 to the number of tokens ({n}), got {cu_seqlens.tolist()[:8]}"
-        )
-    if policy.old_policy == "rollout" and rollout_log_probs is None:
-        raise ValueError(f"policy_loss={policy.name!r} needs rollout_log_probs (they play pi_old)")
-    if policy.uses_is_weights and is_weights is None:
-        raise ValueError(
-            f"policy_loss={policy.name!r} needs is_weights (pi_old/pi_rollout, MISResult.weights); "
-            "pass torch.ones_like(log_probs) to train without IS"
-        )
-    if not policy.uses_is_weights and is_weights is not None:
-        why = (
-            "its ratio pi_theta/pi_rollout already is the IS ratio (weights would count it twice)"
-            if policy.old_policy == "rollout"
-            else "it is the uncorrected baseline (use decoupled_ppo to apply IS weights)"
-        )
-        raise ValueError(f"policy_loss={policy.name!r} takes no is_weights: {why}")
-    if config.kl_active and ref_log_probs is None:
-        raise ValueError("the KL term is on (use_kl_loss, kl_loss_coef > 0) but ref_log_probs is None")
-    if config.entropy_coef > 0 and entropy is None:
-        raise ValueError(f"entropy_coef={config.entropy_coef!r} > 0 but entropy is None")
-
+    policy = _check_loss_inputs(
+        log_probs, advantages, loss_mask, cu_seqlens, config, denominators,
+        old_log_probs, rollout_log_probs, ref_log_probs, entropy, is_weights, keep_mask,
+    )
     lmask = loss_mask.bool()
     dtype = torch.float32 if log_probs.dtype in (torch.float16, torch.bfloat16) else log_probs.dtype
     lp = log_probs.to(dtype)
@@ -434,32 +589,10 @@ def compute_rl_loss(
         inputs["entropy"] = entropy.detach()
     if is_weights is not None:
         inputs["is_weights"] = is_weights
-    finite = torch.ones_like(lmask)
-    for t in inputs.values():
-        finite &= torch.isfinite(t)
-    bad = lmask & ~finite
-    num_bad = int(bad.sum())
-    if num_bad:
-        detail = ", ".join(
-            f"{k}: {int((lmask & ~torch.isfinite(t)).sum())}" for k, t in inputs.items() if bool((lmask & ~torch.isfinite(t)).any())
-        )
-        if config.nonfinite_input_policy == "error":
-            raise ValueError(
-                f"{num_bad} loss token(s) with a non-finite input ({detail}); "
-                "set nonfinite_input_policy='neutralize' to drop them"
-            )
-        warnings.warn(
-            f"{num_bad} loss token(s) with a non-finite input ({detail}) dropped from the loss "
-            "(counted in num_nonfinite_inputs)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    finite, bad = _screen_nonfinite(inputs, lmask, config)
 
     def clean(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        t = t.to(dtype)
-        return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype, device=t.device))
+        return _finite_or_zero(t, dtype)
 
     lp = torch.where(torch.isfinite(lp.detach()), lp, torch.zeros((), dtype=dtype, device=lp.device))
     adv = clean(advantages)
@@ -474,36 +607,11 @@ def compute_rl_loss(
     valid = keep & finite
     den_mask = denominator_mask(lmask, valid, config.rejected_in_denominator)
 
-    # ---- policy term
-    # Tokens outside ``valid`` get advantage 0 and weight 0 in the policy term: torch.where below
-    # would drop their value, but a huge advantage there still makes 0 * inf = NaN in the backward.
-    nil = torch.zeros((), dtype=dtype, device=lp.device)
-    terms = policy.fn(
-        lp, old, torch.where(valid, adv, nil), None if weights is None else torch.where(valid, weights, nil), config
+    # ---- policy term, then off-policy sequence masking of it
+    terms = _policy_term(policy, lp, old, adv, weights, valid, config, dtype)
+    pg_mask, num_opsm_tokens, num_opsm_sequences = _opsm_policy_mask(
+        adv, lp, old, lmask, finite, valid, cu_seqlens, config, opsm_seq_stats
     )
-    overflow = valid & ~torch.isfinite(terms.loss.detach())
-    if bool(overflow.any()):
-        biggest = float(adv[valid].abs().max())
-        heaviest = "" if weights is None else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
-        raise ValueError(
-            f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}"
-            f"{heaviest}, and ratio * IS weight * A exceeds the float range (ratio up to exp(ratio_log_bound="
-            f"{config.ratio_log_bound}) = {math.exp(config.ratio_log_bound):.3g}); normalise the advantages, "
-            "bound the IS weights or lower ratio_log_bound"
-        )
-    pg_mask = valid
-    num_opsm_tokens = torch.zeros((), dtype=torch.float32)
-    num_opsm_sequences = torch.zeros((), dtype=torch.float32)
-    if config.use_opsm:
-        if opsm_seq_stats is None:
-            opsm_seq_stats = opsm_sequence_stats(lp, old, lmask & finite, cu_seqlens)
-        opsm_keep, off_policy = opsm_keep_mask(adv, cu_seqlens, *opsm_seq_stats, delta=config.opsm_delta)
-        num_opsm_tokens = (valid & ~opsm_keep).sum().float()
-        seq = segment_ids(cu_seqlens, lp.device)
-        dropped_seq = torch.zeros(cu_seqlens.numel() - 1, dtype=torch.bool, device=lp.device)
-        dropped_seq[seq[valid & ~opsm_keep]] = True
-        num_opsm_sequences = dropped_seq.sum().float()
-        pg_mask = valid & opsm_keep
 
     mode = config.loss_aggregation
     agg = dict(seq_token_counts=seq_token_counts, count_mask=den_mask)
@@ -529,36 +637,8 @@ def compute_rl_loss(
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * entropy_loss
 
-    def tsum(x: torch.Tensor) -> torch.Tensor:
-        x = x.detach().float()
-        return torch.where(valid, x, torch.zeros_like(x)).sum()
-
-    token_sums = {
-        "pg_clipfrac": tsum(terms.clipped.float()),
-        "pg_clipfrac_low": tsum(terms.clipped_low.float()),
-        "pg_clipfrac_high": tsum(terms.clipped_high.float()),
-        "pg_dualclip_frac": tsum(terms.dual_clipped.float()),
-        # log(pi_old / pi_theta) clamped like the policy ratio, so no finite input overflows the sum
-        "ppo_kl": tsum((old - lp.detach()).clamp(-config.ratio_log_bound, config.ratio_log_bound)),
-        "ratio": tsum(terms.ratio),
-    }
-    if weights is not None:
-        token_sums["is_weight"] = tsum(weights)
-    if ent is not None:
-        token_sums["entropy"] = tsum(ent)
-    if kl_values is not None:
-        token_sums["kl"] = tsum(kl_values)
-    den_counts = segment_sum(den_mask.float(), cu_seqlens) if seq_token_counts is None else seq_token_counts
-    counts = {
-        "num_loss_tokens": lmask.sum().float(),
-        "num_valid_tokens": valid.sum().float(),
-        "num_rejected_tokens": (lmask & finite & ~keep).sum().float(),
-        "num_nonfinite_inputs": bad.sum().float(),
-        "num_opsm_tokens": num_opsm_tokens.to(lp.device),
-        "num_opsm_sequences": num_opsm_sequences.to(lp.device),
-        "num_denominator_tokens": den_mask.sum().float(),
-        "num_denominator_sequences": (den_counts > 0).sum().float(),
-    }
+    token_sums = _token_sums(terms, valid, old, lp, weights, ent, kl_values, config)
+    counts = _counts(lmask, finite, keep, valid, bad, den_mask, cu_seqlens, seq_token_counts, num_opsm_tokens, num_opsm_sequences)
     shares = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
