@@ -42,7 +42,7 @@ stride-0 views.
 Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 through a series
 near r = 1). Per-sequence sums of values are float64 sums of the float32 values (each column is
 converted just before its reduction, one at a time), accumulated only within the sequence, so a
-sequence's statistics do not depend on its place in the batch; the log-ratio sum that feeds exp
+sequence's statistics depend on its place in the batch only by float64 rounding; the log-ratio sum that feeds exp
 at sequence level is the float64 sum of exact float64 differences, and r^2 - 1 is formed in
 float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are exact (float32
 chunks of 0/1). ``tests/unit/test_engine_contract.py`` checks the values against a float64

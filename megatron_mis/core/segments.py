@@ -171,8 +171,8 @@ class SegmentLayout(NamedTuple):
         a ``[K, N]`` block: each column ``[:, k]`` is contiguous).
 
         With ``float64`` (the default) each column is converted to float64 one at a time (the
-        copy is freed before the next, so its memory is reused) and summed exactly: a segment's
-        sum then depends on its values only, not on where the batch places it. ``float64=False``
+        copy is freed before the next, so its memory is reused) and summed in float64: where the
+        batch places a segment (its chunk alignment) changes its sum only by float64 rounding. ``float64=False``
         sums each chunk and window in the column's own dtype (torch's cascade summation) — exact
         for 0/1 float32 counts, which is what it is for. Booleans count."""
         n = self.num_segments
