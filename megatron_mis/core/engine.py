@@ -253,9 +253,8 @@ def _token_stage(
     tok_rejected = nonfinite if plan.reject_nonfinite else None
     # Decisions on the ratio see a neutralised (non-finite) loss token as ratio 1 (r is exactly 1
     # there), like any finite ratio-1 token; a rejected one is out anyway.
-    w_unb = w_tok = is_low = is_high = None
+    w_tok = is_low = is_high = None
     if plan.token_is:
-        w_unb = r
         is_low = mask & (r < plan.tis_lo)
         is_high = mask & (r > plan.tis_hi)
         if plan.tis_mode == "truncate":
@@ -367,10 +366,10 @@ def _token_stage(
 
     token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST, SequenceSum.SUM_ABS_R1) if c in columns}
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
-    kl = diff.neg_().clamp_(-_F32_MAX, _F32_MAX) if metrics_on else None
+    kl = diff.neg_().clamp_(-_metrics.F32_MAX, _metrics.F32_MAX) if metrics_on else None
     tokens = TokenQuantities(
         mask=mask, valid=valid, nonfinite=nonfinite, train=train, rollout=rollout,
-        log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok_unbounded=w_unb, w_tok=w_tok,
+        log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok=w_tok,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
         flags=flags, layout=layout, kl=kl, columns=token_columns,
     )
@@ -379,8 +378,6 @@ def _token_stage(
 
 #: Largest log-ratio bound whose r^2 = e^(2 bound) stays inside the float32 range (e^88.7).
 _F32_SAFE_BOUND = 44.0
-#: Largest float32.
-_F32_MAX = 3.4028234663852886e38
 
 
 def _bound(w: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

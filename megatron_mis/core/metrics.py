@@ -48,7 +48,7 @@ __all__ = ["k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_e
 #: Exponents of ppl-like metrics are capped here so exp() stays finite in float32.
 _EXP_CAP = 80.0
 #: Largest float32.
-_F32_MAX = 3.4028234663852886e38
+F32_MAX = 3.4028234663852886e38
 
 #: Metric names that slime's / Miles' bundled ``mis.py`` example also emits, with its definition.
 HOST_METRIC_NAMES = frozenset({
@@ -136,8 +136,7 @@ def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> t
     for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5):
         p.add_(c).mul_(x)
     p.mul_(x)  # x^2 (1/2 + x/6 + ...)
-    direct = torch.expm1(x) if expm1_x is None else expm1_x.clone()
-    direct.sub_(x)
+    direct = torch.expm1(x).sub_(x) if expm1_x is None else expm1_x - x
     return torch.where(x.abs() < 0.5, p, direct)
 
 
@@ -151,7 +150,7 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     """float32 with saturation (float64 values beyond the float32 range become +-3.4e38, not inf)."""
-    return x.clamp(-_F32_MAX, _F32_MAX).to(torch.float32)
+    return x.clamp(-F32_MAX, F32_MAX).to(torch.float32)
 
 
 def check_bucket_edges(edges: Any) -> tuple[float, ...]:

@@ -105,7 +105,6 @@ class TokenQuantities:
     r: torch.Tensor
     k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1), 0 where invalid
     tok_kept: torch.Tensor  # bool
-    w_tok_unbounded: torch.Tensor | None  # token-level IS only
     w_tok: torch.Tensor | None  # bounded (0 where IS-masked)
     is_low: torch.Tensor | None
     is_high: torch.Tensor | None
