@@ -87,7 +87,7 @@ def _median_time(fn, repeats):
 def time_table(repeats: int) -> None:
     import torch.distributed as dist
 
-    from megatron_mis.testbed.models.cpu import cpu_compat
+    from megatron_mis.testing.cpu import cpu_compat
     from megatron_mis.testbed.models.gpt import GPTSpec
     from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
     from megatron_mis.routing.replay import RoutingReplay

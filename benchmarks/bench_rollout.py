@@ -58,7 +58,7 @@ def main() -> None:
     from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine, weights_from_megatron
     from megatron_mis.testbed.demo.scoring import trainer_log_probs
     from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
-    from megatron_mis.testbed.models.cpu import cpu_compat
+    from megatron_mis.testing.cpu import cpu_compat
     from megatron_mis.testbed.models.gpt import GPTSpec, build_gpt
     from megatron_mis.parallel.packing import pack_sequences, pad_sequences
     from megatron_mis.testing.distributed import megatron_parallel

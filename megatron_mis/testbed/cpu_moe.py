@@ -113,7 +113,7 @@ def build_cpu_moe_gpt(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_mis.testbed.models.attention import SDPACoreAttention
+    from megatron_mis.testing.attention import SDPACoreAttention
 
     config = cpu_moe_config(spec, **config_overrides)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=spec.normalization, vp_stage=vp_stage)

@@ -54,7 +54,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Any, threads: int, tim
     )
     stack = contextlib.ExitStack()
     if cpu_compat:
-        from megatron_mis.testbed.models.cpu import cpu_compat as _cpu_compat
+        from megatron_mis.testing.cpu import cpu_compat as _cpu_compat
 
         stack.enter_context(_cpu_compat())
     conn.send(("ready", rank))
@@ -82,7 +82,7 @@ class ProcessGroupPool:
         world_size: number of ranks (2 cores here: keep it <= 8 and ``threads=1``).
         timeout: seconds a single ``run`` may take before the pool is torn down.
         threads: intra-op threads per rank.
-        cpu_compat: install :func:`megatron_mis.testbed.models.cpu.cpu_compat` in every worker.
+        cpu_compat: install :func:`megatron_mis.testing.cpu.cpu_compat` in every worker.
     """
 
     def __init__(self, world_size: int, *, timeout: float = 180.0, threads: int = 1, cpu_compat: bool = True) -> None:

@@ -62,7 +62,7 @@ def test_packed_equals_separate_sequences(pool2):
 def test_cpu_compat_installs_and_removes():
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_mis.testbed.models.cpu import cpu_compat, cpu_compat_active
+    from megatron_mis.testing.cpu import cpu_compat, cpu_compat_active
 
     original = torch.cuda.current_device
     original_sync = torch.cuda.synchronize

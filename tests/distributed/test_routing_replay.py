@@ -352,7 +352,7 @@ def _mtp_excluded():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_mis.testbed.cpu_moe import cpu_moe_config
-    from megatron_mis.testbed.models.gpt import cpu_gpt_layer_spec
+    from megatron_mis.testing.cpu import cpu_gpt_layer_spec
     from megatron_mis.routing.replay import RoutingReplay
     from megatron_mis.testing.distributed import megatron_parallel
 

@@ -2,7 +2,7 @@
 
 Several processes are spawned (``multiprocessing`` "spawn"), meet through a file store in a
 temporary folder (no port to pick), run :func:`megatron_mis.testbed.demo.train.run_rank` under
-:func:`megatron_mis.testbed.models.cpu.cpu_compat`, and the reporting rank's results come back through a
+:func:`megatron_mis.testing.cpu.cpu_compat`, and the reporting rank's results come back through a
 pipe. A rank that fails takes the others down (they would wait in a collective otherwise) and
 its traceback is raised here.
 """
@@ -40,7 +40,7 @@ def _run_in_group(cfg: DemoConfig, rank: int, world: int, store: str):
     import torch.distributed as dist
 
     from megatron_mis.testbed.demo.train import run_rank
-    from megatron_mis.testbed.models.cpu import cpu_compat
+    from megatron_mis.testing.cpu import cpu_compat
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.num_threads)

@@ -1,7 +1,7 @@
 """Small Megatron-Core GPT models that run on CPU (tests, benchmarks, the demo).
 
-:func:`cpu_gpt_layer_spec` is Megatron's local layer spec with :class:`SDPACoreAttention` as the
-core attention; :func:`build_gpt` builds a ``GPTModel`` for the parallel state that is already
+:func:`build_gpt` builds a ``GPTModel`` (with the CPU layer spec
+:func:`megatron_mis.testing.cpu.cpu_gpt_layer_spec`) for the parallel state that is already
 initialised (tensor / pipeline parallel sizes are read from Megatron's ``parallel_state``).
 
 Weights are initialised on the CPU from the global torch seed: Megatron's CPU initialisation
@@ -18,7 +18,7 @@ import torch
 
 from megatron_mis.config.base import ConfigBase, doc
 
-__all__ = ["GPTSpec", "cpu_gpt_layer_spec", "build_gpt", "transformer_config"]
+__all__ = ["GPTSpec", "build_gpt", "transformer_config"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,28 +52,6 @@ class GPTSpec(ConfigBase):
                 f"moe_router_topk={self.moe_router_topk} must lie in [1, num_moe_experts={self.num_moe_experts}]"
             )
         return out
-
-
-def cpu_gpt_layer_spec(
-    *,
-    num_experts: int | None = None,
-    moe_grouped_gemm: bool = False,
-    normalization: str = "RMSNorm",
-    qk_layernorm: bool = False,
-):
-    """Megatron-Core's local GPT layer spec with :class:`SDPACoreAttention` as core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_mis.testbed.models.attention import SDPACoreAttention
-
-    spec = get_gpt_layer_local_spec(
-        num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm,
-        qk_layernorm=qk_layernorm,
-        normalization=normalization,
-    )
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
 
 
 def transformer_config(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float32, **overrides):
@@ -124,7 +102,7 @@ def transformer_config(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float
 
 def build_gpt(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float32, layer_spec=None, **config_overrides):
     """Build a ``GPTModel`` for the current Megatron parallel state (call inside
-    :func:`megatron_mis.testbed.models.cpu.cpu_compat` on a CPU-only build).
+    :func:`megatron_mis.testing.cpu.cpu_compat` on a CPU-only build).
 
     Args:
         spec: model shape.
@@ -138,6 +116,8 @@ def build_gpt(spec: GPTSpec, *, params_dtype: torch.dtype = torch.float32, layer
 
     config = transformer_config(spec, params_dtype=params_dtype, **config_overrides)
     if layer_spec is None:
+        from megatron_mis.testing.cpu import cpu_gpt_layer_spec
+
         layer_spec = cpu_gpt_layer_spec(num_experts=spec.num_moe_experts, normalization=spec.normalization)
     return GPTModel(
         config=config,

@@ -14,7 +14,7 @@ __all__ = ["_AlignedModel"]
 
 class _AlignedModel:
     """The trainer's forward, op for op (Megatron-Core GPTModel, local spec with
-    :class:`~megatron_mis.testbed.models.attention.SDPACoreAttention`, packed thd, CP = 1), with the
+    :class:`~megatron_mis.testing.attention.SDPACoreAttention`, packed thd, CP = 1), with the
     tensor-parallel shards computed one after the other on this process and the row-parallel
     all-reduce replaced by the same sum."""
 
@@ -105,7 +105,7 @@ class _AlignedModel:
 
     def forward(self, tokens: torch.Tensor, cu: torch.Tensor, max_seqlen: int) -> list[torch.Tensor]:
         """``tokens [1, T]``, GLOBAL padded ``cu [N+1]`` -> per-TP-shard logits ``[1, T, V/tp]``."""
-        from megatron_mis.testbed.models.attention import sdpa_packed
+        from megatron_mis.testing.attention import sdpa_packed
 
         a = self.arch
         ng_r = a.num_query_groups // self.tp

@@ -2,12 +2,17 @@
 
 Megatron-Core assumes CUDA in a handful of places that matter for small CPU runs (tests, the
 demo): ``torch.cuda.current_device()`` when placing buffers and router weights,
-``torch.cuda.synchronize()`` in the pipeline-parallel p2p shape exchange, a hard-coded
-``device="cuda"`` token counter in the pipeline schedules, and (without Transformer Engine) an
+``torch.cuda.synchronize()`` in the pipeline-parallel p2p shape exchange, hard-coded
+``device="cuda"`` tensors in the pipeline schedules and in Megatron's optimizer (its loss scale,
+gradient-norm buffers and a CUDA-only assert in gradient clipping), and (without Transformer Engine) an
 undefined ``te_general_gemm`` name in the MoE router gating path, and a pinned-memory CUDA
 index in the rotary-embedding slice for context parallelism (bshd). :func:`cpu_compat` installs
 small, explicit shims for exactly these, and removes them again on exit. It is re-entrant (safe
 to apply twice) and does nothing on a machine where CUDA is available.
+
+:func:`cpu_gpt_layer_spec` is Megatron-Core's local GPT layer spec with
+:class:`megatron_mis.testing.attention.SDPACoreAttention` as the core attention: Megatron's local
+``DotProductAttention`` refuses packed (thd) sequences, which the RL loss feeds the model.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_compat", "cpu_compat_active"]
+__all__ = ["cpu_compat", "cpu_compat_active", "cpu_gpt_layer_spec"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -65,6 +70,46 @@ def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group: 
     return pos_emb.view(*shape[:seq_dim], -1, *shape[seq_dim + 1 :])
 
 
+def _clip_grad_by_total_norm_cpu(parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False) -> None:
+    """CPU twin of ``megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32`` (which
+    asserts ``torch.cuda.FloatTensor`` gradients): scale every gradient by
+    ``max_norm / (total_norm + 1e-6)`` when that is below 1, in place."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(coeff)
+
+
+def _grad_norm_cpu(grads_for_norm: Any, norm_type: float = 2, grad_stats_parallel_group: Any = None) -> float:
+    """CPU twin of ``megatron.core.optimizer.clip_grads.get_grad_norm_fp32`` (whose L2 path runs
+    a CUDA multi-tensor kernel): the ``norm_type`` norm of the local gradients, combined over
+    ``grad_stats_parallel_group`` by one all-reduce (SUM of the p-th powers, or MAX for inf).
+    DTensor (FSDP) gradients are not supported here."""
+    import math
+
+    import torch.distributed as dist
+
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    norm_type = float(norm_type)
+    total = torch.zeros(1, dtype=torch.float64)
+    for grad in grads_for_norm:
+        g = grad.detach().double()
+        if norm_type == math.inf:
+            total = torch.maximum(total, g.abs().max().reshape(1))
+        else:
+            total += g.abs().pow(norm_type).sum()
+    if dist.is_initialized():
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=grad_stats_parallel_group)
+    return float(total) if norm_type == math.inf else float(total) ** (1.0 / norm_type)
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     existed = hasattr(obj, name)
     _restore.append((obj, name, getattr(obj, name, None), existed))
@@ -85,8 +130,13 @@ def cpu_compat() -> Iterator[None]:
     - ``torch.cuda.current_device()`` returns ``"cpu"``;
     - ``torch.cuda.synchronize()`` does nothing (the pipeline-parallel p2p shape exchange calls
       it; CPU work is synchronous);
-    - ``megatron.core.pipeline_parallel.schedules`` sees a ``torch`` whose ``zeros/empty/tensor``
-      map ``device="cuda"`` to the CPU;
+    - ``megatron.core.pipeline_parallel.schedules`` and Megatron's optimizer
+      (``megatron.core.optimizer.optimizer``, ``.clip_grads``) see a ``torch`` whose
+      ``zeros/empty/tensor`` map ``device="cuda"`` to the CPU, and the optimizer clips gradients
+      with :func:`_clip_grad_by_total_norm_cpu` and measures their norm with
+      :func:`_grad_norm_cpu` (Megatron's assert CUDA gradients / run a CUDA kernel), so
+      ``get_megatron_optimizer`` works on a CPU (it falls back to torch's Adam without
+      Transformer Engine and Apex);
     - ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None`` when
       Transformer Engine is absent, so the router uses its plain ``torch.mm`` path;
     - the rotary-embedding modules slice their table per CP rank with a CPU index
@@ -101,12 +151,16 @@ def cpu_compat() -> Iterator[None]:
         if _depth == 1:
             _patch(torch.cuda, "current_device", lambda: "cpu")
             _patch(torch.cuda, "synchronize", lambda device=None: None)
-            try:
-                from megatron.core.pipeline_parallel import schedules
-
-                _patch(schedules, "torch", _CudaDeviceToCpuTorch())
-            except ImportError:  # pragma: no cover - megatron-core is a hard requirement
-                pass
+            for module_name in ("pipeline_parallel.schedules", "optimizer.optimizer", "optimizer.clip_grads"):
+                try:
+                    module = importlib.import_module(f"megatron.core.{module_name}")
+                except ImportError:  # pragma: no cover - megatron-core is a hard requirement
+                    continue
+                _patch(module, "torch", _CudaDeviceToCpuTorch())
+                for name, twin in (("clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu),
+                                   ("get_grad_norm_fp32", _grad_norm_cpu)):
+                    if hasattr(module, name):
+                        _patch(module, name, twin)
             try:
                 from megatron.core.transformer.moe import moe_utils
 
@@ -133,3 +187,28 @@ def cpu_compat() -> Iterator[None]:
                         setattr(obj, name, old)
                     else:
                         delattr(obj, name)
+
+
+def cpu_gpt_layer_spec(
+    *,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    normalization: str = "RMSNorm",
+    qk_layernorm: bool = False,
+):
+    """Megatron-Core's local GPT layer spec with
+    :class:`~megatron_mis.testing.attention.SDPACoreAttention` as core attention (packed thd
+    sequences and context parallelism on a CPU); the arguments are
+    ``get_gpt_layer_local_spec``'s."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_mis.testing.attention import SDPACoreAttention
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+    )
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec

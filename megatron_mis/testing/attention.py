@@ -4,7 +4,7 @@ sequences, grouped-query attention and context parallelism (zigzag split).
 
 Megatron's local ``DotProductAttention`` refuses packed sequences and context parallelism and
 asks for a CUDA memory buffer; Transformer Engine needs CUDA. This module is what the CPU layer
-spec (:mod:`megatron_mis.testbed.models.gpt`) plugs in as ``core_attention``.
+spec (:func:`megatron_mis.testing.cpu.cpu_gpt_layer_spec`) plugs in as ``core_attention``.
 
 Context parallelism (``context_parallel_size = cp > 1``) follows the zigzag layout of
 DESIGN section 3 and of Megatron / Transformer Engine: every sequence (thd) or the padded batch

@@ -1,0 +1,53 @@
+"""The CPU twins that :func:`megatron_mis.testing.cpu.cpu_compat` installs in Megatron's optimizer
+(gradient norm and clipping), on hand-derived values, and their installation and removal.
+(The shims at work: ``tests/e2e/test_examples_megatron.py`` trains with ``get_megatron_optimizer``.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_mis.testing.cpu import _clip_grad_by_total_norm_cpu, _grad_norm_cpu, cpu_compat
+
+
+def _params(*grads: list[float]) -> list[torch.nn.Parameter]:
+    out = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(len(g)))
+        p.grad = torch.tensor(g)
+        out.append(p)
+    return out
+
+
+def test_grad_norm_hand_values():
+    grads = [torch.tensor([3.0, -4.0]), torch.tensor([12.0])]
+    assert _grad_norm_cpu(grads) == pytest.approx(13.0)  # sqrt(9 + 16 + 144)
+    assert _grad_norm_cpu(grads, norm_type=math.inf) == 12.0
+    assert _grad_norm_cpu(grads, norm_type=1) == pytest.approx(19.0)
+    assert _grad_norm_cpu([]) == 0.0
+
+
+def test_clip_scales_only_above_the_bound():
+    params = _params([3.0, -4.0], [12.0])
+    _clip_grad_by_total_norm_cpu(params, max_norm=6.5, total_norm=13.0)
+    coeff = 6.5 / (13.0 + 1e-6)
+    assert torch.allclose(params[0].grad, torch.tensor([3.0, -4.0]) * coeff)
+    assert torch.allclose(params[1].grad, torch.tensor([12.0]) * coeff)
+    params = _params([3.0, -4.0])
+    _clip_grad_by_total_norm_cpu(params, max_norm=10.0, total_norm=5.0)
+    assert torch.equal(params[0].grad, torch.tensor([3.0, -4.0]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat does nothing where CUDA is available")
+def test_cpu_compat_installs_and_removes_the_optimizer_twins():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    before = (clip_grads.get_grad_norm_fp32, optimizer.clip_grad_by_total_norm_fp32, optimizer.torch)
+    with cpu_compat():
+        assert clip_grads.get_grad_norm_fp32 is _grad_norm_cpu
+        assert optimizer.get_grad_norm_fp32 is _grad_norm_cpu
+        assert optimizer.clip_grad_by_total_norm_fp32 is _clip_grad_by_total_norm_cpu
+        assert optimizer.torch.tensor([1.0], device="cuda").device.type == "cpu"
+    assert (clip_grads.get_grad_norm_fp32, optimizer.clip_grad_by_total_norm_fp32, optimizer.torch) == before
