@@ -110,11 +110,15 @@ def test_package_has_no_import_cycle():
 
 
 LIBRARY = ("core", "parallel", "integrations", "routing", "monitor", "config")
+#: What users import: the library, the dump analysis and the CPU / test helpers, and the top-level
+#: modules (presets, registry, lr_schedule); NOT the testbed (demo, study, CPU models), the CLI or
+#: anything private (``_deprecated``, ``_version``, ``_``-prefixed names).
+PUBLIC = LIBRARY + ("analysis", "testing")
 
 
 def test_library_never_imports_the_testbed():
     root = REPO / "megatron_mis"
-    files = [p for sub in LIBRARY for p in sorted((root / sub).rglob("*.py"))]
+    files = [p for sub in PUBLIC for p in sorted((root / sub).rglob("*.py"))]
     files += [p for p in sorted(root.glob("*.py"))]  # top-level modules; cli/ is a package, not listed
     assert len(files) > 20 and (root / "testbed").is_dir()
     offenders = {}
@@ -126,6 +130,69 @@ def test_library_never_imports_the_testbed():
         if bad:
             offenders[str(path.relative_to(REPO))] = bad
     assert not offenders, offenders
+
+
+def _is_public(module: str) -> bool:
+    """``megatron_mis`` itself, a module of a PUBLIC package, or a public top-level module."""
+    parts = module.split(".")
+    if parts[0] != "megatron_mis" or any(p.startswith("_") for p in parts[1:]):
+        return False
+    if len(parts) == 1 or parts[1] in PUBLIC:
+        return True
+    return len(parts) <= 3 and (REPO / "megatron_mis" / f"{parts[1]}.py").is_file()
+
+
+def _resolves(name: str) -> bool:
+    """``name`` is an importable module or an attribute of one."""
+    import importlib
+    import importlib.util
+
+    module, attr = name, None
+    while module:
+        try:
+            if importlib.util.find_spec(module) is not None:
+                break
+        except ModuleNotFoundError:  # a parent is a module, not a package
+            pass
+        module, _, attr = module.rpartition(".")
+    if not module:
+        return False
+    rest = name[len(module) + 1 :]
+    obj = importlib.import_module(module)
+    for part in rest.split(".") if rest else []:
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _example_offenders(paths: list[Path]) -> dict[str, list[str]]:
+    offenders: dict[str, list[str]] = {}
+    for path in paths:
+        for m in sorted(_module_imports(path, "examples." + path.stem)):
+            if not _is_public(m) or not _resolves(m):
+                offenders.setdefault(path.name, []).append(m)
+    return offenders
+
+
+def test_examples_import_only_the_public_api(tmp_path):
+    """A user copies an example into their job: every ``megatron_mis`` import in ``examples/``
+    names a module (or a name in one) that exists and belongs to the public API, never the
+    testbed, the CLI or a private module. The rule catches planted imports."""
+    examples = sorted((REPO / "examples").rglob("*.py"))
+    assert examples, "no Python examples found"
+    assert not _example_offenders(examples)
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from megatron_mis.testbed.demo.train import run_rank\n"
+        "from megatron_mis.integrations.megatron import MegatronRLLoss, NoSuchName\n"
+        "def f():\n    import megatron_mis._deprecated\n    from megatron_mis.cli import demo\n"
+    )
+    assert _example_offenders([planted]) == {"planted.py": [
+        "megatron_mis._deprecated", "megatron_mis.cli", "megatron_mis.cli.demo",
+        "megatron_mis.integrations.megatron.NoSuchName", "megatron_mis.testbed.demo.train",
+        "megatron_mis.testbed.demo.train.run_rank",
+    ]}
 
 
 def test_tests_live_in_their_tiers():
