@@ -108,7 +108,7 @@ class RunResult:
 @contextlib.contextmanager
 def megatron_state(cfg: DemoConfig) -> Iterator[None]:
     """Initialise Megatron-Core's parallel state for ``cfg`` on the existing process group
-    (whose size must be ``tp x cp x pp x dp``) and destroy it on exit."""
+    (whose size must be ``tp x cp x pp x dp``) and destroy it and its process groups on exit."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -117,17 +117,20 @@ def megatron_state(cfg: DemoConfig) -> Iterator[None]:
         raise ValueError(
             f"{world} processes but tp x cp x pp x dp = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp} = {cfg.world_size}"
         )
+    from megatron_mis.testing.distributed import owned_process_groups
+
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp,
-        pipeline_model_parallel_size=cfg.pp,
-        context_parallel_size=cfg.cp,
-    )
-    try:
-        yield
-    finally:
-        ps.destroy_model_parallel()
+    with owned_process_groups():  # the study's workers run many of these on one world
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tp,
+            pipeline_model_parallel_size=cfg.pp,
+            context_parallel_size=cfg.cp,
+        )
+        try:
+            yield
+        finally:
+            ps.destroy_model_parallel()
 
 
 def _trainer_device() -> torch.device:
