@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -230,6 +231,7 @@ def owned_process_groups() -> Iterator[None]:
             for group in [g for g in list(registry) if g not in before and g is not default]:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(group)
+            gc.collect()  # the models and losses of the block hold the groups in reference cycles
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ class DemoConfig(ConfigBase):
     )
     true_on_policy: bool = doc(
         False,
-        "Roll out through the trainer's own kernels, shapes and reduction order (seed 000's first "
+        "Roll out through the trainer's own kernels, shapes and reduction order (Let Speed Be With Stability's first "
         "solution): rollout and training log-probs are bitwise equal, checked every step (needs fp32, "
         "tp <= 2, cp = pp = 1). The fast fp32 engine is timed on the same prompts for the cost.",
     )
@@ -96,7 +96,7 @@ class DemoConfig(ConfigBase):
     lr: float = doc(3e-3, "Adam learning rate (the digit task collapses to repeated digits from about 5e-3 on).")
     lr_schedule: Literal["constant", "length-decay"] = doc(
         "constant",
-        "constant, or length-decay: seed 002's response-length-surge schedule (halve the rate every "
+        "constant, or length-decay: Beyond Precision's response-length-surge schedule (halve the rate every "
         "1.8 x surge-step steps after a surge of the global mean response length, floor 0.1).",
     )
     lr_surge_step: int | None = doc(

@@ -67,7 +67,7 @@ def _setting(name: str, description: str, *, arms: tuple[str, ...] | None = None
 #: chosen by measuring K3 (docs/study.md): 16 experts flip more often than 8 under int4.
 _MOE: dict[str, Any] = {"num_moe_experts": 16, "moe_router_topk": 2}
 #: The arms of the MoE settings: the baseline, the no-mismatch reference, routing replay with and
-#: without a token IS weight, two corrections without replay, and seed 000's default.
+#: without a token IS weight, two corrections without replay, and Let Speed Be With Stability's default.
 MOE_ARMS: tuple[str, ...] = ("none", "ref_fp32", "r3", "r3_token_tis", "token_tis", "sequence_mis", "seed000_default")
 
 
@@ -87,7 +87,7 @@ SETTINGS: dict[str, Setting] = {
         ),
         _setting(
             "int4-long",
-            "copy 6 digits (longer responses, seed 003's horizon argument); int4 rollouts",
+            "copy 6 digits (longer responses, When Speed Kills Stability's horizon argument); int4 rollouts",
             rollout_precision="int4", min_digits=6, max_digits=6, steps=120,
         ),
         _setting(
@@ -126,11 +126,11 @@ ARMS: dict[str, Arm] = {
         _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
         _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
         _arm("geo_rs_token_tis", "geometric RS [0.999, 1.001] + token TIS 2", correction="geometric_rs_token_tis"),
-        _arm("seed000_default", "seed 000's default: token TIS 1.5 + geometric RS [0.99, 1.001] + veto 1e-4, normalised", correction="seed000_default"),
+        _arm("seed000_default", "Let Speed Be With Stability's default: token TIS 1.5 + geometric RS [0.99, 1.001] + veto 1e-4, normalised", correction="seed000_default"),
         _arm("bypass_ppo", "PPO with pi_rollout as pi_old (its clip bounds pi_theta / pi_rollout), no weight", correction="bypass_ppo"),
         _arm("decoupled_ppo", "3-policy PPO with the unbounded token weight pi_old / pi_rollout", correction="decoupled_ppo"),
         _arm(
-            "length_decay", "none + seed 002's length-decay LR (surge pinned at step 20: the task has no length surge)",
+            "length_decay", "none + Beyond Precision's length-decay LR (surge pinned at step 20: the task has no length surge)",
             correction="none", lr_schedule="length-decay", lr_surge_step=20,
         ),
         _arm("r3", "rollout routing replay (MoE only): the trainer's routers use the rollout's experts; PPO, no IS weight",

@@ -14,7 +14,7 @@ of each step's rollout batch):
   (``None`` if never);
 - ``k3_mean`` / ``k3_max``: mean and largest per-step K3 KL (each step's mean over its loss
   tokens); ``k3_token_max``: the largest single-token K3; ``k3_late_early``: mean K3 of the last
-  third of the steps over that of the first third (seed 000's "late K3 growth");
+  third of the steps over that of the first third (Let Speed Be With Stability's "late K3 growth");
 - ``route_flip_mean`` (MoE runs): mean over steps of ``route_flip_fraction``, the fraction of the
   rollout's experts that the trainer's float32 router would not choose (``None`` for dense runs).
 """

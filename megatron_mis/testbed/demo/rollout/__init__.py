@@ -13,7 +13,7 @@ The trainer (Megatron-Core, float32) and this engine share weights, not code:
   it (before top-k / top-p filtering). The prefill runs the prompt as one block and every new
   token is a ``[B, 1]`` step, so even in fp32 the matmul shapes (and hence reduction orders)
   differ from the trainer's full-sequence forward: a small, real mismatch.
-- **true-on-policy path** (``true_on_policy=True``, seed 000's first solution at this scale):
+- **true-on-policy path** (``true_on_policy=True``, Let Speed Be With Stability's first solution at this scale):
   every decoding step runs a forward that is the trainer's, operation for operation — the same
   ``[s, b, h]`` layout, ``torch.matmul`` per tensor-parallel shard with the shard-sum of the
   row-parallel all-reduce, the same rotary table, the same packed SDPA kernel, and the
