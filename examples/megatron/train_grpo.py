@@ -29,10 +29,11 @@ sampler) by yours. A step:
 5. Megatron's LR scheduler wrapped by :class:`LengthDecayParamScheduler`, and the
    :class:`MismatchMonitor` watching K3 and the gradient norm.
 
-On GPUs the model uses Transformer Engine's layer spec (packed sequences and context
-parallelism need it). On a CPU-only machine the example uses the package's CPU helpers
-(:mod:`megatron_mis.testing`): Megatron's local spec with a core attention that accepts packed
-sequences, and the shims Megatron-Core needs without CUDA.
+On GPUs with Transformer Engine the model uses its layer spec. Otherwise (a CPU-only machine, or
+a GPU without Transformer Engine) it uses Megatron's local spec with the package's torch-SDPA core
+attention, which accepts packed sequences and context parallelism
+(:func:`megatron_mis.testing.cpu.cpu_gpt_layer_spec`), and on a CPU the shims Megatron-Core needs
+without CUDA (:func:`megatron_mis.testing.cpu.cpu_compat`).
 
 The reporting rank (last pipeline stage, first TP / CP / DP rank) appends one JSON line per step
 to ``--metrics``.
@@ -156,13 +157,19 @@ def build_model(args: argparse.Namespace, device: torch.device):
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
     )
-    if device.type == "cuda":
+    try:  # Transformer Engine: packed sequences and context parallelism on GPUs
+        import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec() if device.type == "cuda" else None
+    except ImportError:
+        layer_spec = None
+    if layer_spec is None:  # Megatron's local spec with a torch-SDPA core attention that takes packed sequences
         from megatron_mis.testing.cpu import cpu_gpt_layer_spec
 
+        if device.type == "cuda" and dist.get_rank() == 0:
+            print("note: Transformer Engine is not installed; using the torch-SDPA core attention "
+                  "(pip install 'megatron-mis[gpu]' for Transformer Engine)", flush=True)
         layer_spec = cpu_gpt_layer_spec()
     torch.manual_seed(args.seed)
     model = GPTModel(
