@@ -10,5 +10,6 @@ machine.
   :class:`~megatron_mis.testing.attention.SDPACoreAttention`;
 - :mod:`megatron_mis.testing.distributed`: a multi-process gloo pool for distributed tests.
 
-Nothing here is needed on a GPU machine with Transformer Engine.
+A GPU machine with Transformer Engine needs none of the CPU helpers; the gloo pool serves any
+machine.
 """
