@@ -397,7 +397,7 @@ def train(args: argparse.Namespace, configs: dict, device: torch.device) -> None
         old = rl.recompute_log_probs([ddp], batches)
         if old is not None:  # last pipeline stage: the loss runs here
             batches = [b.with_old_log_probs(o.cpu()) for b, o in zip(batches, old)]
-            gap = torch.cat([(o.cpu() - b.rollout_log_probs).abs() for b, o in zip(batches, old)]).max().reshape(1)
+            gap = torch.cat([(b.old_log_probs - b.rollout_log_probs).abs() for b in batches]).max().reshape(1)
         else:
             gap = torch.zeros(1)
         gap = gap.to(device)
