@@ -51,7 +51,9 @@ computation.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
+from megatron_mis.core.flags import above, as_bool, as_factor, below
 from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, segment_layout
 from megatron_mis.core.statistics import (
     BIG,
@@ -236,11 +239,13 @@ def _token_stage(
     f32, f64 = torch.float32, torch.float64
     metrics_on = plan.metrics != "none"
     num_seqs = layout.num_segments
+    # Flags are float32 0/1 factors, made by comparisons that write float32 (torch's CPU kernels
+    # for bool results and bool operands are several times slower than float ones) and combined
+    # by products: AND is x * y, OR of disjoint flags is x + y, NOT is 1 - x.
+    maskf = as_factor(mask)
     # both finite <=> 0 * train + 0 * rollout == 0 (0 * inf and NaN give NaN); one [T] buffer
-    finite = (train * 0.0).add_(rollout, alpha=0.0) == 0.0
-    valid = mask & finite
-    nonfinite = mask & ~finite
-    maskf, validf = mask.to(f32), valid.to(f32)
+    validf = (train * 0.0).add_(rollout, alpha=0.0).eq_(0.0).mul_(maskf)
+    nonfinitef = maskf - validf
     train_v = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
     rollout_v = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
     diff = train_v - rollout_v  # float32; a difference beyond the float32 range is +-inf
@@ -250,41 +255,47 @@ def _token_stage(
     log_r = diff.clamp(-plan.bound, plan.bound)  # 0 where invalid
     r = torch.exp(log_r)  # 1 where invalid
 
-    tok_rejected = nonfinite if plan.reject_nonfinite else None
+    rejected = [nonfinitef] if plan.reject_nonfinite else []  # token-level rejection factors
     # Decisions on the ratio see a neutralised (non-finite) loss token as ratio 1 (r is exactly 1
     # there), like any finite ratio-1 token; a rejected one is out anyway.
     w_tok = is_low = is_high = None
     if plan.token_is:
-        is_low = mask & (r < plan.tis_lo)
-        is_high = mask & (r > plan.tis_hi)
+        if metrics_on or plan.tis_mode == "mask":
+            is_low = below(r, plan.tis_lo).mul_(maskf)
+            is_high = above(r, plan.tis_hi).mul_(maskf)
         if plan.tis_mode == "truncate":
             w_tok = r.clamp(max=plan.tis_hi)
         elif plan.tis_mode == "clip":
             w_tok = r.clamp(plan.tis_lo, plan.tis_hi)
-        else:  # mask
-            outside = is_low | is_high
-            w_tok = r * (~outside).to(f32)
-            tok_rejected = outside if tok_rejected is None else tok_rejected | outside
+        else:  # mask: r < L and r > U never both hold (L <= U)
+            outside = is_low + is_high
+            w_tok = r * (1.0 - outside)
+            rejected.append(outside)
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level == "token":
-        rs_low = mask & (r < plan.rs_lo)
-        rs_high = mask & (r > plan.rs_hi)
-        out = rs_low | rs_high
-        tok_rejected = out if tok_rejected is None else tok_rejected | out
+        rs_low = below(r, plan.rs_lo).mul_(maskf)
+        rs_high = above(r, plan.rs_hi).mul_(maskf)
+        rejected.append(rs_low + rs_high)
 
     ratio_veto = prob_veto = None
     if plan.log_ratio_veto is not None:
         # the float32 difference against log(threshold); -inf (finite values far apart) vetoes
-        ratio_veto = valid & (diff < plan.log_ratio_veto)
+        ratio_veto = below(diff, plan.log_ratio_veto).mul_(validf)
     if plan.log_prob_veto is not None:
         source = train if plan.prob_veto_train else rollout
         # -inf log-probs (probability 0) are vetoed too; NaN never compares below.
-        prob_veto = mask & (source < plan.log_prob_veto)
+        prob_veto = below(source, plan.log_prob_veto).mul_(maskf)
 
-    # without any token-level rejection the kept tokens are the loss-mask tokens
-    tok_kept = mask if tok_rejected is None else mask & ~tok_rejected
-    keptf = maskf if tok_rejected is None else tok_kept.to(f32)
+    # without any token-level rejection the kept tokens are the loss-mask tokens; the rejection
+    # factors may overlap, so they are combined by a maximum (OR), then removed from the mask
+    if not rejected:
+        keptf = maskf
+    else:
+        tok_rejected = rejected[0]
+        for extra in rejected[1:]:
+            tok_rejected = torch.maximum(tok_rejected, extra)
+        keptf = maskf * (1.0 - tok_rejected)
 
     # ---- the columns to reduce per sequence (a tensor shared by two columns is reduced once;
     # columns that are also token metrics are kept for them) --------------------------------
@@ -292,10 +303,10 @@ def _token_stage(
     if metrics_on:
         for c, v in ((SequenceSum.N_IS_LOW, is_low), (SequenceSum.N_IS_HIGH, is_high), (SequenceSum.N_RS_LOW, rs_low), (SequenceSum.N_RS_HIGH, rs_high)):
             if v is not None:
-                flags[c] = v.to(f32)
+                flags[c] = v
     for c, v in ((SequenceSum.N_RATIO_VETO, ratio_veto), (SequenceSum.N_PROB_VETO, prob_veto)):
         if v is not None:
-            flags[c] = v.to(f32)
+            flags[c] = v
     columns: dict[SequenceSum, torch.Tensor] = dict(flags)
     columns[SequenceSum.SUM_LOG_R] = log_r_64
     w_kept = None
@@ -368,8 +379,8 @@ def _token_stage(
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
     kl = diff.neg_().clamp_(-_metrics.F32_MAX, _metrics.F32_MAX) if metrics_on else None
     tokens = TokenQuantities(
-        mask=mask, valid=valid, nonfinite=nonfinite, train=train, rollout=rollout,
-        log_r=log_r, r=r, k3=k3, tok_kept=tok_kept, w_tok=w_tok,
+        mask=mask, valid=validf, nonfinite=nonfinitef, train=train, rollout=rollout,
+        log_r=log_r, r=r, k3=k3, tok_kept=keptf, w_tok=w_tok,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
         flags=flags, layout=layout, kl=kl, columns=token_columns,
     )
@@ -461,12 +472,12 @@ def _outputs(
     f32 = torch.float32
     layout = tokens.layout
     alive = ~seqs.rejected
-    keep = tokens.tok_kept & layout.expand(alive)
-    keepf = keep.to(f32)
+    keepf = tokens.tok_kept * layout.expand(as_factor(alive))
+    keep = as_bool(keepf)
     norm32 = norm.to(f32)
     # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
     if plan.token_is:
-        weights = (tokens.w_tok * keepf) / norm32
+        weights = (tokens.w_tok * keepf).div_(norm32)
     elif plan.use_tis:
         seq_w = torch.where(alive, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
         weights = layout.expand(seq_w).mul_(tokens.flags[SequenceSum.N_TOK_KEPT])
@@ -733,11 +744,7 @@ def compute_mis_from_lists(
     if n == 0:
         empty = torch.zeros(0)
         return compute_mis(empty, empty, empty, [0], config, **kwargs)
-    cu = [0]
-    total = 0
-    for (length,) in shapes:
-        total += length
-        cu.append(total)
+    cu = list(itertools.accumulate(map(operator.itemgetter(0), shapes), initial=0))  # C-level
     device = train_log_probs[0].device
     return compute_mis(
         _cat(train_log_probs, device), _cat(rollout_log_probs, device), _cat(loss_masks, device), cu, config, **kwargs

@@ -412,7 +412,7 @@ def bucket_table(tokens: TokenQuantities, edges: Sequence[float]) -> dict[str, t
     """
     edges_t = torch.tensor([float(e) for e in edges], dtype=torch.float64, device=tokens.r.device)
     num_buckets = edges_t.numel() - 1
-    valid = tokens.valid
+    valid = tokens.valid > 0
     p = torch.exp(tokens.rollout.to(torch.float64))
     idx = torch.bucketize(p, edges_t[1:-1], right=True).clamp(0, num_buckets - 1)
     idx = torch.where(valid, idx, torch.full_like(idx, num_buckets))  # invalid -> dropped bucket

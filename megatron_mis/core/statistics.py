@@ -96,17 +96,17 @@ class TokenQuantities:
     need them). Only what the outputs, the metrics and the lazy bucket table read is kept, so
     the call's temporaries are freed (and their memory reused) as early as possible."""
 
-    mask: torch.Tensor  # bool
-    valid: torch.Tensor  # bool
-    nonfinite: torch.Tensor  # bool
+    mask: torch.Tensor  # bool; every other flag is a float32 0/1 factor (megatron_mis.core.flags)
+    valid: torch.Tensor  # float32 0/1: loss-mask token with finite log-probs
+    nonfinite: torch.Tensor  # float32 0/1: loss-mask token with a NaN / inf log-prob
     train: torch.Tensor  # float32 as given (NaN / inf where given; read where ``valid``)
     rollout: torch.Tensor
     log_r: torch.Tensor  # clamped, 0 where invalid
     r: torch.Tensor
     k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1), 0 where invalid
-    tok_kept: torch.Tensor  # bool
+    tok_kept: torch.Tensor  # float32 0/1: loss-mask token not rejected at token level
     w_tok: torch.Tensor | None  # bounded (0 where IS-masked)
-    is_low: torch.Tensor | None
+    is_low: torch.Tensor | None  # float32 0/1 factors; is_low / is_high only with metrics or mask mode
     is_high: torch.Tensor | None
     rs_low: torch.Tensor | None
     rs_high: torch.Tensor | None

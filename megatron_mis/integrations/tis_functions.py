@@ -38,7 +38,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core.engine import DeferredCount, nonfinite_message
-from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp
+from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp, lengths_1d
 from megatron_mis.parallel.global_norm import compute_global_normalizer
 from megatron_mis.parallel.state import GroupView, HostGroups, host_groups
 
@@ -276,8 +276,8 @@ def compute_mis_weights_fsdp(
             f"rollout_log_probs must be a list with one 1-D tensor per sample, got {type(rollout_log_probs).__name__}"
         )
     try:
-        lengths = [r.shape[0] if r.dim() == 1 else -1 for r in rollout_log_probs]
-    except AttributeError:
+        lengths = lengths_1d(rollout_log_probs)
+    except (AttributeError, TypeError):
         bad = next(i for i, r in enumerate(rollout_log_probs) if not isinstance(r, torch.Tensor))
         raise TypeError(
             f"rollout_log_probs[{bad}] must be a torch.Tensor, got {type(rollout_log_probs[bad]).__name__}"

@@ -25,6 +25,7 @@ coordinates ``j`` run over ``0 .. response_length-1``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -79,6 +80,11 @@ def validate_lengths(total_lengths: Sequence[int], response_lengths: Sequence[in
         raise ValueError(
             f"got {len(total_lengths)} total_lengths but {len(response_lengths)} response_lengths"
         )
+    if (
+        all(map(int.__instancecheck__, total_lengths)) and all(map(int.__instancecheck__, response_lengths))
+        and all(map(operator.gt, total_lengths, response_lengths)) and min(response_lengths, default=0) >= 0
+    ):
+        return  # the common case, checked by C-level maps: every response leaves a prompt token
     for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
         t, r = int(t), int(r)
         if r < 0 or t < 0:

@@ -1,0 +1,38 @@
+"""Float32 0/1 factors: the engine's representation of per-token flags (pure torch).
+
+On a CPU, torch's kernels that produce or consume ``bool`` tensors are several times slower than
+the float ones (measured with torch 2.13 on 543k tokens, 2 threads: ``x < c`` 0.27 ms against
+0.06 ms for the same comparison written into a float32 tensor; ``b.to(float32)`` 0.27 ms against
+0.04 ms through a ``uint8`` view; ``torch.where`` 0.5 ms against 0.07 ms for a product). The
+engine therefore keeps flags as float32 factors and combines them arithmetically: AND is
+``x * y``, NOT is ``1 - x``, OR is ``torch.maximum(x, y)`` (``x + y`` where they are disjoint).
+Every function here is elementwise, exact and compiles with ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["as_factor", "below", "above", "as_bool"]
+
+
+def as_factor(flag: torch.Tensor) -> torch.Tensor:
+    """``[*] bool -> [*] float32`` 0/1 (through a ``uint8`` view of the same memory)."""
+    if flag.dtype != torch.bool:
+        raise TypeError(f"as_factor expects a bool tensor, got {flag.dtype}")
+    return flag.view(torch.uint8).to(torch.float32)
+
+
+def below(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[*] float32`` 1.0 where ``x < threshold``, else 0.0 (NaN compares false)."""
+    return torch.lt(x, threshold, out=torch.empty_like(x, dtype=torch.float32))
+
+
+def above(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[*] float32`` 1.0 where ``x > threshold``, else 0.0 (NaN compares false)."""
+    return torch.gt(x, threshold, out=torch.empty_like(x, dtype=torch.float32))
+
+
+def as_bool(factor: torch.Tensor) -> torch.Tensor:
+    """``[*] float 0/1 -> [*] bool`` (nonzero is True)."""
+    return factor.to(torch.bool)
