@@ -13,10 +13,12 @@ of:
 - ``weights only``: the same with ``mis_metrics: none``;
 - the same two with ``compile_engine: true`` (``--compiled``; torch.compile, inductor);
 - ``floor``: one pass reading the log-probs and the mask and writing weights and a mask
-  (token-level truncated ratio), compiled into one fused kernel with ``--compiled``, else the
-  minimal eager chain;
+  (token-level truncated ratio): the minimal eager chain, and with ``--compiled`` also one fused
+  inductor kernel (the ratio is taken against the faster of the two);
 
-and the ratios per-sequence / engine and engine / floor.
+and the ratios per-sequence / engine and engine / floor. All functions are timed in interleaved
+rounds (each round calls each once), and each ratio is the median of its per-round ratios, so
+a slow spell of a shared machine does not land on one function only.
 
 ``--allocator keep`` runs the same in a process whose glibc malloc keeps freed memory
 (``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set to 4 GB, so large buffers come from
@@ -68,19 +70,27 @@ def make_batch(num_seqs: int, min_len: int, max_len: int, device: str, seed: int
     return lengths, split(train), split(rollout), split(mask)
 
 
-def timed(fn, repeats: int, device: str) -> tuple[float, float, float]:
-    """(median, min, max) seconds over ``repeats`` runs after one warm-up."""
+def _once(fn, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def timed_rounds(fns: dict, repeats: int, device: str) -> dict[str, list[float]]:
+    """Seconds per call of every function, measured in ``repeats`` interleaved rounds (each round
+    calls every function once, after one warm-up call each), so that a slow spell of a shared
+    machine hits all of them alike and per-round ratios stay meaningful."""
+    for fn in fns.values():
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), max(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(_once(fn, device))
+    return times
 
 
 def floor_fn(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, upper: float):
@@ -106,13 +116,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
-    floor = torch.compile(floor_fn, fullgraph=True, dynamic=True) if args.compiled else floor_fn
     variants = {"engine": dict(SEED000), "weights only": dict(SEED000, mis_metrics="none")}
     if args.compiled:
         variants["engine compiled"] = dict(SEED000, compile_engine=True)
         variants["weights only compiled"] = dict(SEED000, mis_metrics="none", compile_engine=True)
     print(f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats} "
-          f"torch={torch.__version__} allocator={args.allocator}; median [min-max] ms; seed-000 default config")
+          f"torch={torch.__version__} allocator={args.allocator}; seed-000 default config")
+    print("times: median [min-max] ms over interleaved rounds; ratios: median [min-max] of the per-round ratios")
     for shape in args.shapes:
         n, lo, hi = (int(x) for x in shape.split(":"))
         lengths, train, rollout, masks = make_batch(n, lo, hi, args.device)
@@ -120,23 +130,28 @@ def main() -> None:
         flat = [torch.cat(x) for x in (train, rollout, masks)]
         cfg = MISConfig(**SEED000)
         print(f"\n{n} sequences of {lo}-{hi} tokens ({sum(lengths)} tokens)")
-        t_naive = timed(lambda: naive_mis(train, rollout, masks, cfg), max(3, args.repeats // 2), args.device)
-        t_floor = timed(lambda: floor(*flat, 1.5), args.repeats, args.device)
-        rows = [("per-sequence (every statistic)", t_naive), ("floor (one pass)", t_floor)]
+        fns = {"per-sequence (every statistic)": lambda: naive_mis(train, rollout, masks, cfg),
+               "floor (one pass)": lambda: floor_fn(*flat, 1.5)}
+        if args.compiled:
+            # inductor's CPU code stores bool results slowly, so the eager chain may be the faster floor
+            fused = torch.compile(floor_fn, fullgraph=True, dynamic=True)
+            fns["floor (one fused kernel)"] = lambda: fused(*flat, 1.5)
         for name, keys in variants.items():
             host_args = Namespace(custom_config_path=None, **keys)
-
-            def call(host_args=host_args):
-                return compute_mis_weights_fsdp(host_args, pg_loss=pg, train_log_probs=train,
-                                                rollout_log_probs=rollout, loss_masks=masks)
-
-            rows.append((name, timed(call, args.repeats, args.device)))
-        for name, (med, mn, mx) in rows:
+            fns[name] = lambda host_args=host_args: compute_mis_weights_fsdp(
+                host_args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
+        times = timed_rounds(fns, args.repeats, args.device)
+        naive = times["per-sequence (every statistic)"]
+        floors = [times[k] for k in fns if k.startswith("floor")]
+        floor_best = [min(f) for f in zip(*floors)]  # per round, the faster floor
+        for name, ts in times.items():
             extra = ""
-            if name not in ("per-sequence (every statistic)", "floor (one pass)"):
-                extra = f"  {t_naive[0] / med:6.1f}x per-sequence, {med / t_floor[0]:5.1f}x floor"
-            print(f"  {name:<32} {med * 1e3:9.2f} [{mn * 1e3:.2f}-{mx * 1e3:.2f}]{extra}")
-
+            if not name.startswith(("per-sequence", "floor")):
+                speedup = [a / b for a, b in zip(naive, ts)]
+                over = [b / f for b, f in zip(ts, floor_best)]
+                extra = (f"  {statistics.median(speedup):6.1f}x [{min(speedup):.1f}-{max(speedup):.1f}] per-sequence, "
+                         f"{statistics.median(over):5.1f}x [{min(over):.1f}-{max(over):.1f}] floor")
+            print(f"  {name:<32} {statistics.median(ts) * 1e3:9.2f} [{min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f}]{extra}")
 
 if __name__ == "__main__":
     main()
