@@ -241,11 +241,12 @@ def _token_stage(
     num_seqs = layout.num_segments
     # Flags are float32 0/1 factors, made by comparisons that write float32 (torch's CPU kernels
     # for bool results and bool operands are several times slower than float ones) and combined
-    # by products: AND is x * y, OR of disjoint flags is x + y, NOT is 1 - x.
+    # arithmetically: AND is x * y, OR is max(x, y), NOT is 1 - x.
     maskf = as_factor(mask)
     # both finite <=> 0 * train + 0 * rollout == 0 (0 * inf and NaN give NaN); one [T] buffer
     validf = (train * 0.0).add_(rollout, alpha=0.0).eq_(0.0).mul_(maskf)
-    nonfinitef = maskf - validf
+    # read only by the rejection and the indicator metric (the count is N_MASK - N_VALID)
+    nonfinitef = maskf - validf if metrics_on or plan.reject_nonfinite else None
     train_v = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
     rollout_v = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
     diff = train_v - rollout_v  # float32; a difference beyond the float32 range is +-inf
@@ -267,8 +268,8 @@ def _token_stage(
             w_tok = r.clamp(max=plan.tis_hi)
         elif plan.tis_mode == "clip":
             w_tok = r.clamp(plan.tis_lo, plan.tis_hi)
-        else:  # mask: r < L and r > U never both hold (L <= U)
-            outside = is_low + is_high
+        else:  # mask
+            outside = torch.maximum(is_low, is_high)
             w_tok = r * (1.0 - outside)
             rejected.append(outside)
 
@@ -276,7 +277,7 @@ def _token_stage(
     if plan.use_rs and plan.rs_level == "token":
         rs_low = below(r, plan.rs_lo).mul_(maskf)
         rs_high = above(r, plan.rs_hi).mul_(maskf)
-        rejected.append(rs_low + rs_high)
+        rejected.append(torch.maximum(rs_low, rs_high))
 
     ratio_veto = prob_veto = None
     if plan.log_ratio_veto is not None:

@@ -98,7 +98,7 @@ class TokenQuantities:
 
     mask: torch.Tensor  # bool; every other flag is a float32 0/1 factor (megatron_mis.core.flags)
     valid: torch.Tensor  # float32 0/1: loss-mask token with finite log-probs
-    nonfinite: torch.Tensor  # float32 0/1: loss-mask token with a NaN / inf log-prob
+    nonfinite: torch.Tensor | None  # float32 0/1: loss-mask token with a NaN / inf log-prob (None unless read)
     train: torch.Tensor  # float32 as given (NaN / inf where given; read where ``valid``)
     rollout: torch.Tensor
     log_r: torch.Tensor  # clamped, 0 where invalid
