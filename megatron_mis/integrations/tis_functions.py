@@ -201,7 +201,7 @@ def _apply(
         return pg_loss, _unchanged_masks(inputs), metrics
     weights = res.weights.to(device=pg_loss.device, dtype=pg_loss.dtype)
     keep = res.keep_mask.to(pg_loss.device)
-    new_loss = torch.where(keep, pg_loss * weights, torch.zeros_like(pg_loss))
+    new_loss = torch.where(keep, pg_loss * weights, 0.0)  # a scalar zero: no [T] buffer of zeros
     return new_loss, out.modified_masks, metrics
 
 
