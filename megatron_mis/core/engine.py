@@ -64,7 +64,7 @@ import torch
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
 from megatron_mis.core.flags import above, as_bool, as_factor, below
-from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, segment_layout
+from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout
 from megatron_mis.core.statistics import (
     BIG,
     Plan as _Plan,
@@ -748,17 +748,9 @@ def compute_mis_from_lists(
     cu = list(itertools.accumulate(map(operator.itemgetter(0), shapes), initial=0))  # C-level
     device = train_log_probs[0].device
     return compute_mis(
-        _cat(train_log_probs, device), _cat(rollout_log_probs, device), _cat(loss_masks, device), cu, config, **kwargs
+        concat_sequences(train_log_probs, device), concat_sequences(rollout_log_probs, device),
+        concat_sequences(loss_masks, device), cu, config, **kwargs
     )
-
-
-def _cat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One ``torch.cat`` (C-level over the list); tensors on other devices are moved first."""
-    try:
-        out = torch.cat(list(tensors))
-    except RuntimeError:
-        out = torch.cat([t.to(device) for t in tensors])
-    return out if out.device == device else out.to(device)
 
 
 def _check_tensor_list(name: str, value: Any) -> None:

@@ -49,6 +49,7 @@ from megatron_mis.core.engine import (
     compute_mis,
     normalization_statistics,
 )
+from megatron_mis.core.segments import concat_sequences
 from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, local_response_layout, validate_lengths
 from megatron_mis.parallel.state import GroupView
 
@@ -230,9 +231,9 @@ class CPInputs:
                         f"(masks are full length, not CP-sliced; got shape {tuple(masks[i].shape)})"
                     )
         device = rollout_list[0].device if n else torch.device("cpu")
-        rollout = _cat(rollout_list, device)
-        train = rollout if train_list is None else _cat(train_list, device)
-        full_mask = _cat(masks, device)
+        rollout = concat_sequences(rollout_list, device)
+        train = rollout if train_list is None else concat_sequences(train_list, device)
+        full_mask = concat_sequences(masks, device)
         if full_mask.is_complex():
             raise TypeError(f"loss_masks must be bool, integer or real floating point tensors, got {full_mask.dtype}")
         if cp.size == 1:
@@ -305,16 +306,6 @@ def _int_list(name: str, value: Any, n: int) -> list[int]:
         except TypeError:
             raise TypeError(f"{name}[{i}]={v!r:.40} must be an integer, got {type(v).__name__}") from None
     return out
-
-
-def _cat(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not parts:
-        return torch.zeros(0, device=device)
-    try:
-        out = torch.cat(list(parts))  # one C-level pass over the list
-    except RuntimeError:  # pieces on other devices
-        out = torch.cat([p.reshape(-1).to(device) for p in parts])
-    return out if out.device == device else out.to(device)
 
 
 @dataclass

@@ -74,3 +74,20 @@ def test_the_per_entry_paths_name_the_culprit():
     with pytest.raises(TypeError, match=r"response_lengths\[1\]=True must be an integer"):
         compute_mis_weights_with_cp(args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
                                     total_lengths=[4, 5], response_lengths=[3, True], cp_group=None)
+
+
+def test_concat_sequences_is_torch_cat_and_restores_the_thread_count():
+    from megatron_mis.core.segments import concat_sequences
+
+    parts = [torch.arange(n, dtype=torch.float32) for n in (3, 0, 5, 1)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(concat_sequences(parts, "cpu"), torch.cat(parts))
+        assert torch.get_num_threads() == 2
+        assert concat_sequences([], "cpu").shape == (0,)
+        with pytest.raises(TypeError):  # torch.cat refuses a non-tensor entry
+            concat_sequences([torch.zeros(2), "not a tensor"], "cpu")
+        assert torch.get_num_threads() == 2  # restored on error too
+    finally:
+        torch.set_num_threads(before)
