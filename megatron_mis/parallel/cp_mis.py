@@ -261,19 +261,14 @@ def lengths_1d(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [t.numel() if t.dim() == 1 else -1 for t in tensors]
 
 
-#: Fast-path type sets: ``set(map(type, xs)) <= {...}`` checks a list at C level; anything else
-#: (a Parameter, a numpy integer) takes the per-entry path.
-_TENSOR_TYPE = frozenset({torch.Tensor})
-_INT_TYPE = frozenset({int})
-
-
 def _tensor_list(name: str, value: Any) -> Sequence[torch.Tensor]:
     if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
         raise TypeError(
             f"{name} must be a list with one 1-D tensor per sample, got {type(value).__name__}"
             + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f" ({value!r:.60})")
         )
-    if not set(map(type, value)) <= _TENSOR_TYPE and not all(isinstance(t, torch.Tensor) for t in value):
+    # C-level type check first; anything else (a Parameter) takes the per-entry path
+    if not set(map(type, value)) <= {torch.Tensor} and not all(isinstance(t, torch.Tensor) for t in value):
         for i, t in enumerate(value):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__} ({t!r:.40})") from None
@@ -289,7 +284,7 @@ def _int_list(name: str, value: Any, n: int) -> list[int]:
         raise TypeError(f"{name} must be a list of {n} integers, got {type(value).__name__} ({value!r:.60})")
     if len(value) != n:
         raise ValueError(f"got {n} rollout_log_probs but {len(value)} {name}; one entry per sequence is needed")
-    if set(map(type, value)) <= _INT_TYPE:  # C-level: the hosts pass lists of Python ints
+    if set(map(type, value)) <= {int}:  # C-level: the hosts pass lists of Python ints
         return list(value)
     out = []
     for i, v in enumerate(value):

@@ -81,7 +81,7 @@ def validate_lengths(total_lengths: Sequence[int], response_lengths: Sequence[in
             f"got {len(total_lengths)} total_lengths but {len(response_lengths)} response_lengths"
         )
     if (
-        all(map(int.__instancecheck__, total_lengths)) and all(map(int.__instancecheck__, response_lengths))
+        set(map(type, total_lengths)) <= {int} and set(map(type, response_lengths)) <= {int}
         and all(map(operator.gt, total_lengths, response_lengths)) and min(response_lengths, default=0) >= 0
     ):
         return  # the common case, checked by C-level maps: every response leaves a prompt token
