@@ -100,10 +100,21 @@ def floor_fn(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, upp
     return torch.where(keep, w, torch.zeros_like(w)), keep
 
 
+def batch_shape(text: str) -> tuple[int, int, int]:
+    """``SEQUENCES:MIN_LEN:MAX_LEN`` -> three ints (argparse type: a bad value is a usage error)."""
+    try:
+        n, lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SEQUENCES:MIN_LEN:MAX_LEN (three integers, e.g. 256:256:4096)") from None
+    if n < 1 or lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r}: need SEQUENCES >= 1 and 1 <= MIN_LEN <= MAX_LEN")
+    return n, lo, hi
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--shapes", nargs="+", default=["256:256:4096", "4096:16:256"],
+    p.add_argument("--shapes", nargs="+", type=batch_shape, default=[(256, 256, 4096), (4096, 16, 256)],
                    help="batch shapes as SEQUENCES:MIN_LEN:MAX_LEN")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compiled", action="store_true", help="also time compile_engine: true and a fused floor")
@@ -124,8 +135,7 @@ def main() -> None:
     print(f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats} "
           f"torch={torch.__version__} allocator={args.allocator}; seed-000 default config")
     print("times: median [min-max] ms over interleaved rounds; ratios: median [min-max] of the per-round ratios")
-    for shape in args.shapes:
-        n, lo, hi = (int(x) for x in shape.split(":"))
+    for n, lo, hi in args.shapes:
         lengths, train, rollout, masks = make_batch(n, lo, hi, args.device)
         pg = torch.randn(sum(lengths), device=args.device)
         flat = [torch.cat(x) for x in (train, rollout, masks)]

@@ -44,3 +44,33 @@ def test_naive_baseline_matches_engine(cfg):
     for name, values in metrics.items():
         # float64 per-sequence sums in both; fp32 token values -> fp32-level agreement
         torch.testing.assert_close(torch.cat(values), res.token_metrics[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_mis.py"
+
+
+def _bench(*args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_bench_runs_and_prints_every_ratio():
+    """One tiny run of the benchmark as a user runs it: every timed function is printed, and each
+    engine row carries its ratio to the per-sequence implementation and to the floor."""
+    proc = _bench("--repeats", "1", "--threads", "1", "--shapes", "6:4:20")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "6 sequences of 4-20 tokens" in out
+    for name in ("per-sequence (every statistic)", "floor (one pass)", "floor (one pass), back to back"):
+        assert f"  {name} " in out, name
+    for name in ("engine", "weights only"):
+        row = next(line for line in out.splitlines() if line.startswith(f"  {name} "))
+        assert row.count("per-sequence") == 1 and row.count("floor") == 1, row
+
+
+@pytest.mark.parametrize("shape, why", [("long", "three integers"), ("4:8:2", "MIN_LEN <= MAX_LEN"), ("0:1:2", "SEQUENCES >= 1")])
+def test_bench_refuses_a_bad_shape_naming_it(shape, why):
+    proc = _bench("--shapes", shape)
+    assert proc.returncode == 2
+    assert repr(shape) in proc.stderr and why in proc.stderr and "Traceback" not in proc.stderr
