@@ -264,10 +264,12 @@ def _token_stage(
         if metrics_on or plan.tis_mode == "mask":
             is_low = below(r, plan.tis_lo).mul_(maskf)
             is_high = above(r, plan.tis_hi).mul_(maskf)
+        # without metrics and token-level RS nothing reads r after the bound: bound it in place
+        last_use = not metrics_on and not (plan.use_rs and plan.rs_level == "token")
         if plan.tis_mode == "truncate":
-            w_tok = r.clamp(max=plan.tis_hi)
+            w_tok = r.clamp_(max=plan.tis_hi) if last_use else r.clamp(max=plan.tis_hi)
         elif plan.tis_mode == "clip":
-            w_tok = r.clamp(plan.tis_lo, plan.tis_hi)
+            w_tok = r.clamp_(plan.tis_lo, plan.tis_hi) if last_use else r.clamp(plan.tis_lo, plan.tis_hi)
         else:  # mask
             outside = torch.maximum(is_low, is_high)
             w_tok = r * (1.0 - outside)
@@ -312,7 +314,9 @@ def _token_stage(
     columns[SequenceSum.SUM_LOG_R] = log_r_64
     w_kept = None
     if plan.token_is:
-        w_kept = w_tok * keptf  # the bounded weight over kept tokens (w_tok is 0 where IS-masked)
+        # the bounded weight over kept tokens (w_tok is 0 where IS-masked); formed in w_tok's own
+        # buffer unless the after-bound metric still reads w_tok over all loss-mask tokens
+        w_kept = w_tok * keptf if metrics_on and keptf is not maskf else w_tok.mul_(keptf)
         columns[SequenceSum.SUM_W_KEPT] = w_kept
     k3 = half_abs_em1 = None
     if metrics_on:
@@ -332,6 +336,7 @@ def _token_stage(
         columns[SequenceSum.SUM_R] = r_v
         if plan.token_is:
             w_after = w_kept if keptf is maskf else w_tok * maskf  # over loss-mask tokens
+            del w_tok
             columns[SequenceSum.SUM_W_BEFORE] = r_v  # the unbounded token weight is r
             columns[SequenceSum.SUM_W_AFTER] = w_after
             # the hosts' after-bound weight: bounded (truncate / clip), the raw ratio in mask mode
@@ -381,7 +386,7 @@ def _token_stage(
     kl = diff.neg_().clamp_(-_metrics.F32_MAX, _metrics.F32_MAX) if metrics_on else None
     tokens = TokenQuantities(
         mask=mask, valid=validf, nonfinite=nonfinitef, train=train, rollout=rollout,
-        log_r=log_r, r=r, k3=k3, tok_kept=keptf, w_tok=w_tok,
+        log_r=log_r, r=r if metrics_on else None, k3=k3, tok_kept=keptf, w_kept=w_kept,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
         flags=flags, layout=layout, kl=kl, columns=token_columns,
     )
@@ -478,7 +483,7 @@ def _outputs(
     norm32 = norm.to(f32)
     # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
     if plan.token_is:
-        weights = (tokens.w_tok * keepf).div_(norm32)
+        weights = (tokens.w_kept * keepf).div_(norm32)  # w_kept * keepf = w_tok * keepf: 0/1 factors
     elif plan.use_tis:
         seq_w = torch.where(alive, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(f32)
         weights = layout.expand(seq_w).mul_(tokens.flags[SequenceSum.N_TOK_KEPT])

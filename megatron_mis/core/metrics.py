@@ -423,7 +423,7 @@ def bucket_table(tokens: TokenQuantities, edges: Sequence[float]) -> dict[str, t
         ``edges [B+1]``, ``num_tokens [B]``, ``mean_abs_log_ratio [B]`` (mean |log r|),
         ``mean_k3 [B]`` (mean k3) — float64.
     """
-    edges_t = torch.tensor([float(e) for e in edges], dtype=torch.float64, device=tokens.r.device)
+    edges_t = torch.tensor([float(e) for e in edges], dtype=torch.float64, device=tokens.log_r.device)
     num_buckets = edges_t.numel() - 1
     valid = tokens.valid > 0
     p = torch.exp(tokens.rollout.to(torch.float64))

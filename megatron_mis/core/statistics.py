@@ -102,10 +102,10 @@ class TokenQuantities:
     train: torch.Tensor  # float32 as given (NaN / inf where given; read where ``valid``)
     rollout: torch.Tensor
     log_r: torch.Tensor  # clamped, 0 where invalid
-    r: torch.Tensor
+    r: torch.Tensor | None  # exp(log_r); None without metrics (nothing reads it after the weights)
     k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1), 0 where invalid
     tok_kept: torch.Tensor  # float32 0/1: loss-mask token not rejected at token level
-    w_tok: torch.Tensor | None  # bounded (0 where IS-masked)
+    w_kept: torch.Tensor | None  # token-level IS: the bounded weight, 0 where not kept (IS-masked, rejected, or out of the loss)
     is_low: torch.Tensor | None  # float32 0/1 factors; is_low / is_high only with metrics or mask mode
     is_high: torch.Tensor | None
     rs_low: torch.Tensor | None
