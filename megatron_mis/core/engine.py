@@ -43,7 +43,8 @@ Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 th
 near r = 1). Per-sequence sums of values are float64 sums of the float32 values (each column is
 converted just before its reduction, one at a time), accumulated only within the sequence, so a
 sequence's statistics depend on its place in the batch only by float64 rounding; the log-ratio sum that feeds exp
-at sequence level is the float64 sum of exact float64 differences, and r^2 - 1 is formed in
+at sequence level is exact to float64 rounding (the difference of the float64 log-prob sums with
+metrics, the float64 sum of exact float64 differences without), and r^2 - 1 is formed in
 float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are exact (float32
 chunks of 0/1). ``tests/unit/test_engine_contract.py`` checks the values against a float64
 computation.
@@ -250,9 +251,6 @@ def _token_stage(
     train_v = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
     rollout_v = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
     diff = train_v - rollout_v  # float32; a difference beyond the float32 range is +-inf
-    # the log-ratio sum feeds exp() at sequence level: float64 difference of the float32
-    # log-probs (exact, and finite even for log-probs near +-3e38)
-    log_r_64 = train_v.to(f64).sub_(rollout_v)
     log_r = diff.clamp(-plan.bound, plan.bound)  # 0 where invalid
     r = torch.exp(log_r)  # 1 where invalid
 
@@ -311,7 +309,16 @@ def _token_stage(
         if v is not None:
             flags[c] = v
     columns: dict[SequenceSum, torch.Tensor] = dict(flags)
-    columns[SequenceSum.SUM_LOG_R] = log_r_64
+    # the log-ratio sum feeds exp() at sequence level, so it is not taken from the float32
+    # difference (which rounds): with metrics, the log-prob sums are reduced anyway and it is
+    # their difference (below); without, the float64 sum of exact float64 differences (one
+    # float64 column instead of two). Both are exact to float64 rounding and finite for any
+    # float32 log-probs.
+    if metrics_on:
+        columns[SequenceSum.SUM_TRAIN_LP] = train_v
+        columns[SequenceSum.SUM_ROLLOUT_LP] = rollout_v
+    else:
+        columns[SequenceSum.SUM_LOG_R] = train_v.to(f64).sub_(rollout_v)
     w_kept = None
     if plan.token_is:
         # the bounded weight over kept tokens (w_tok is 0 where IS-masked); formed in w_tok's own
@@ -328,7 +335,7 @@ def _token_stage(
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
         half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            SequenceSum.SUM_TRAIN_LP: train_v, SequenceSum.SUM_ROLLOUT_LP: rollout_v, SequenceSum.SUM_K3: k3,
+            SequenceSum.SUM_K3: k3,
             SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
         })
         del em1, em1_r2
@@ -355,10 +362,12 @@ def _token_stage(
     # statistics do not depend on its place in the batch
     num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))
     reduced = torch.cat([layout.sums(unique[:num_counts], float64=False), layout.sums(unique[num_counts:])], 1)
-    del unique, log_r_64
+    del unique
     sums = torch.zeros(num_seqs, len(SequenceSum), dtype=f64, device=train.device)
     sums[:, [int(c) for c in order]] = reduced[:, slots]
     sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
+    if metrics_on:  # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values
+        sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
     sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
     sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]

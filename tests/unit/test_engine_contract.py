@@ -221,6 +221,27 @@ def test_float32_token_work_is_as_accurate_as_float64():
         sum(-x / int(m.sum()) for x, m in zip(seq_log, masks)) / len(masks), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("metrics", ["standard", "none"])
+@pytest.mark.parametrize("scale, noise", [(3.0, 1.0), (20.0, 1e-3), (1e4, 1.0)])
+def test_sequence_log_ratio_sum_is_float64_exact(metrics, scale, noise):
+    """The sum of log r that feeds exp() at sequence level equals the float64 sum of the float64
+    differences to float64 rounding, with metrics (where it is the difference of the two
+    log-prob sums) and without (the sum of float64 differences). In the first case most operands
+    are more than 2x apart, so their float32 differences round: summing those fails this test."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [int(x) for x in torch.randint(1, 6000, (16,), generator=g)]
+    train = [-torch.rand(k, generator=g) * scale for k in lengths]
+    rollout = [t + torch.randn(k, generator=g) * noise for t, k in zip(train, lengths)]
+    masks = [(torch.rand(k, generator=g) > 0.1).long() for k in lengths]
+    res = compute_mis_from_lists(train, rollout, masks, _cfg(use_tis=True, tis_level="sequence", mis_metrics=metrics))
+    got = res.stats.col(engine.SequenceSum.SUM_LOG_R)
+    for i, (a, b, m) in enumerate(zip(train, rollout, masks)):
+        v = m.bool()
+        want = (a.double()[v] - b.double()[v]).sum()
+        magnitude = float((a.double()[v].abs() + b.double()[v].abs()).sum())
+        assert abs(float(got[i]) - float(want)) <= 1e-13 * magnitude, (i, float(got[i]), float(want))
+
+
 def test_k3_series_matches_float64_across_the_switch():
     x = torch.linspace(-3, 3, 20001)
     got = engine._metrics.k3_from_log_ratio(x).double()
