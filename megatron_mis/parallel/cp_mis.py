@@ -348,10 +348,11 @@ def compute_mis_cp(
     )
     collectives = 2 if cp.size > 1 and num_seqs else (1 if cp.size > 1 else 0)
 
-    full_keep = _in_loss(full_mask)
     if cp.size == 1:
         full_keep = result.keep_mask  # local pieces are the full responses
-    elif num_seqs:
+    else:
+        full_keep = _in_loss(full_mask)
+    if cp.size > 1 and num_seqs:
         full_seq_ids = torch.repeat_interleave(
             torch.arange(num_seqs, device=full_mask.device), torch.tensor(resp, device=full_mask.device),
             output_size=int(full_mask.numel()),
