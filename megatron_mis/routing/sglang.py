@@ -177,6 +177,11 @@ def _raw_bytes(value: Any) -> bytes:
     raise TypeError(f"unexpected type {type(value).__name__}")
 
 
+#: Largest token count, layer count, top-k or offset accepted (int32 range: far above any real
+#: model or request, and a product of three such dimensions stays inside int64).
+_MAX_DIM = 2**31 - 1
+
+
 def decode_routed_experts(
     meta_info: Mapping[str, Any],
     *,
@@ -224,6 +229,8 @@ def decode_routed_experts(
                         ("num_experts", num_experts, 1), ("start_len", start_len, 0)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+        if v > _MAX_DIM:  # a tensor dimension (or offset) must fit torch's int64 shape arithmetic
+            raise ValueError(f"{name}={v!r} must be an integer in [{lo}, {_MAX_DIM}]")
     compact_route_dtype(num_experts)  # the upper bound: expert ids are int32 on the wire
     if topk > num_experts:
         raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
@@ -262,6 +269,8 @@ def decode_routed_experts(
             arr = np.asarray(value)
             if arr.dtype == object:
                 raise TypeError("object array")
+            if arr.ndim == 0:  # a bare number is no encoding of [rows, layers, topk] routes
+                raise TypeError("a scalar, not an array")
             flat = torch.as_tensor(arr).reshape(-1)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise TypeError(
