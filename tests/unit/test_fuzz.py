@@ -387,7 +387,12 @@ def engine_cases(draw) -> Case:
         vals = draw(st.lists(st.sampled_from([math.nan, math.inf, 2.0, -1.0, 0.5, 255.0]), min_size=1, max_size=t))
         mask_arg = mask.clone()
         mask_arg[: len(vals)] = _tensor(vals)
-        if expect == "ok":  # "nonzero marks a loss token": 2, -1, 0.5 are documented; NaN / inf may be refused
+        # the new values move tokens in or out of the loss (a value > 0 is in; NaN is out), so the
+        # non-finite expectation is recomputed over the tokens the corrupted mask keeps in
+        bad_in_loss = bool((~(torch.isfinite(train) & torch.isfinite(rollout)) & (mask_arg > 0)).any())
+        if cfg.nonfinite_policy == "error" and bad_in_loss:
+            expect, names = "error", ("nan or inf", "non-finite", "nonfinite", "loss_mask")
+        else:  # "a value > 0 marks a loss token": 2, -1, 0.5 are documented; NaN / inf may be refused
             expect, names = "either", ("loss_mask",)
         label = f"loss_mask values {vals} " + label
 
@@ -478,14 +483,16 @@ def host_cases(draw, entry: str) -> Case:
         bad_masks = [m.clone().double() for m in masks]
         bad_masks[i][0] = value
         kw["loss_masks"] = bad_masks
-        if expect == "ok":
-            # a loss mask is 0 / 1 (DESIGN section 2); others may be refused or read as in / out,
-            # but what comes back must be 0 / 1 and no NaN may reach the host's loss
-            # NaN / inf: an error under nonfinite_policy 'error' (it may sync), else read as value > 0
-            strict = not math.isfinite(value) and cfg.nonfinite_policy == "error"
-            expect, names = ("error", ("loss_mask",)) if strict else ("either", ("loss_mask",))
+        # a loss mask is 0 / 1 (DESIGN section 2); others may be refused or read as in / out
+        # (value > 0), but what comes back must be 0 / 1 and no NaN may reach the host's loss.
+        # NaN / inf: an error under nonfinite_policy 'error' (it may sync). The new value may move
+        # a non-finite token in or out of the loss, so that expectation is recomputed.
+        strict = not math.isfinite(value) and cfg.nonfinite_policy == "error"
+        bad_in_loss = any(bool((~(torch.isfinite(a) & torch.isfinite(b)) & (m > 0)).any()) for a, b, m in zip(train, rollout, bad_masks))
+        if strict or (cfg.nonfinite_policy == "error" and bad_in_loss):
+            expect, names = "error", ("loss_mask", "nan or inf", "non-finite", "nonfinite")
         else:
-            names = ("loss_mask",) + names
+            expect, names = "either", ("loss_mask",)
         label = f"loss_masks[{i}][0]={value} " + label
     elif corruption == "args":
         args = draw(st.sampled_from([cfg.to_dict(), None, "mis.yaml", 5]))
@@ -853,7 +860,8 @@ def routing_cases(draw) -> Case:
         kw = dict(kw, **{which: bad})
         expect, names = "error", (which,)
         if which == "start_len" and bad == 0:
-            expect, names = "ok", ()
+            # a valid start, but the payload was encoded for the drawn one: ok only if unchanged
+            expect, names = ("ok", ()) if start == 0 else ("error", ("routed_experts", "start_len"))
         elif bad == 2**70 and which != "start_len":
             expect, names = "either", (which, "routed_experts")
         label = f"{which}={bad!r} " + label
@@ -1418,6 +1426,16 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
                 {"routed_experts": base64.b64encode(np.array([1], dtype="<i4").tobytes()).decode()},
                 num_tokens=2, num_layers=1, topk=1, num_experts=2**70), "either", ("num_experts",),
             check=lambda out: [] if out.tolist() == [[[1]]] else [f"decoded {out.tolist()}"]),
+        # found by --random runs: an empty payload made the shape [0, 2**70, 1] and torch's
+        # reshape overflowed (an unclear TypeError); a bare number was read as a one-element array
+        "routing_num_layers_huge_empty_payload": lambda: _known(
+            "decode_routed_experts", "routed_experts='' num_tokens=1 num_layers=2**70",
+            lambda: __import__("megatron_mis.routing.sglang", fromlist=["x"]).decode_routed_experts(
+                {"routed_experts": ""}, num_tokens=1, num_layers=2**70, topk=1, num_experts=300), "error", ("num_layers",)),
+        "routing_payload_scalar": lambda: _known(
+            "decode_routed_experts", "routed_experts=5 (a number) for one route",
+            lambda: __import__("megatron_mis.routing.sglang", fromlist=["x"]).decode_routed_experts(
+                {"routed_experts": 5}, num_tokens=2, num_layers=1, topk=1, num_experts=8), "error", ("routed_experts",)),
         "analyze_json_infinity": lambda: _analyze_case(
             b'{"rollout_log_probs": [3e38, 3e38], "train_log_probs": [-3e38, -3e38]}\n', "ok"),
         "analyze_row_not_object": lambda: _analyze_case(b"3\n", "error"),
