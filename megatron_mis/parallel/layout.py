@@ -88,7 +88,9 @@ def validate_lengths(total_lengths: Sequence[int], response_lengths: Sequence[in
     for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
         t, r = int(t), int(r)
         if r < 0 or t < 0:
-            raise ValueError(f"sequence {i}: lengths must be >= 0, got total={t}, response={r}")
+            raise ValueError(
+                f"sequence {i}: total_lengths[{i}]={t} and response_lengths[{i}]={r} must both be >= 0"
+            )
         if r > 0 and t - r < 1:
             raise ValueError(
                 f"sequence {i}: response_length={r} needs a prompt of at least 1 token, but "

@@ -37,8 +37,10 @@ def test_validate_lengths_fast_path_agrees_with_the_per_entry_rules():
     validate_lengths([np.int64(5), 3], [np.int64(4), 2])  # numpy integers take the per-entry path
     with pytest.raises(ValueError, match="sequence 1: response_length=3 needs a prompt"):
         validate_lengths([5, 3], [4, 3])
-    with pytest.raises(ValueError, match="sequence 0: lengths must be >= 0"):
+    with pytest.raises(ValueError, match=r"sequence 0: total_lengths\[0\]=5 and response_lengths\[0\]=-1 must both be >= 0"):
         validate_lengths([5], [-1])
+    with pytest.raises(ValueError, match=r"total_lengths\[1\]=-1"):  # the fuzz finding: the parameter is named
+        validate_lengths([3, -1], [1, 0])
 
 
 def test_parameters_and_numpy_lengths_take_the_slow_path_with_the_same_result():
