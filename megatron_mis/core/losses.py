@@ -445,6 +445,14 @@ def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig, dtype
     if bool(overflow.any()):
         biggest = float(adv[valid].abs().max())
         heaviest = "" if weights is None else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
+        if policy.old_policy == "none":  # REINFORCE-type: the term is IS weight * A * log pi_theta
+            largest_lp = float(lp.detach()[overflow].abs().max())
+            raise ValueError(
+                f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}"
+                f"{heaviest}, and log_probs reach |log pi_theta| = {largest_lp:.3g} there, so IS weight * A * "
+                "log pi_theta exceeds the float range; normalise the advantages, bound the IS weights, and check "
+                "the log_probs (a log-probability is <= 0)"
+            )
         raise ValueError(
             f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}"
             f"{heaviest}, and ratio * IS weight * A exceeds the float range (ratio up to exp(ratio_log_bound="

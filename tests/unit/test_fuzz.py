@@ -297,6 +297,16 @@ def _product_may_overflow(adv: torch.Tensor, weights: torch.Tensor | None, mask:
     return math.log(max(a, 1e-300)) + math.log(max(w, 1e-300)) + float(log_bound) > math.log(F32_MAX)
 
 
+def _largest_log_factor(policy: Any, lp: torch.Tensor, mask: torch.Tensor, log_bound: float) -> float:
+    """log of the largest factor besides A and the IS weight in a policy-loss term: the ratio's
+    bound e^ratio_log_bound, or for REINFORCE-type losses (no ratio) the largest finite |log pi|
+    over loss tokens."""
+    if policy.old_policy != "none":
+        return float(log_bound)
+    values = lp.detach()[(mask != 0) & torch.isfinite(lp.detach())].abs()
+    return math.log(max(float(values.max()), 1e-300)) if values.numel() else -math.inf
+
+
 def _tensor(values: list[float], dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
@@ -609,10 +619,11 @@ def rl_loss_cases(draw) -> Case:
     if cfg.nonfinite_input_policy == "error" and nonfinite:
         expect, names = "error", ("non-finite",)
     elif bool(((adv.abs() >= 1e30) & torch.isfinite(adv) & (mask != 0)).any()) or _product_may_overflow(
-        adv, w if policy.uses_is_weights else None, mask, cfg.ratio_log_bound
+        adv, w if policy.uses_is_weights else None, mask, _largest_log_factor(policy, lp, mask, cfg.ratio_log_bound)
     ):
-        # ratio (up to e^ratio_log_bound) x IS weight x A may not fit float32: a finite loss, or an
-        # error naming the advantages and the IS weights (compute_rl_loss checks the terms).
+        # ratio (up to e^ratio_log_bound; REINFORCE: |log pi|) x IS weight x A may not fit float32:
+        # a finite loss, or an error naming the advantages and the IS weights (compute_rl_loss
+        # checks the terms).
         expect, names = "either", ("advantages",)
     label = (f"cfg={cfg.to_dict()} lengths={lengths} log_probs={lp.tolist()} adv={adv.tolist()} old={old.tolist()} "
              f"rollout={rollout.tolist()} mask={mask.tolist()}")
@@ -1415,6 +1426,11 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
             "compute_rl_loss", "ppo, log_probs=[0], old_log_probs=[-20], advantages=[-1e30]",
             lambda: _rl_loss_call(cu=torch.tensor([0, 1]), n=1, advantages=_tensor([-1e30]), old_log_probs=_tensor([-20.0])),
             "error", ("advantages",)),
+        # found by a --random run: REINFORCE's term is w * A * log pi (no ratio); the refusal
+        # blamed the ratio bound and did not name the log-probs
+        "rl_loss_reinforce_log_prob_overflow": lambda: _known(
+            "compute_rl_loss", "reinforce, log_probs=[3e38], advantages=[7.5], is_weights=[1]",
+            lambda: _reinforce_call(_tensor([3e38]), _tensor([7.5])), "error", ("log_probs",)),
         "kl_k2_unclamped": lambda: _known(
             "kl_estimate", "k2, log_probs=[0], ref_log_probs=[-1e20]",
             lambda: kl_estimate(torch.zeros(1), _tensor([-1e20]), "k2"), "ok", check=lambda out: _finite("kl", out)),
@@ -1457,6 +1473,18 @@ def _rl_loss_call(cu: Any, n: int = 2, advantages: torch.Tensor | None = None, *
     lp = torch.zeros(n, requires_grad=True)
     adv = torch.ones(n) if advantages is None else advantages
     return compute_rl_loss(lp, adv, torch.ones(n), cu, LossConfig(policy_loss="ppo"), Denominators(float(n), 1.0), **kw)
+
+
+def _reinforce_call(log_probs: torch.Tensor, advantages: torch.Tensor):
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.core.aggregation import Denominators
+    from megatron_mis.core.losses import compute_rl_loss
+
+    n = log_probs.numel()
+    lp = log_probs.clone().requires_grad_(True)
+    return compute_rl_loss(lp, advantages, torch.ones(n), torch.tensor([0, n]), LossConfig(policy_loss="reinforce"),
+                           Denominators(float(n), 1.0), old_log_probs=log_probs.clone(), rollout_log_probs=log_probs.clone(),
+                           is_weights=torch.ones(n))
 
 
 def _analyze_case(content: bytes, expect: str, suffix: str = ".jsonl") -> Case:
