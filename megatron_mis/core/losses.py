@@ -428,23 +428,32 @@ def _finite_or_zero(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype, device=t.device))
 
 
-def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig, dtype: torch.dtype) -> PolicyLossTerms:
-    """The per-token policy-loss terms; an error if the loss does not fit ``dtype``.
-
-    Raises:
-        ValueError: ratio * IS weight * A beyond the float range (naming the advantages, the IS
-            weights and what to change).
-    """
+def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig) -> PolicyLossTerms:
+    """The per-token policy-loss terms (checked for overflow by :func:`_check_finite_loss`)."""
     # Tokens outside ``valid`` get advantage 0 and weight 0 in the policy term: torch.where below
     # would drop their value, but a huge advantage there still makes 0 * inf = NaN in the backward.
-    nil = torch.zeros((), dtype=dtype, device=lp.device)
-    terms = policy.fn(
+    nil = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    return policy.fn(
         lp, old, torch.where(valid, adv, nil), None if weights is None else torch.where(valid, weights, nil), config
     )
+
+
+def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, shares: dict, config: LossConfig) -> None:
+    """One host read: every per-token policy term and every aggregated loss must be finite.
+
+    Raises:
+        ValueError: a per-token term beyond the float range (ratio * IS weight * A, or for
+            REINFORCE-type losses IS weight * A * log pi), or finite terms whose aggregate is not
+            (naming the advantages, the IS weights and what to change).
+    """
     overflow = valid & ~torch.isfinite(terms.loss.detach())
+    totals = torch.stack([v.detach().reshape(()).to(torch.float64) for v in shares.values()])
+    if not bool(overflow.any() | ~torch.isfinite(totals).all()):
+        return
+    dtype = terms.loss.dtype
+    biggest = float(adv[valid].abs().max()) if bool(valid.any()) else 0.0
+    heaviest = "" if weights is None or not bool(valid.any()) else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
     if bool(overflow.any()):
-        biggest = float(adv[valid].abs().max())
-        heaviest = "" if weights is None else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
         if policy.old_policy == "none":  # REINFORCE-type: the term is IS weight * A * log pi_theta
             largest_lp = float(lp.detach()[overflow].abs().max())
             raise ValueError(
@@ -459,7 +468,12 @@ def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig, dtype
             f"{config.ratio_log_bound}) = {math.exp(config.ratio_log_bound):.3g}); normalise the advantages, "
             "bound the IS weights or lower ratio_log_bound"
         )
-    return terms
+    names = [name for name, ok in zip(shares, torch.isfinite(totals).tolist()) if not ok]
+    raise ValueError(
+        f"the loss overflows {dtype} when aggregated (loss_aggregation={config.loss_aggregation!r}): every "
+        f"per-token term is finite but {', '.join(names)} {'is' if len(names) == 1 else 'are'} not; advantages reach |A| = {biggest:.3g}{heaviest}; "
+        "normalise the advantages or bound the IS weights"
+    )
 
 
 def _opsm_policy_mask(adv, lp, old, lmask, finite, valid, cu_seqlens, config: LossConfig, opsm_seq_stats):
@@ -574,8 +588,10 @@ def compute_rl_loss(
 
     Raises:
         ValueError: shape mismatches, a missing required input, IS weights given to a loss
-            that must not use them, or a non-finite input with
-            ``nonfinite_input_policy="error"``.
+            that must not use them, a non-finite input with
+            ``nonfinite_input_policy="error"``, or a loss that does not fit its float type (a
+            per-token policy term, or the aggregate of finite terms; one host read per call
+            checks both).
         KeyError: unknown loss / KL names (listing the valid ones).
     """
     policy = _check_loss_inputs(
@@ -616,7 +632,7 @@ def compute_rl_loss(
     den_mask = denominator_mask(lmask, valid, config.rejected_in_denominator)
 
     # ---- policy term, then off-policy sequence masking of it
-    terms = _policy_term(policy, lp, old, adv, weights, valid, config, dtype)
+    terms = _policy_term(policy, lp, old, adv, weights, valid, config)
     pg_mask, num_opsm_tokens, num_opsm_sequences = _opsm_policy_mask(
         adv, lp, old, lmask, finite, valid, cu_seqlens, config, opsm_seq_stats
     )
@@ -625,7 +641,7 @@ def compute_rl_loss(
     agg = dict(seq_token_counts=seq_token_counts, count_mask=den_mask)
     pg_loss = aggregate(terms.loss, pg_mask, cu_seqlens, mode, denominators, **agg)
     loss = pg_loss
-    zero = pg_loss.detach() * 0.0
+    zero = torch.zeros_like(pg_loss.detach())  # not pg_loss * 0: an overflowed pg_loss would make it NaN
     kl_loss = zero
     entropy_loss = zero
     kl_values = None
@@ -653,6 +669,7 @@ def compute_rl_loss(
         "kl_loss": kl_loss.detach(),
         "entropy_loss": entropy_loss.detach(),
     }
+    _check_finite_loss(policy, terms, lp, adv, weights, valid, shares, config)
     return RLLossOutput(
         loss=loss,
         shares=shares,

@@ -1431,6 +1431,12 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
         "rl_loss_reinforce_log_prob_overflow": lambda: _known(
             "compute_rl_loss", "reinforce, log_probs=[3e38], advantages=[7.5], is_weights=[1]",
             lambda: _reinforce_call(_tensor([3e38]), _tensor([7.5])), "error", ("log_probs",)),
+        # found by a --random run: finite per-token terms (A = F32_MAX, ratio clipped to 1) whose
+        # sum over a sequence overflows; the loss came back -inf and kl_loss NaN (pg_loss * 0)
+        "rl_loss_aggregate_overflow": lambda: _known(
+            "compute_rl_loss", "ppo, seq_mean_token_sum, advantages=[F32_MAX, F32_MAX] in one sequence",
+            lambda: _rl_loss_call(cu=torch.tensor([0, 2]), n=2, advantages=_tensor([F32_MAX, F32_MAX])),
+            "error", ("advantages",)),
         "kl_k2_unclamped": lambda: _known(
             "kl_estimate", "k2, log_probs=[0], ref_log_probs=[-1e20]",
             lambda: kl_estimate(torch.zeros(1), _tensor([-1e20]), "k2"), "ok", check=lambda out: _finite("kl", out)),
