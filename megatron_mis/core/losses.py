@@ -469,10 +469,11 @@ def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, 
             "bound the IS weights or lower ratio_log_bound"
         )
     names = [name for name, ok in zip(shares, torch.isfinite(totals).tolist()) if not ok]
+    verb = "is" if len(names) == 1 else "are"
     raise ValueError(
         f"the loss overflows {dtype} when aggregated (loss_aggregation={config.loss_aggregation!r}): every "
-        f"per-token term is finite but {', '.join(names)} {'is' if len(names) == 1 else 'are'} not; advantages reach |A| = {biggest:.3g}{heaviest}; "
-        "normalise the advantages or bound the IS weights"
+        f"per-token term is finite but {', '.join(names)} {verb} not; advantages reach |A| = {biggest:.3g}"
+        f"{heaviest}; normalise the advantages or bound the IS weights"
     )
 
 
