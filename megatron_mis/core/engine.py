@@ -263,11 +263,11 @@ def _token_stage(
             is_low = below(r, plan.tis_lo).mul_(maskf)
             is_high = above(r, plan.tis_hi).mul_(maskf)
         # without metrics and token-level RS nothing reads r after the bound: bound it in place
-        last_use = not metrics_on and not (plan.use_rs and plan.rs_level == "token")
+        clamp = torch.clamp if metrics_on or (plan.use_rs and plan.rs_level == "token") else torch.clamp_
         if plan.tis_mode == "truncate":
-            w_tok = r.clamp_(max=plan.tis_hi) if last_use else r.clamp(max=plan.tis_hi)
+            w_tok = clamp(r, max=plan.tis_hi)
         elif plan.tis_mode == "clip":
-            w_tok = r.clamp_(plan.tis_lo, plan.tis_hi) if last_use else r.clamp(plan.tis_lo, plan.tis_hi)
+            w_tok = clamp(r, plan.tis_lo, plan.tis_hi)
         else:  # mask
             outside = torch.maximum(is_low, is_high)
             w_tok = r * (1.0 - outside)

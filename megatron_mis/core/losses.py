@@ -451,8 +451,9 @@ def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, 
     if not bool(overflow.any() | ~torch.isfinite(totals).all()):
         return
     dtype = terms.loss.dtype
-    biggest = float(adv[valid].abs().max()) if bool(valid.any()) else 0.0
-    heaviest = "" if weights is None or not bool(valid.any()) else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
+    any_valid = bool(valid.any())
+    biggest = float(adv[valid].abs().max()) if any_valid else 0.0
+    heaviest = "" if weights is None or not any_valid else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
     if bool(overflow.any()):
         if policy.old_policy == "none":  # REINFORCE-type: the term is IS weight * A * log pi_theta
             largest_lp = float(lp.detach()[overflow].abs().max())

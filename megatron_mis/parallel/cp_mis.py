@@ -352,18 +352,18 @@ def compute_mis_cp(
         full_keep = result.keep_mask  # local pieces are the full responses
     else:
         full_keep = _in_loss(full_mask)
-    if cp.size > 1 and num_seqs:
-        full_seq_ids = torch.repeat_interleave(
-            torch.arange(num_seqs, device=full_mask.device), torch.tensor(resp, device=full_mask.device),
-            output_size=int(full_mask.numel()),
-        )
-        full_keep = full_keep & ~result.seq_rejected.to(full_mask.device).index_select(0, full_seq_ids)
-        if config.token_rejects and full_mask.numel():
-            local_token_rejected = _in_loss(local_mask) & ~result.keep_mask
-            bits = _scatter_bits(local_token_rejected, index, full_mask.numel()).to(torch.uint8)
-            dist.all_reduce(bits, group=cp.group)  # each position is set by exactly one rank
-            collectives += 1
-            full_keep = full_keep & (bits == 0)
+        if num_seqs:
+            full_seq_ids = torch.repeat_interleave(
+                torch.arange(num_seqs, device=full_mask.device), torch.tensor(resp, device=full_mask.device),
+                output_size=int(full_mask.numel()),
+            )
+            full_keep = full_keep & ~result.seq_rejected.to(full_mask.device).index_select(0, full_seq_ids)
+            if config.token_rejects and full_mask.numel():
+                local_token_rejected = _in_loss(local_mask) & ~result.keep_mask
+                bits = _scatter_bits(local_token_rejected, index, full_mask.numel()).to(torch.uint8)
+                dist.all_reduce(bits, group=cp.group)  # each position is set by exactly one rank
+                collectives += 1
+                full_keep = full_keep & (bits == 0)
     # exactly 0 / 1 in the given dtype: no mask value passes through (a value > 0 is "in the loss")
     modified = full_keep if full_mask.dtype == torch.bool else full_keep.to(full_mask.dtype)
     masks = list(torch.split(modified, resp)) if resp else []

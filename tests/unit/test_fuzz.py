@@ -1430,7 +1430,10 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
         # blamed the ratio bound and did not name the log-probs
         "rl_loss_reinforce_log_prob_overflow": lambda: _known(
             "compute_rl_loss", "reinforce, log_probs=[3e38], advantages=[7.5], is_weights=[1]",
-            lambda: _reinforce_call(_tensor([3e38]), _tensor([7.5])), "error", ("log_probs",)),
+            lambda: _rl_loss_call(cu=torch.tensor([0, 1]), n=1, advantages=_tensor([7.5]), log_probs=_tensor([3e38]),
+                                  policy_loss="reinforce", old_log_probs=_tensor([3e38]), rollout_log_probs=_tensor([3e38]),
+                                  is_weights=torch.ones(1)),
+            "error", ("log_probs",)),
         # found by a --random run: finite per-token terms (A = F32_MAX, ratio clipped to 1) whose
         # sum over a sequence overflows; the loss came back -inf and kl_loss NaN (pg_loss * 0)
         "rl_loss_aggregate_overflow": lambda: _known(
@@ -1471,26 +1474,15 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
     }
 
 
-def _rl_loss_call(cu: Any, n: int = 2, advantages: torch.Tensor | None = None, **kw):
+def _rl_loss_call(cu: Any, n: int = 2, advantages: torch.Tensor | None = None, log_probs: torch.Tensor | None = None,
+                  policy_loss: str = "ppo", **kw):
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.core.aggregation import Denominators
     from megatron_mis.core.losses import compute_rl_loss
 
-    lp = torch.zeros(n, requires_grad=True)
+    lp = (torch.zeros(n) if log_probs is None else log_probs.clone()).requires_grad_(True)
     adv = torch.ones(n) if advantages is None else advantages
-    return compute_rl_loss(lp, adv, torch.ones(n), cu, LossConfig(policy_loss="ppo"), Denominators(float(n), 1.0), **kw)
-
-
-def _reinforce_call(log_probs: torch.Tensor, advantages: torch.Tensor):
-    from megatron_mis.config.loss import LossConfig
-    from megatron_mis.core.aggregation import Denominators
-    from megatron_mis.core.losses import compute_rl_loss
-
-    n = log_probs.numel()
-    lp = log_probs.clone().requires_grad_(True)
-    return compute_rl_loss(lp, advantages, torch.ones(n), torch.tensor([0, n]), LossConfig(policy_loss="reinforce"),
-                           Denominators(float(n), 1.0), old_log_probs=log_probs.clone(), rollout_log_probs=log_probs.clone(),
-                           is_weights=torch.ones(n))
+    return compute_rl_loss(lp, adv, torch.ones(n), cu, LossConfig(policy_loss=policy_loss), Denominators(float(n), 1.0), **kw)
 
 
 def _analyze_case(content: bytes, expect: str, suffix: str = ".jsonl") -> Case:
