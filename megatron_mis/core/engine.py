@@ -43,8 +43,8 @@ Precision: per-token work is float32 (the ratio, its bounds and decisions, K3 th
 near r = 1). Per-sequence sums of values are float64 sums of the float32 values (each column is
 converted just before its reduction, one at a time), accumulated only within the sequence, so a
 sequence's statistics depend on its place in the batch only by float64 rounding; the log-ratio sum that feeds exp
-at sequence level is exact to float64 rounding (the difference of the float64 log-prob sums with
-metrics, the float64 sum of exact float64 differences without), and r^2 - 1 is formed in
+at sequence level is exact to float64 rounding (the difference of the float64 log-prob sums),
+and r^2 - 1 is formed in
 float64 when ``log_ratio_bound`` lets r^2 leave the float32 range. Counts are exact (float32
 chunks of 0/1). ``tests/unit/test_engine_contract.py`` checks the values against a float64
 computation.
@@ -244,8 +244,9 @@ def _token_stage(
     # for bool results and bool operands are several times slower than float ones) and combined
     # arithmetically: AND is x * y, OR is max(x, y), NOT is 1 - x.
     maskf = as_factor(mask)
-    # both finite <=> 0 * train + 0 * rollout == 0 (0 * inf and NaN give NaN); one [T] buffer
-    validf = (train * 0.0).add_(rollout, alpha=0.0).eq_(0.0).mul_(maskf)
+    # mask + 0 * train + 0 * rollout is the mask where both are finite and NaN elsewhere (0 * inf
+    # and NaN give NaN); one [T] buffer, three passes
+    validf = torch.add(maskf, train, alpha=0.0).add_(rollout, alpha=0.0).nan_to_num_(nan=0.0)
     # read only by the rejection and the indicator metric (the count is N_MASK - N_VALID)
     nonfinitef = maskf - validf if metrics_on or plan.reject_nonfinite else None
     train_v = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
@@ -281,8 +282,12 @@ def _token_stage(
 
     ratio_veto = prob_veto = None
     if plan.log_ratio_veto is not None:
-        # the float32 difference against log(threshold); -inf (finite values far apart) vetoes
-        ratio_veto = below(diff, plan.log_ratio_veto).mul_(validf)
+        # the float32 difference against log(threshold); -inf (finite values far apart) vetoes.
+        # diff is 0 at every token that is not valid, and log(threshold) < 0 (the config keeps
+        # the threshold in (0, 1)), so those tokens never compare below: no mask pass needed
+        ratio_veto = below(diff, plan.log_ratio_veto)
+        if not plan.log_ratio_veto < 0.0:
+            ratio_veto.mul_(validf)
     if plan.log_prob_veto is not None:
         source = train if plan.prob_veto_train else rollout
         # -inf log-probs (probability 0) are vetoed too; NaN never compares below.
@@ -310,15 +315,12 @@ def _token_stage(
             flags[c] = v
     columns: dict[SequenceSum, torch.Tensor] = dict(flags)
     # the log-ratio sum feeds exp() at sequence level, so it is not taken from the float32
-    # difference (which rounds): with metrics, the log-prob sums are reduced anyway and it is
-    # their difference (below); without, the float64 sum of exact float64 differences (one
-    # float64 column instead of two). Both are exact to float64 rounding and finite for any
-    # float32 log-probs.
-    if metrics_on:
-        columns[SequenceSum.SUM_TRAIN_LP] = train_v
-        columns[SequenceSum.SUM_ROLLOUT_LP] = rollout_v
-    else:
-        columns[SequenceSum.SUM_LOG_R] = train_v.to(f64).sub_(rollout_v)
+    # difference (which rounds): it is the difference of the float64 log-prob sums (below),
+    # exact to float64 rounding and finite for any float32 log-probs. (A float64 [T] column of
+    # differences would be as exact but costs a mixed-dtype [T] pass, ~1.5 ms per 0.5M tokens
+    # on a CPU: torch's kernels for float64 -= float32 are scalar.)
+    columns[SequenceSum.SUM_TRAIN_LP] = train_v
+    columns[SequenceSum.SUM_ROLLOUT_LP] = rollout_v
     w_kept = None
     if plan.token_is:
         # the bounded weight over kept tokens (w_tok is 0 where IS-masked); formed in w_tok's own
@@ -366,8 +368,8 @@ def _token_stage(
     sums = torch.zeros(num_seqs, len(SequenceSum), dtype=f64, device=train.device)
     sums[:, [int(c) for c in order]] = reduced[:, slots]
     sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
-    if metrics_on:  # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values
-        sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]
+    # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values
+    sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
     sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
     sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]

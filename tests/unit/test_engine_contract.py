@@ -225,9 +225,9 @@ def test_float32_token_work_is_as_accurate_as_float64():
 @pytest.mark.parametrize("scale, noise", [(3.0, 1.0), (20.0, 1e-3), (1e4, 1.0)])
 def test_sequence_log_ratio_sum_is_float64_exact(metrics, scale, noise):
     """The sum of log r that feeds exp() at sequence level equals the float64 sum of the float64
-    differences to float64 rounding, with metrics (where it is the difference of the two
-    log-prob sums) and without (the sum of float64 differences). In the first case most operands
-    are more than 2x apart, so their float32 differences round: summing those fails this test."""
+    differences to float64 rounding, with metrics and without (both the difference of the two
+    float64 log-prob sums). In the first case most operands are more than 2x apart, so their
+    float32 differences round: summing those fails this test."""
     g = torch.Generator().manual_seed(11)
     lengths = [int(x) for x in torch.randint(1, 6000, (16,), generator=g)]
     train = [-torch.rand(k, generator=g) * scale for k in lengths]
