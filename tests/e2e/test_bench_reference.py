@@ -66,7 +66,9 @@ def test_bench_runs_and_prints_every_ratio():
         assert f"  {name} " in out, name
     for name in ("engine", "weights only"):
         row = next(line for line in out.splitlines() if line.startswith(f"  {name} "))
-        assert row.count("per-sequence") == 1 and row.count("floor") == 1, row
+        assert row.count("per-sequence") == 1 and "] fastest floor, " in row and row.endswith("] floor of the round"), row
+        row = next(line for line in out.splitlines() if line.startswith(f"  {name}, back to back "))
+        assert row.endswith("] floor back to back") and "per-sequence" not in row, row
 
 
 @pytest.mark.parametrize("shape, why", [("long", "three integers"), ("4:8:2", "MIN_LEN <= MAX_LEN"), ("0:1:2", "SEQUENCES >= 1")])
