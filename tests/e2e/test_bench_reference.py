@@ -49,6 +49,23 @@ def test_naive_baseline_matches_engine(cfg):
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_mis.py"
 
 
+def test_floor_does_the_whole_pass():
+    """The floor the engine is compared with computes a real result: the truncated token ratio
+    over the loss mask and the keep mask (a floor that skipped work would make every ratio to it
+    meaningless)."""
+    from bench_mis import floor_fn
+
+    g = torch.Generator().manual_seed(5)
+    train = -torch.rand(1000, generator=g) * 4
+    rollout = train + torch.randn(1000, generator=g) * 0.5
+    mask = (torch.rand(1000, generator=g) > 0.3).long()
+    w, keep = floor_fn(train, rollout, mask, 1.5)
+    want = torch.where(mask > 0, torch.exp(train - rollout).clamp(max=1.5), torch.zeros(()))
+    assert torch.equal(keep, mask > 0)
+    torch.testing.assert_close(w, want, rtol=1e-6, atol=0)
+    assert bool((w[~keep] == 0).all()) and bool((w[keep] > 0).all())
+
+
 def _bench(*args: str):
     import subprocess
 
