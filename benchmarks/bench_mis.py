@@ -175,8 +175,8 @@ def main() -> None:
         floor_b2b = min(statistics.median(ts) for name, ts in floors.items() if name.endswith("back to back"))
         for name, ts in times.items():
             extra = ""
-            if name.startswith("floor") or name.startswith("per-sequence"):
-                pass
+            if name.startswith(("per-sequence", "floor")):
+                pass  # the references: times only
             elif name.endswith("back to back"):
                 over = [b / floor_b2b for b in ts]
                 extra = f"  {statistics.median(over):5.1f}x [{min(over):.1f}-{max(over):.1f}] floor back to back"
