@@ -123,8 +123,9 @@ class MISConfig(ConfigBase):
     compile_engine: bool = doc(
         False,
         "Run the engine's token and sequence stages through torch.compile(fullgraph=True, "
-        "dynamic=True); the first call of a process compiles (seconds to minutes). Measured slower than "
-        "eager on a 2-core CPU (benchmarks/README.md); not yet timed on a GPU.",
+        "dynamic=True); the first call of a process compiles (seconds to minutes). On a 2-core CPU it is "
+        "faster than eager below about 40k tokens per call (fewer dispatched ops) and slower above "
+        "(benchmarks/README.md); not yet timed on a GPU.",
     )
     rs_without_tis: bool = doc(
         False,
