@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_mis.core.compiling import is_compiling, opaque_op
+
 __all__ = ["as_factor", "below", "above", "as_bool"]
 
 
@@ -20,6 +22,8 @@ def as_factor(flag: torch.Tensor) -> torch.Tensor:
     """``[*] bool -> [*] float32`` 0/1 (through a ``uint8`` view of the same memory)."""
     if flag.dtype != torch.bool:
         raise TypeError(f"as_factor expects a bool tensor, got {flag.dtype}")
+    if is_compiling():  # inductor converts the uint8 view element by element
+        return flag.to(torch.float32)
     return flag.view(torch.uint8).to(torch.float32)
 
 
@@ -34,5 +38,12 @@ def above(x: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def as_bool(factor: torch.Tensor) -> torch.Tensor:
-    """``[*] float 0/1 -> [*] bool`` (nonzero is True)."""
+    """``[*] float 0/1 -> [*] bool`` (nonzero is True). Under ``torch.compile`` one opaque op:
+    inductor's CPU code stores ``bool`` results element by element (about 3.5 ms for 543k
+    tokens, against 0.1 ms eager)."""
+    return _as_bool_op(factor) if is_compiling() else factor.to(torch.bool)
+
+
+@opaque_op("as_bool", lambda factor: torch.empty_like(factor, dtype=torch.bool))
+def _as_bool_op(factor: torch.Tensor) -> torch.Tensor:
     return factor.to(torch.bool)
