@@ -238,7 +238,7 @@ def _compare_compiled(backend: str, name: str) -> None:
             torch.testing.assert_close(got["token_metrics"][k], v, msg=k)
 
 
-@pytest.mark.parametrize("name", ["seed000", "token_mask_token_rs_prob_veto", "sequence_mask_bn_full"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_compiled_forms_agree_with_eager_on_nonfinite_inputs(name):
     _compare_compiled("eager", name)
 
