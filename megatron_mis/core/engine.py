@@ -65,7 +65,7 @@ import torch
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
 from megatron_mis.core.compiling import is_compiling
-from megatron_mis.core.flags import above, as_bool, as_factor, below
+from megatron_mis.core.flags import above, as_bool, as_factor, below, finite_or_zero
 from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout
 from megatron_mis.core.statistics import (
     BIG,
@@ -252,12 +252,8 @@ def _token_stage(
     validf = torch.where(validf == validf, validf, 0.0) if is_compiling() else validf.nan_to_num_(nan=0.0)
     # read only by the rejection and the indicator metric (the count is N_MASK - N_VALID)
     nonfinitef = maskf - validf if metrics_on or plan.reject_nonfinite else None
-    if is_compiling():  # x - x == 0 exactly where x is finite
-        train_v = torch.where(train - train == 0.0, train, 0.0).mul_(validf)
-        rollout_v = torch.where(rollout - rollout == 0.0, rollout, 0.0).mul_(validf)
-    else:
-        train_v = torch.nan_to_num(train, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
-        rollout_v = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).mul_(validf)
+    train_v = finite_or_zero(train).mul_(validf)
+    rollout_v = finite_or_zero(rollout).mul_(validf)
     diff = train_v - rollout_v  # float32; a difference beyond the float32 range is +-inf
     log_r = diff.clamp(-plan.bound, plan.bound)  # 0 where invalid
     r = torch.exp(log_r)  # 1 where invalid

@@ -15,7 +15,7 @@ import torch
 
 from megatron_mis.core.compiling import is_compiling, opaque_op
 
-__all__ = ["as_factor", "below", "above", "as_bool"]
+__all__ = ["as_factor", "below", "above", "as_bool", "finite_or_zero"]
 
 
 def as_factor(flag: torch.Tensor) -> torch.Tensor:
@@ -35,6 +35,15 @@ def below(x: torch.Tensor, threshold: float) -> torch.Tensor:
 def above(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """``[*] float32`` 1.0 where ``x > threshold``, else 0.0 (NaN compares false)."""
     return torch.gt(x, threshold, out=torch.empty_like(x, dtype=torch.float32))
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``[*] float -> [*]`` a new tensor: ``x`` where finite, 0.0 at NaN and +-inf. Under
+    ``torch.compile`` by a comparison (``x - x == 0`` holds exactly where ``x`` is finite):
+    inductor's CPU code evaluates ``isnan`` (``nan_to_num``) element by element."""
+    if is_compiling():
+        return torch.where(x - x == 0.0, x, 0.0)
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def as_bool(factor: torch.Tensor) -> torch.Tensor:

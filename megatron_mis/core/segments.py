@@ -279,10 +279,8 @@ class SegmentLayout(NamedTuple):
         (32 ms for 16 rows of 543k tokens, against about 3 ms eager)."""
         rows = per_segment.dim() == 2
         values = per_segment if rows else per_segment.unsqueeze(0)
-        if is_compiling():
-            out = _expand_op(values, self.chunk_segment, self.window_target, self.last_segment, self.num_tokens, self.chunk)
-        else:
-            out = _expand_eager(values, self.chunk_segment, self.window_target, self.last_segment, self.num_tokens, self.chunk)
+        expand = _expand_op if is_compiling() else _expand_eager
+        out = expand(values, self.chunk_segment, self.window_target, self.last_segment, self.num_tokens, self.chunk)
         return out if rows else out[0]
 
 

@@ -307,6 +307,11 @@ def _largest_log_factor(policy: Any, lp: torch.Tensor, mask: torch.Tensor, log_b
     return math.log(max(float(values.max()), 1e-300)) if values.numel() else -math.inf
 
 
+def _nonfinite_in_loss(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> bool:
+    """A token with a NaN / inf log-prob is in the loss (mask value > 0)."""
+    return bool((~(torch.isfinite(train) & torch.isfinite(rollout)) & (mask > 0)).any())
+
+
 def _tensor(values: list[float], dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
@@ -399,8 +404,7 @@ def engine_cases(draw) -> Case:
         mask_arg[: len(vals)] = _tensor(vals)
         # the new values move tokens in or out of the loss (a value > 0 is in; NaN is out), so the
         # non-finite expectation is recomputed over the tokens the corrupted mask keeps in
-        bad_in_loss = bool((~(torch.isfinite(train) & torch.isfinite(rollout)) & (mask_arg > 0)).any())
-        if cfg.nonfinite_policy == "error" and bad_in_loss:
+        if cfg.nonfinite_policy == "error" and _nonfinite_in_loss(train, rollout, mask_arg):
             expect, names = "error", ("nan or inf", "non-finite", "nonfinite", "loss_mask")
         else:  # "a value > 0 marks a loss token": 2, -1, 0.5 are documented; NaN / inf may be refused
             expect, names = "either", ("loss_mask",)
@@ -498,7 +502,7 @@ def host_cases(draw, entry: str) -> Case:
         # NaN / inf: an error under nonfinite_policy 'error' (it may sync). The new value may move
         # a non-finite token in or out of the loss, so that expectation is recomputed.
         strict = not math.isfinite(value) and cfg.nonfinite_policy == "error"
-        bad_in_loss = any(bool((~(torch.isfinite(a) & torch.isfinite(b)) & (m > 0)).any()) for a, b, m in zip(train, rollout, bad_masks))
+        bad_in_loss = any(_nonfinite_in_loss(a, b, m) for a, b, m in zip(train, rollout, bad_masks))
         if strict or (cfg.nonfinite_policy == "error" and bad_in_loss):
             expect, names = "error", ("loss_mask", "nan or inf", "non-finite", "nonfinite")
         else:
