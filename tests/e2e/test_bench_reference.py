@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from naive_mis import naive_mis  # noqa: E402
 
 from megatron_mis import MISConfig  # noqa: E402
 from megatron_mis.core.engine import compute_mis_from_lists  # noqa: E402
+from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -66,6 +68,29 @@ def test_floor_does_the_whole_pass():
     assert bool((w[~keep] == 0).all()) and bool((w[keep] > 0).all())
 
 
+def test_dropin_floor_returns_what_the_dropin_returns():
+    """The drop-in floor does the host contract's work and no more: with plain token truncation
+    (no rejection, no normalisation) its loss and masks are the drop-in's, a NaN loss at a
+    token out of the mask included."""
+    from bench_mis import dropin_floor_fn
+
+    g = torch.Generator().manual_seed(6)
+    lengths = [7, 1, 30, 12]
+    train = [-torch.rand(n, generator=g) * 4 for n in lengths]
+    rollout = [t + torch.randn(n, generator=g) * 0.5 for t, n in zip(train, lengths)]
+    masks = [(torch.rand(n, generator=g) > 0.3).long() for n in lengths]
+    masks[2][3] = 0
+    pg = torch.randn(sum(lengths), generator=g)
+    pg[7 + 1 + 3] = float("nan")
+    loss, out_masks = dropin_floor_fn(train, rollout, masks, lengths, pg, 1.5)
+    args = Namespace(custom_config_path=None, use_tis=True, tis_upper_bound=1.5, tis_level="token", tis_mode="truncate")
+    want_loss, want_masks, _ = compute_mis_weights_fsdp(args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
+    assert [m.dtype for m in out_masks] == [torch.int64] * 4
+    assert all(torch.equal(a, b) for a, b in zip(out_masks, want_masks))
+    assert loss[11] == 0 and bool(torch.isfinite(loss).all())
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+
+
 def _bench(*args: str):
     import subprocess
 
@@ -79,11 +104,12 @@ def test_bench_runs_and_prints_every_ratio():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "6 sequences of 4-20 tokens" in out
-    for name in ("per-sequence (every statistic)", "floor (one pass)", "floor (one pass), back to back"):
+    for name in ("per-sequence (every statistic)", "floor (one pass)", "floor (one pass), back to back",
+                 "drop-in floor (lists in and out)", "drop-in floor (lists in and out), back to back"):
         assert f"  {name} " in out, name
     for name in ("engine", "weights only"):
         row = next(line for line in out.splitlines() if line.startswith(f"  {name} "))
-        assert row.count("per-sequence") == 1 and "] fastest floor, " in row and row.endswith("] floor of the round"), row
+        assert row.count("per-sequence") == 1 and "] fastest floor, " in row and "] floor of the round, " in row and row.endswith("] drop-in floor"), row
         row = next(line for line in out.splitlines() if line.startswith(f"  {name}, back to back "))
         assert row.endswith("] floor back to back") and "per-sequence" not in row, row
 
