@@ -291,7 +291,8 @@ def process_batch(
     row.num_samples = len(train)
     row.sum_response_length = int(sum(response_lengths))
     main_result = None
-    if not train:
+    if not train:  # an empty batch: every configuration saw nothing (the row still reports it)
+        row.configs = {name: ConfigAccumulator() for name in configs}
         return row, compute_mis_from_lists([], [], [], configs[main])
     mask = torch.cat(masks) != 0
     starts, seq_ids = _first_token_index(lengths)

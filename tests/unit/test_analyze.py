@@ -19,7 +19,7 @@ from dump_writers import (
     write_verl_generations,
 )
 
-from megatron_mis.analysis import DumpError, DumpReader, analyze_history, load_samples
+from megatron_mis.analysis import DumpError, DumpReader, analyze_history, load_samples, to_json
 from megatron_mis.analysis.history import RowAccumulator
 from megatron_mis.cli import main
 from megatron_mis.config import MISConfig
@@ -182,6 +182,22 @@ def test_fully_masked_rollout_gives_null_metrics(tmp_path, capsys):
     row = rep["rows"][0]
     assert row["num_loss_tokens"] == 0 and row["k3_mean"] is None and row["k3_p99"] is None and row["tv"] is None
     assert rep["rows"][1]["k3_mean"] > 0 and "metrics" not in rep  # two batches: no single-batch metrics
+
+
+def test_empty_batch_analyses_with_every_config(tmp_path):
+    """A dump holding zero samples (found by the payload fuzz: ``{"train_log_probs": [],
+    "rollout_log_probs": []}``) is a row with nothing in it, for the main configuration and every
+    compared one, not a KeyError."""
+    path = tmp_path / "empty.pt"
+    torch.save({"train_log_probs": [], "rollout_log_probs": []}, path)
+    rep = analyze_history([str(path)], MISConfig(), "d", progress=False,
+                          compare={"token_tis": MISConfig.from_yaml(preset_path("token_tis"))}).report
+    (row,) = rep["rows"]
+    assert row["num_samples"] == 0 and row["config_effect"]["kept_tokens"] == 0
+    assert row["config_effect"]["kept_token_share"] is None
+    (tis,) = rep["compare"]
+    assert tis["kept_tokens"] == 0 and tis["per_rollout"][0]["ess"] is None
+    _strict_json(to_json(rep))
 
 
 def test_accumulators_stay_bounded():
