@@ -64,8 +64,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
-from megatron_mis.core.compiling import is_compiling
-from megatron_mis.core.flags import above, as_bool, as_factor, below, finite_or_zero
+from megatron_mis.core.flags import above, as_bool, as_factor, below
 from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout
 from megatron_mis.core.statistics import (
     BIG,
@@ -245,17 +244,10 @@ def _token_stage(
     # for bool results and bool operands are several times slower than float ones) and combined
     # arithmetically: AND is x * y, OR is max(x, y), NOT is 1 - x.
     maskf = as_factor(mask)
-    # mask + 0 * train + 0 * rollout is the mask where both are finite and NaN elsewhere (0 * inf
-    # and NaN give NaN); one [T] buffer, three passes
-    validf = torch.add(maskf, train, alpha=0.0).add_(rollout, alpha=0.0)
-    # inductor evaluates isnan (nan_to_num) element by element; a comparison vectorises
-    validf = torch.where(validf == validf, validf, 0.0) if is_compiling() else validf.nan_to_num_(nan=0.0)
+    # diff is float32: a difference beyond the float32 range is +-inf; log_r is 0 where invalid
+    validf, train_v, rollout_v, diff, log_r = _metrics.masked_log_ratio(maskf, train, rollout, plan.bound)
     # read only by the rejection and the indicator metric (the count is N_MASK - N_VALID)
     nonfinitef = maskf - validf if metrics_on or plan.reject_nonfinite else None
-    train_v = finite_or_zero(train).mul_(validf)
-    rollout_v = finite_or_zero(rollout).mul_(validf)
-    diff = train_v - rollout_v  # float32; a difference beyond the float32 range is +-inf
-    log_r = diff.clamp(-plan.bound, plan.bound)  # 0 where invalid
     r = torch.exp(log_r)  # 1 where invalid
 
     rejected = [nonfinitef] if plan.reject_nonfinite else []  # token-level rejection factors
@@ -398,12 +390,21 @@ def _token_stage(
     token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST, SequenceSum.SUM_ABS_R1) if c in columns}
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
     kl = diff.neg_().clamp_(-_metrics.F32_MAX, _metrics.F32_MAX) if metrics_on else None
-    tokens = TokenQuantities(
-        mask=mask, valid=validf, nonfinite=nonfinitef, train=train, rollout=rollout,
-        log_r=log_r, r=r if metrics_on else None, k3=k3, tok_kept=keptf, w_kept=w_kept,
-        is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
-        flags=flags, layout=layout, kl=kl, columns=token_columns,
-    )
+    if metrics_on:
+        tokens = TokenQuantities(
+            mask=mask, valid=validf, nonfinite=nonfinitef, train=train, rollout=rollout,
+            log_r=log_r, r=r, k3=k3, tok_kept=keptf, w_kept=w_kept,
+            is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_veto=ratio_veto, prob_veto=prob_veto,
+            flags=flags, layout=layout, kl=kl, columns=token_columns, bound=plan.bound,
+        )
+    else:
+        # what the weights and masks read, nothing more: a compiled stage writes only these [T]
+        # buffers (the others live inside its kernel), and eager frees the rest now
+        tokens = TokenQuantities(
+            mask=mask, valid=None, nonfinite=None, train=train, rollout=rollout, log_r=None, r=None, k3=None,
+            tok_kept=keptf, w_kept=w_kept, is_low=None, is_high=None, rs_low=None, rs_high=None, ratio_veto=None,
+            prob_veto=None, flags={SequenceSum.N_TOK_KEPT: keptf}, layout=layout, bound=plan.bound,
+        )
     return tokens, sums, mins, maxs
 
 

@@ -40,10 +40,12 @@ from typing import Any
 
 import torch
 
+from megatron_mis.core.compiling import is_compiling
+from megatron_mis.core.flags import as_factor, finite_or_zero
 from megatron_mis.core.statistics import SequenceExtremum, Plan, SequenceDecisions, SequenceStatistics, SequenceSum, TokenQuantities
 
 
-__all__ = ["k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_edges", "METRIC_DOCS", "HOST_METRIC_NAMES"]
+__all__ = ["masked_log_ratio", "k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_edges", "METRIC_DOCS", "HOST_METRIC_NAMES"]
 
 #: Exponents of ppl-like metrics are capped here so exp() stays finite in float32.
 _EXP_CAP = 80.0
@@ -124,6 +126,25 @@ METRIC_DOCS: dict[str, str] = {
 }
 
 
+
+
+def masked_log_ratio(
+    maskf: torch.Tensor, train: torch.Tensor, rollout: torch.Tensor, bound: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``maskf [T]`` float32 0/1, float32 log-probs ``[T]`` -> ``(valid, train_v, rollout_v, diff,
+    log_r)`` ``[T]`` float32: ``valid`` 1 at loss-mask tokens whose two log-probs are finite;
+    the log-probs zeroed off ``valid``; their difference (``+-inf`` beyond the float32 range);
+    that difference clamped to ``+-bound``. The engine's token stage and the bucket table's
+    recomputation share this, so both see the same values."""
+    # mask + 0 * train + 0 * rollout is the mask where both are finite and NaN elsewhere (0 * inf
+    # and NaN give NaN); one [T] buffer, three passes
+    validf = torch.add(maskf, train, alpha=0.0).add_(rollout, alpha=0.0)
+    # inductor evaluates isnan (nan_to_num) element by element; a comparison vectorises
+    validf = torch.where(validf == validf, validf, 0.0) if is_compiling() else validf.nan_to_num_(nan=0.0)
+    train_v = finite_or_zero(train).mul_(validf)
+    rollout_v = finite_or_zero(rollout).mul_(validf)
+    diff = train_v - rollout_v
+    return validf, train_v, rollout_v, diff, diff.clamp(-bound, bound)
 
 
 def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -423,13 +444,18 @@ def bucket_table(tokens: TokenQuantities, edges: Sequence[float]) -> dict[str, t
         ``edges [B+1]``, ``num_tokens [B]``, ``mean_abs_log_ratio [B]`` (mean |log r|),
         ``mean_k3 [B]`` (mean k3) — float64.
     """
-    edges_t = torch.tensor([float(e) for e in edges], dtype=torch.float64, device=tokens.log_r.device)
+    edges_t = torch.tensor([float(e) for e in edges], dtype=torch.float64, device=tokens.train.device)
     num_buckets = edges_t.numel() - 1
-    valid = tokens.valid > 0
+    validf, log_r = tokens.valid, tokens.log_r
+    if validf is None or log_r is None:  # a call without metrics keeps neither: recompute them
+        if tokens.bound is None:
+            raise ValueError("the token quantities carry neither log_r nor the bound to recompute it")
+        validf, _, _, _, log_r = masked_log_ratio(as_factor(tokens.mask), tokens.train, tokens.rollout, tokens.bound)
+    valid = validf > 0
     p = torch.exp(tokens.rollout.to(torch.float64))
     idx = torch.bucketize(p, edges_t[1:-1], right=True).clamp(0, num_buckets - 1)
     idx = torch.where(valid, idx, torch.full_like(idx, num_buckets))  # invalid -> dropped bucket
-    k3 = (tokens.k3 if tokens.k3 is not None else k3_from_log_ratio(tokens.log_r)).to(torch.float64)
+    k3 = (tokens.k3 if tokens.k3 is not None else k3_from_log_ratio(log_r)).to(torch.float64)
     absl = (tokens.train.to(torch.float64) - tokens.rollout.to(torch.float64)).abs()
     acc = torch.zeros(num_buckets + 1, 3, dtype=torch.float64, device=p.device)
     acc.index_add_(0, idx, torch.stack([torch.ones_like(p), absl, k3], 1))

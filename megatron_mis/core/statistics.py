@@ -94,14 +94,17 @@ StatsReducer = Callable[[SequenceStatistics], SequenceStatistics]
 class TokenQuantities:
     """Per-token quantities of one call, ``[T]`` each (``None`` where the configuration does not
     need them). Only what the outputs, the metrics and the lazy bucket table read is kept, so
-    the call's temporaries are freed (and their memory reused) as early as possible."""
+    the call's temporaries are freed (and their memory reused) as early as possible. Without
+    metrics (``mis_metrics: none``) that is the inputs, ``tok_kept``, ``w_kept`` and the
+    ``N_TOK_KEPT`` flag: ``valid`` and ``log_r`` are ``None`` (the bucket table recomputes them
+    from the inputs), so a compiled token stage does not write them."""
 
     mask: torch.Tensor  # bool; every other flag is a float32 0/1 factor (megatron_mis.core.flags)
-    valid: torch.Tensor  # float32 0/1: loss-mask token with finite log-probs
+    valid: torch.Tensor | None  # float32 0/1: loss-mask token with finite log-probs (None without metrics)
     nonfinite: torch.Tensor | None  # float32 0/1: loss-mask token with a NaN / inf log-prob (None unless read)
     train: torch.Tensor  # float32 as given (NaN / inf where given; read where ``valid``)
     rollout: torch.Tensor
-    log_r: torch.Tensor  # clamped, 0 where invalid
+    log_r: torch.Tensor | None  # clamped to +-bound, 0 where invalid (None without metrics)
     r: torch.Tensor | None  # exp(log_r); None without metrics (nothing reads it after the weights)
     k3: torch.Tensor | None  # r - 1 - log r to float32 relative accuracy (series near r = 1), 0 where invalid
     tok_kept: torch.Tensor  # float32 0/1: loss-mask token not rejected at token level
@@ -123,6 +126,8 @@ class TokenQuantities:
     #: reduced columns that are also token metrics, keyed by :class:`SequenceSum`: ``SUM_W_BEFORE``,
     #: ``SUM_W_AFTER``, ``SUM_W_HOST`` and ``SUM_ABS_R1`` (which holds ``|r - 1| / 2``, the TV)
     columns: dict = field(default_factory=dict)
+    #: the log-ratio clamp ``log_r`` was (or is to be) computed with (the plan's ``bound``)
+    bound: float | None = None
 
 
 @dataclass

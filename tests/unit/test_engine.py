@@ -443,3 +443,28 @@ def test_bucket_table_counts_and_mismatch():
         assert float(table["mean_k3"][b]) == pytest.approx(want_k3, rel=1e-4, abs=1e-7)
     with pytest.raises(ValueError, match="prob_bucket_edges"):
         compute_mis_from_lists(TRAIN, ROLLOUT, MASKS, MISConfig(), prob_bucket_edges=[0.5, 0.1])
+
+
+@pytest.mark.parametrize("policy", ["neutralize", "reject"])
+def test_bucket_table_without_metrics_equals_the_table_with_metrics(policy):
+    """Without metrics the token stage keeps neither validity nor log r; the bucket table
+    recomputes them and must give exactly the table a call with metrics gives (non-finite
+    log-probs, masked-out tokens and ratios beyond the clamp included)."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [40, 1, 25, 60]
+    rollout = [-torch.rand(n, generator=g) * 6 for n in lengths]
+    train = [r + torch.randn(n, generator=g) * 0.3 for r, n in zip(rollout, lengths)]
+    masks = [(torch.rand(n, generator=g) > 0.2).float() for n in lengths]
+    train[0][3], rollout[2][7], train[3][9], rollout[3][10] = float("nan"), float("-inf"), float("inf"), -30.0
+    train[3][11] = 0.0  # log r = +30 against rollout 0 - 30 below: beyond a bound of 5
+    rollout[3][11] = -30.0
+    base = dict(use_tis=True, use_rs=True, rs_level="token", log_ratio_bound=5.0, nonfinite_policy=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = compute_mis_from_lists(train, rollout, masks, MISConfig(**base, mis_metrics="standard"))
+        lean = compute_mis_from_lists(train, rollout, masks, MISConfig(**base, mis_metrics="none"))
+    assert lean._tokens.valid is None and lean._tokens.log_r is None
+    assert torch.equal(full.weights, lean.weights) and torch.equal(full.keep_mask, lean.keep_mask)
+    for name, value in full.bucket_table.items():
+        assert torch.equal(value, lean.bucket_table[name]), name
+    assert float(full.bucket_table["num_tokens"].sum()) > 0
