@@ -439,21 +439,37 @@ def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig) -> Po
 
 
 def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, shares: dict, config: LossConfig) -> None:
-    """One host read: every per-token policy term and every aggregated loss must be finite.
+    """One host read: every per-token policy term, every aggregated loss and the gradient's
+    ``IS weight * A`` factor must be finite.
+
+    The last one: the backward of ``IS weight * ratio * A`` forms ``IS weight * A`` (times the
+    aggregation's ``1 / n``) before it multiplies by the ratio, so a ratio far below 1 can leave
+    the loss finite while its gradient overflows to inf.
 
     Raises:
         ValueError: a per-token term beyond the float range (ratio * IS weight * A, or for
-            REINFORCE-type losses IS weight * A * log pi), or finite terms whose aggregate is not
-            (naming the advantages, the IS weights and what to change).
+            REINFORCE-type losses IS weight * A * log pi), an IS weight * A beyond it, or finite
+            terms whose aggregate is not (naming the advantages, the IS weights and what to
+            change).
     """
     overflow = valid & ~torch.isfinite(terms.loss.detach())
+    # adv and weights are finite here (non-finite inputs are zeroed), so only the product can be inf
+    reads_weights = weights is not None and policy.uses_is_weights
+    grad_overflow = valid & ~torch.isfinite(adv * weights) if reads_weights else torch.zeros_like(valid)
     totals = torch.stack([v.detach().reshape(()).to(torch.float64) for v in shares.values()])
-    if not bool(overflow.any() | ~torch.isfinite(totals).all()):
+    if not bool(overflow.any() | grad_overflow.any() | ~torch.isfinite(totals).all()):
         return
     dtype = terms.loss.dtype
     any_valid = bool(valid.any())
     biggest = float(adv[valid].abs().max()) if any_valid else 0.0
     heaviest = "" if weights is None or not any_valid else f", IS weights reach {float(weights[valid].abs().max()):.3g}"
+    if not bool(overflow.any()) and bool(grad_overflow.any()):
+        raise ValueError(
+            f"policy loss gradient overflows {dtype} on {int(grad_overflow.sum())} token(s): advantages reach "
+            f"|A| = {biggest:.3g}{heaviest}, and IS weight * A exceeds the float range (the loss is finite only "
+            "because the ratio is small there; its gradient passes through IS weight * A); normalise the "
+            "advantages or bound the IS weights"
+        )
     if bool(overflow.any()):
         if policy.old_policy == "none":  # REINFORCE-type: the term is IS weight * A * log pi_theta
             largest_lp = float(lp.detach()[overflow].abs().max())

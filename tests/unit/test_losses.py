@@ -489,6 +489,29 @@ def test_rl_loss_overflow_is_an_error_not_inf():
     assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(-1.28e20, rel=1e-6)
 
 
+def test_decoupled_gradient_overflow_is_an_error_not_inf():
+    """Found by the public-API fuzz: with a dual clip and a ratio far below 1, IS weight * r * A fits
+    float32 (the loss is finite) while IS weight * A does not, and the backward forms exactly that
+    product before multiplying by r, so the gradient came out inf. Now a clear error naming the
+    advantages and the IS weights; just inside the range, loss and gradient are finite."""
+    cfg = CFG.replace(policy_loss="decoupled_ppo", eps_clip=1.0, eps_clip_high=0.28, eps_clip_c=3.0)
+    old = torch.tensor([-22.6])  # r = e^-6.12, about 2.2e-3
+
+    def run(weight: float):
+        lp = torch.tensor([-28.72], requires_grad=True)
+        out = compute_rl_loss(lp, torch.tensor([-1e30]), torch.ones(1), torch.tensor([0, 1]), cfg, Denominators(1, 1),
+                              old_log_probs=old, is_weights=torch.tensor([weight]))
+        (grad,) = torch.autograd.grad(out.loss, lp)
+        return out.loss, grad
+
+    with pytest.raises(ValueError, match=r"gradient overflows torch.float32 on 1 token.*\|A\| = 1e\+30.*IS weights reach 4.9e\+08"):
+        run(4.9e8)  # IS weight * A = 4.9e38 > 3.4e38
+    loss, grad = run(3.0e8)  # 3e38: inside; loss = w * r * |A| (the dual clip 3 |A| is not reached)
+    r = math.exp(-28.72 + 22.6)
+    assert loss.item() == pytest.approx(3.0e8 * r * 1e30, rel=1e-5)
+    assert torch.isfinite(grad).all() and grad.item() == pytest.approx(3.0e8 * r * 1e30, rel=1e-5)
+
+
 def test_ppo_kl_metric_is_clamped_like_the_ratio():
     # log(pi_old / pi_theta) = -3e38 - (-1e16) per token: two of them overflow a float32 sum; the
     # metric takes the log-ratio clamped to ratio_log_bound (20), as the policy ratio does.
