@@ -208,10 +208,15 @@ class MISConfig(ConfigBase):
                 + (" (unset, it is 1/tis_upper_bound)" if self.tis_lower_bound is None else "")
             )
         if self.use_rs and not self.rs_lower < self.rs_upper:
-            problems.append(
-                f"rs_lower_bound={self.rs_lower!r} must be < rs_upper_bound={self.rs_upper!r} "
-                "(unset RS bounds default to the IS bounds)"
-            )
+            # name the keys the values come from: an unset RS bound is the IS bound's value
+            low = f"rs_lower_bound={self.rs_lower!r}"
+            if self.rs_lower_bound is None:
+                low += (f" (unset: tis_lower_bound={self.tis_lower_bound!r})" if self.tis_lower_bound is not None
+                        else " (unset: 1/tis_upper_bound, as tis_lower_bound is unset)")
+            high = f"rs_upper_bound={self.rs_upper!r}"
+            if self.rs_upper_bound is None:
+                high += f" (unset: tis_upper_bound={self.tis_upper_bound!r})"
+            problems.append(f"{low} must be < {high} (unset RS bounds default to the IS bounds)")
         if self.tis_batch_normalize and not self.use_tis:
             problems.append(
                 "tis_batch_normalize=true has nothing to normalise: use_tis is false, so every weight is 1 "

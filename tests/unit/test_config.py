@@ -208,8 +208,16 @@ def test_rs_bounds_checked_only_where_rs_is_on():
     # truncating at 1 is a valid TIS setting; its default RS bounds [1, 1] are unused with RS off
     cfg = MISConfig(use_tis=True, tis_upper_bound=1.0)
     assert cfg.tis_upper_bound == 1.0
-    with pytest.raises(ConfigError, match=r"rs_lower_bound=1.0 must be < rs_upper_bound=1.0 \(unset RS bounds default"):
+    with pytest.raises(ConfigError, match=r"rs_lower_bound=1.0 \(unset: 1/tis_upper_bound, as tis_lower_bound is unset\) must be "
+                       r"< rs_upper_bound=1.0 \(unset: tis_upper_bound=1.0\) \(unset RS bounds default"):
         MISConfig(use_tis=True, use_rs=True, tis_upper_bound=1.0)
+    # an unset RS bound names the IS key its value comes from (found by the public-API fuzz: the
+    # message named only rs_lower_bound, which the user never set)
+    with pytest.raises(ConfigError, match=r"rs_lower_bound=330.0 \(unset: tis_lower_bound=330.0\) must be < rs_upper_bound=2.0 "
+                       r"\(unset: tis_upper_bound=2.0\)"):
+        MISConfig(use_rs=True, tis_lower_bound=330.0)
+    with pytest.raises(ConfigError, match=r"rs_lower_bound=3.0 must be < rs_upper_bound=2.0 \(unset: tis_upper_bound=2.0\)"):
+        MISConfig(use_rs=True, rs_lower_bound=3.0)
     # the IS pair is compared only where IS reads both
     with pytest.raises(ConfigError, match=r"tis_lower_bound=1.0 must be < tis_upper_bound=1.0 \(unset, it is 1/tis_upper_bound\)"):
         MISConfig(use_tis=True, tis_mode="mask", tis_upper_bound=1.0)
