@@ -81,6 +81,12 @@ def test_matches_a_per_segment_loop(lengths, chunk, seed):
         assert sums[i, 1].item() == float(cols[1][a : a + n].sum())
         assert mins[i, 0].item() == (float(piece.min()) if n else 1e30)
         assert maxs[i, 0].item() == (float(piece.max()) if n else -1e30)
+    # each full chunk's segment (the one holding all its tokens), or N where it straddles a
+    # boundary: by definition, token by token
+    owner = [i for i, n in enumerate(lengths) for _ in range(n)]
+    c = lay.chunk
+    want = [owner[k * c] if len(set(owner[k * c : (k + 1) * c])) == 1 else len(lengths) for k in range(total // c)]
+    assert lay.chunk_segment.tolist() == want
     per_seq = torch.randn(len(lengths), generator=g)
     lens = torch.tensor(lengths, dtype=torch.long)
     assert torch.equal(lay.expand(per_seq), torch.repeat_interleave(per_seq, lens))
