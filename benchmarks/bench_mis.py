@@ -63,9 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package, not an installed one
 from naive_mis import naive_mis  # noqa: E402
 
-from megatron_mis.core.segments import concat_sequences  # noqa: E402
-
 from megatron_mis import MISConfig  # noqa: E402
+from megatron_mis.core.segments import concat_sequences  # noqa: E402
 from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp  # noqa: E402
 
 SEED000 = dict(use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
