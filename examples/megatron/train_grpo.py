@@ -285,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as exc:  # ConfigError is a ValueError
         problems.append(str(exc))
     if problems:
-        if rank == 0:
-            print("error: " + "\n       ".join(problems), file=sys.stderr)
+        # every rank says it: torchrun stops the others as soon as one rank exits, so a message
+        # printed by rank 0 alone was lost whenever another rank exited first
+        print(f"error (rank {rank}): " + "\n       ".join(problems), file=sys.stderr, flush=True)
         return 2
 
     use_cuda = torch.cuda.is_available()
