@@ -476,12 +476,13 @@ def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Pl
     return NormalizationStatistics(weight_sum, count)
 
 
-def _outputs(
-    tokens: TokenQuantities, stats: SequenceStatistics, normalizer: torch.Tensor | None, plan: _Plan
-) -> dict[str, Any]:
-    """Sequence decisions, normalisation, weights, masks and metrics from the reduced statistics
-    (pure tensor code, compilable). ``normalizer`` is the global mean, or ``None`` to take this
-    call's own (or 1 without normalisation)."""
+def sequence_decisions(
+    stats: SequenceStatistics, normalizer: torch.Tensor | None, plan: _Plan
+) -> tuple[SequenceDecisions, NormalizationStatistics, torch.Tensor]:
+    """``(decisions, this call's normalisation statistics, the 0-dim float64 mean the weights are
+    divided by)`` from the reduced statistics: ``normalizer`` (the global mean) if given, else this
+    call's own mean, 1 without normalisation. Shared by the token stages here and the native
+    kernels (:mod:`megatron_mis.core.native`)."""
     seqs = _sequence_stage(stats, plan)
     norm_stats = _normalization(stats, seqs, plan)
     if not plan.normalizes:
@@ -490,6 +491,16 @@ def _outputs(
         norm = norm_stats.mean()
     else:
         norm = normalizer
+    return seqs, norm_stats, norm
+
+
+def _outputs(
+    tokens: TokenQuantities, stats: SequenceStatistics, normalizer: torch.Tensor | None, plan: _Plan
+) -> dict[str, Any]:
+    """Sequence decisions, normalisation, weights, masks and metrics from the reduced statistics
+    (pure tensor code, compilable). ``normalizer`` is the global mean, or ``None`` to take this
+    call's own (or 1 without normalisation)."""
+    seqs, norm_stats, norm = sequence_decisions(stats, normalizer, plan)
     f32 = torch.float32
     layout = tokens.layout
     alive = ~seqs.rejected
@@ -631,7 +642,9 @@ def normalization_statistics(
     return _normalization(stats, _sequence_stage(stats, plan), plan)
 
 
-def _check_normalizer(value: Any, device: torch.device) -> torch.Tensor:
+def check_normalizer(value: Any, device: torch.device) -> torch.Tensor:
+    """A global self-normalisation mean as a 0-dim float64 tensor on ``device``; a host value (a
+    number or a CPU tensor) must be positive and finite (checked without any device read)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(
             f"global_normalizer must be a positive finite number or a 0-dim tensor, got {type(value).__name__} ({value!r:.60})"
@@ -703,7 +716,7 @@ def compute_mis(
     )
     normalizer = None
     if config.normalizes and config.tis_batch_normalize_scope == "global":
-        normalizer = _check_normalizer(global_normalizer, stats.sums.device)
+        normalizer = check_normalizer(global_normalizer, stats.sums.device)
     out = outputs(tokens, stats, normalizer, plan)
     return MISResult(
         weights=out["weights"],

@@ -181,6 +181,28 @@ class CPInputs:
         Raises:
             TypeError / ValueError: naming the argument, the sequence and what is allowed.
         """
+        lay, train_list, rollout_list, masks, expected, resp = self.checked(cp)
+        n = len(rollout_list)
+        device = rollout_list[0].device if n else torch.device("cpu")
+        rollout = concat_sequences(rollout_list, device)
+        train = rollout if train_list is None else concat_sequences(train_list, device)
+        full_mask = concat_sequences(masks, device)
+        if full_mask.is_complex():
+            raise TypeError(f"loss_masks must be bool, integer or real floating point tensors, got {full_mask.dtype}")
+        if cp.size == 1:
+            local_mask, index = full_mask, None
+        else:
+            index = lay.local_to_full_index().to(device)
+            local_mask = full_mask.index_select(0, index) if full_mask.numel() else full_mask[:0]
+        return lay, train, rollout, local_mask, full_mask, index, expected, resp
+
+    def checked(self, cp: GroupView) -> tuple[LocalResponseLayout | None, Sequence[torch.Tensor] | None, Sequence[torch.Tensor], Sequence[torch.Tensor], list[int], list[int]]:
+        """Validate without joining: ``(layout or None at CP = 1, train pieces or None, rollout
+        pieces, full masks, local lengths [N], response lengths [N])``.
+
+        Raises:
+            TypeError / ValueError: naming the argument, the sequence and what is allowed.
+        """
         rollout_list = _tensor_list("rollout_log_probs", self.rollout_log_probs)
         n = len(rollout_list)
         masks = _tensor_list("loss_masks", self.loss_masks)
@@ -196,14 +218,13 @@ class CPInputs:
         validate_lengths(total, resp)
         got = lengths_1d(rollout_list)
         if cp.size == 1:
-            lay, expected, index = None, resp, None
+            lay, expected = None, resp
         else:
             lay = local_response_layout(
                 total, resp, cp.size, cp.rank,
                 layout=self.layout, max_seq_lens=self.max_seq_lens, local_length=self.local_length,
             )
             expected = lay.local_lengths.tolist()
-            index = None
         if got != expected:
             for i in range(n):
                 if got[i] != expected[i]:
@@ -230,18 +251,7 @@ class CPInputs:
                         f"sequence {i}: loss_mask has {masks[i].numel()} values but response_length is {resp[i]} "
                         f"(masks are full length, not CP-sliced; got shape {tuple(masks[i].shape)})"
                     )
-        device = rollout_list[0].device if n else torch.device("cpu")
-        rollout = concat_sequences(rollout_list, device)
-        train = rollout if train_list is None else concat_sequences(train_list, device)
-        full_mask = concat_sequences(masks, device)
-        if full_mask.is_complex():
-            raise TypeError(f"loss_masks must be bool, integer or real floating point tensors, got {full_mask.dtype}")
-        if cp.size == 1:
-            local_mask = full_mask
-        else:
-            index = lay.local_to_full_index().to(device)
-            local_mask = full_mask.index_select(0, index) if full_mask.numel() else full_mask[:0]
-        return lay, train, rollout, local_mask, full_mask, index, expected, resp
+        return lay, train_list, rollout_list, masks, expected, resp
 
 
 class _PieceError(ValueError):
