@@ -54,11 +54,13 @@ _MASK_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
 })
-#: the eight columns of the token pass, in the kernel's order
-_COLUMNS = (
+#: where the token pass writes its sums, in the kernel's order: eight sums, then the three columns
+#: the engine derives from them (sum log r, the non-finite and the token-rejected counts)
+_COLUMNS = [int(c) for c in (
     SequenceSum.N_MASK, SequenceSum.N_VALID, SequenceSum.N_TOK_KEPT, SequenceSum.N_RATIO_VETO,
     SequenceSum.N_PROB_VETO, SequenceSum.SUM_TRAIN_LP, SequenceSum.SUM_ROLLOUT_LP, SequenceSum.SUM_W_KEPT,
-)
+    SequenceSum.SUM_LOG_R, SequenceSum.N_NONFINITE, SequenceSum.N_TOK_REJECTED,
+)]
 #: compiler flags per CPU capability torch reports (ATen's vector types are selected by the define)
 _CAPABILITY_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
@@ -227,6 +229,7 @@ def weights_and_masks(
     pg_loss: torch.Tensor,
     plan: Plan,
     normalizer: torch.Tensor | None = None,
+    lengths: list[int] | None = None,
 ) -> NativeResult:
     """The host drop-in's outputs for whole sequences (no context parallelism).
 
@@ -237,18 +240,16 @@ def weights_and_masks(
         pg_loss: ``[T]`` the host's per-token loss, ``T = sum L_n``.
         plan: the configuration (``mis_metrics: none``; ``nonfinite_policy`` neutralize or reject).
         normalizer: the global self-normalisation mean (0-dim float64), or ``None``.
+        lengths: the samples' lengths, if the caller has them (else read from ``masks``).
 
     The caller has validated the lists (types, lengths) and :func:`unsupported_reason`.
     """
     ops = load()
-    sums8, scratch = ops.token_pass.default([] if train is None else list(train), list(rollout), list(masks), _options(plan))
-    n = int(sums8.shape[0])
+    sums, scratch = ops.token_pass.default(
+        [] if train is None else train, rollout, masks, _options(plan), _COLUMNS, len(SequenceSum)
+    )
+    n = len(rollout)
     f64 = torch.float64
-    sums = torch.zeros(n, len(SequenceSum), dtype=f64)
-    sums[:, [int(c) for c in _COLUMNS]] = sums8
-    sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]
-    sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
-    sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]
     stats = SequenceStatistics(
         sums=sums,
         mins=torch.full((n, len(SequenceExtremum)), BIG, dtype=f64),
@@ -266,7 +267,8 @@ def weights_and_masks(
     norm32 = float(norm.to(torch.float32))  # host memory (a CPU tensor): no device synchronisation
     # the returned masks take the dtype torch.cat gives the joined masks (the torch engine's)
     mask_dtype = functools.reduce(torch.promote_types, set(map(operator.attrgetter("dtype"), masks)))
-    lengths = list(map(torch.Tensor.numel, masks))
+    if lengths is None:
+        lengths = list(map(torch.Tensor.numel, masks))
     flat: list[torch.Tensor] = []
     loss = _HostLoss.apply(pg_loss, lengths, scratch, alive.to(torch.float32), seq_weight, norm32, mode, mask_dtype, flat)
     return NativeResult(

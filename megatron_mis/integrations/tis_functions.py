@@ -250,7 +250,7 @@ def _native(
     global_mean = None
     if normalizer is not None:
         global_mean = check_normalizer(normalizer, torch.device("cpu"))
-    res = native.weights_and_masks(train, rollout, masks, pg_loss, Plan.of(cfg), global_mean)
+    res = native.weights_and_masks(train, rollout, masks, pg_loss, Plan.of(cfg), global_mean, lengths=resp)
     _warn_deferred_nonfinite(args, res, cfg)
     return res.loss, res.masks, {}
 

@@ -11,9 +11,9 @@
 // tests/unit/test_native.py compares the drop-in's outputs and gradients with the engine's, bit for
 // bit.
 //
-// pass 1 (token_pass): per sequence [N, 8] float64 sums
+// pass 1 (token_pass): per sequence float64 sums, in the columns the caller names
 //   0 n_mask  1 n_valid  2 n_tok_kept  3 n_ratio_veto  4 n_prob_veto
-//   5 sum train_v  6 sum rollout_v  7 sum w_kept
+//   5 sum train_v  6 sum rollout_v  7 sum w_kept  (and three differences of them)
 // and a float32 scratch [T]: the token's kept weight (token-level IS) or 1 where the token is kept
 // at token level, -1 where it is not.
 // pass 2 (output_pass): from the scratch and the per-sequence decisions, the host's loss (pg_loss
@@ -50,15 +50,20 @@ constexpr int64_t kSums = 8;
 // ----------------------------------------------------------------------------- loads and stores
 // One switch per block, not per token: values of any supported dtype into float32 (the engine
 // converts the log-probs with .to(float32)) and masks into 0/1 ("in the loss" iff value > 0).
-void load_float(const at::Tensor& t, int64_t start, int64_t k, float* out) {
+// float32 pieces are read in place; other dtypes are converted into `out`
+const float* load_float(const at::Tensor& t, int64_t start, int64_t k, float* out) {
   switch (t.scalar_type()) {
-    case at::kFloat: { const float* p = t.const_data_ptr<float>() + start; std::copy(p, p + k, out); break; }
+    case at::kFloat: return t.const_data_ptr<float>() + start;
     case at::kDouble: { const double* p = t.const_data_ptr<double>() + start; for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]); break; }
     case at::kHalf: { const at::Half* p = t.const_data_ptr<at::Half>() + start; for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]); break; }
     case at::kBFloat16: { const at::BFloat16* p = t.const_data_ptr<at::BFloat16>() + start; for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]); break; }
     default: TORCH_CHECK(false, "megatron_mis_native: unsupported log-prob dtype ", t.scalar_type());
   }
+  return out;
 }
+
+// W lanes from p, or the c < W left at a block's end (the rest of the vector zero)
+inline Vec load_lanes(const float* p, int64_t c) { return c >= Vec::size() ? Vec::loadu(p) : Vec::loadu(p, c); }
 
 template <typename T>
 void mask_of(const T* p, int64_t k, float* out) {
@@ -164,6 +169,25 @@ std::vector<Item> work_items(const std::vector<int64_t>& lengths) {
   return items;
 }
 
+// Boundaries [G+1] of G runs of consecutive items with about equal numbers of tokens (a few runs per
+// thread): at::parallel_for splits its range into equal counts, and items of unequal length split
+// that way left one thread waiting for the other.
+std::vector<int64_t> balanced_groups(const std::vector<Item>& items) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  int64_t total = 0;
+  for (const auto& it : items) total += it.end - it.begin;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(count, 4 * at::get_num_threads()));
+  std::vector<int64_t> bounds{0};
+  int64_t seen = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    seen += items[i].end - items[i].begin;
+    const int64_t done = static_cast<int64_t>(bounds.size());  // runs closed so far + 1
+    if (i + 1 < count && seen * runs >= total * done) bounds.push_back(i + 1);
+  }
+  bounds.push_back(count);
+  return bounds;
+}
+
 std::vector<int64_t> piece_lengths(const std::vector<at::Tensor>& pieces) {
   std::vector<int64_t> out(pieces.size());
   for (size_t i = 0; i < pieces.size(); ++i) out[i] = pieces[i].numel();
@@ -181,9 +205,15 @@ std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& pieces) {
 // options: bound, tis_mode (-1 no token IS, 0 truncate, 1 clip, 2 mask), tis_lo, tis_hi,
 // token_rs (0/1), rs_lo, rs_hi, ratio_veto (0/1), log_ratio_veto, prob_veto (0: off, 1: rollout,
 // 2: train), log_prob_veto, reject_nonfinite (0/1)
+// columns: where the sums go in the [N, width] float64 result (the caller's column layout): the eight
+// sums above, then sum log r (= sum train_v - sum rollout_v), n_nonfinite (= n_mask - n_valid) and
+// n_tok_rejected (= n_mask - n_tok_kept); every other column is 0.
 std::tuple<at::Tensor, at::Tensor> token_pass(
-    at::TensorList train_in, at::TensorList rollout_in, at::TensorList mask_in, at::ArrayRef<double> options) {
+    at::TensorList train_in, at::TensorList rollout_in, at::TensorList mask_in, at::ArrayRef<double> options,
+    at::IntArrayRef columns, int64_t width) {
   TORCH_CHECK(options.size() == 12, "megatron_mis_native.token_pass: 12 options expected, got ", options.size());
+  TORCH_CHECK(columns.size() == kSums + 3, "megatron_mis_native.token_pass: ", kSums + 3, " columns expected");
+  for (const auto c : columns) TORCH_CHECK(c >= 0 && c < width, "megatron_mis_native.token_pass: column ", c, " outside [0, ", width, ")");
   const auto rollout = contiguous(rollout_in.vec());
   const auto masks = contiguous(mask_in.vec());
   const bool has_train = !train_in.empty();
@@ -216,8 +246,10 @@ std::tuple<at::Tensor, at::Tensor> token_pass(
   auto scratch = at::empty({offsets[n]}, at::TensorOptions().dtype(at::kFloat));
   float* out = scratch.mutable_data_ptr<float>();
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
+  const auto groups = balanced_groups(items);
+  at::parallel_for(0, static_cast<int64_t>(groups.size()) - 1, 1, [&](int64_t first_group, int64_t last_group) {
     const SerialExp serial_exp;
+    const int64_t first = groups[first_group], last = groups[last_group];
     alignas(64) float t[kBlock], r[kBlock], m[kBlock], v[kBlock], e[kBlock], tv[kBlock], rv[kBlock], wk[kBlock];
     const Vec zero(0.0f), one(1.0f), minus_one(-1.0f), lo_b(-bound), hi_b(bound);
     const Vec lrv(log_ratio_veto), lpv(log_prob_veto), tlo(tis_lo), thi(tis_hi), rlo(rs_lo), rhi(rs_hi);
@@ -229,16 +261,14 @@ std::tuple<at::Tensor, at::Tensor> token_pass(
       for (int64_t b = item.begin; b < item.end; b += kBlock) {
         const int64_t k = std::min(kBlock, item.end - b);
         const int64_t kv = (k + W - 1) / W * W;  // whole vectors; the padding is out of the loss
-        load_float(train[item.seq], b, k, t);
-        load_float(rollout[item.seq], b, k, r);
+        const float* tp = load_float(train[item.seq], b, k, t);
+        const float* rp = load_float(rollout[item.seq], b, k, r);
         load_mask(masks[item.seq], b, k, m);
-        std::fill(t + k, t + kv, 0.0f);
-        std::fill(r + k, r + kv, 0.0f);
         std::fill(m + k, m + kv, 0.0f);
         Vec c_mask(0.0f), c_valid(0.0f), c_rveto(0.0f), c_pveto(0.0f), c_kept(0.0f);
         // the clamped log-ratio, 0 where the token is not valid (masked_log_ratio)
         for (int64_t i = 0; i < kv; i += W) {
-          const Vec vt = Vec::loadu(t + i), vr = Vec::loadu(r + i), vm = Vec::loadu(m + i);
+          const Vec vt = load_lanes(tp + i, k - i), vr = load_lanes(rp + i, k - i), vm = Vec::loadu(m + i);
           const Vec t_fin = (vt - vt) == zero, r_fin = (vr - vr) == zero;  // all-ones lanes where finite
           const Vec vf = Vec::blendv(zero, vm, t_fin & r_fin);
           const Vec tvi = Vec::blendv(zero, vt, t_fin) * vf, rvi = Vec::blendv(zero, vr, r_fin) * vf;
@@ -302,10 +332,19 @@ std::tuple<at::Tensor, at::Tensor> token_pass(
   });
 
   // per-sequence sums: the items of a sequence in token order (independent of the thread count)
-  auto sums = at::zeros({n, kSums}, at::TensorOptions().dtype(at::kDouble));
-  double* s = sums.mutable_data_ptr<double>();
+  std::vector<double> seq(n * kSums, 0.0);
   for (size_t it = 0; it < items.size(); ++it)
-    for (int64_t c = 0; c < kSums; ++c) s[items[it].seq * kSums + c] += partial[it * kSums + c];
+    for (int64_t c = 0; c < kSums; ++c) seq[items[it].seq * kSums + c] += partial[it * kSums + c];
+  auto sums = at::zeros({n, width}, at::TensorOptions().dtype(at::kDouble));
+  double* s = sums.mutable_data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    const double* q = seq.data() + i * kSums;
+    double* row = s + i * width;
+    for (int64_t c = 0; c < kSums; ++c) row[columns[c]] = q[c];
+    row[columns[kSums]] = q[5] - q[6];
+    row[columns[kSums + 1]] = q[0] - q[1];
+    row[columns[kSums + 2]] = q[0] - q[2];
+  }
   return {sums, scratch};
 }
 
@@ -345,7 +384,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> output_pass(
   uint8_t* kout = with_weights ? reinterpret_cast<uint8_t*>(keep_all.mutable_data_ptr<bool>()) : nullptr;
   const auto items = work_items(lengths);
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
+  const auto groups = balanced_groups(items);
+  at::parallel_for(0, static_cast<int64_t>(groups.size()) - 1, 1, [&](int64_t first_group, int64_t last_group) {
+    const int64_t first = groups[first_group], last = groups[last_group];
     alignas(64) float w[kBlock], kf[kBlock];
     alignas(64) uint8_t keep[kBlock];
     constexpr int64_t W = Vec::size();
@@ -386,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> output_pass(
 }  // namespace
 
 TORCH_LIBRARY(megatron_mis_native, m) {
-  m.def("token_pass(Tensor[] train, Tensor[] rollout, Tensor[] masks, float[] options) -> (Tensor, Tensor)");
+  m.def("token_pass(Tensor[] train, Tensor[] rollout, Tensor[] masks, float[] options, int[] columns, int width) -> (Tensor, Tensor)");
   m.def("output_pass(int[] lengths, Tensor pg_loss, Tensor scratch, Tensor alive, Tensor seq_weight, float norm, int mode, ScalarType mask_dtype, bool with_loss, bool with_weights) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
