@@ -50,10 +50,6 @@ __all__ = ["NativeBuildError", "NativeResult", "load", "unsupported_reason", "we
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "mis_native.cpp"
 _LOG_PROB_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
-_MASK_DTYPES = frozenset({
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-})
 #: where the token pass writes its sums, in the kernel's order: eight sums, then the three columns
 #: the engine derives from them (sum log r, the non-finite and the token-rejected counts)
 _COLUMNS = [int(c) for c in (
@@ -137,25 +133,14 @@ def _build() -> Any:
     return torch.ops.megatron_mis_native
 
 
-def unsupported_reason(
-    train: list[torch.Tensor] | None, rollout: list[torch.Tensor], masks: list[torch.Tensor], pg_loss: torch.Tensor
-) -> str | None:
-    """Why these (already validated) inputs cannot take the native path, or ``None`` if they can:
-    CPU tensors only, float log-probs, real or bool masks, a float loss, at least one sequence.
-    (C-level set comprehensions over the lists: no per-sample Python work.)"""
+def unsupported_reason(rollout: list[torch.Tensor], pg_loss: torch.Tensor) -> str | None:
+    """Why a call cannot take the native path, as far as Python checks it (an empty micro-batch, a
+    loss that is not a float CPU tensor), or ``None``. The pieces' devices and dtypes are checked
+    by the kernel itself, which raises ``NotImplementedError`` for one it does not read."""
     if not rollout:
         return "an empty micro-batch"
-    pieces = [rollout, masks] if train is None else [train, rollout, masks]
-    on_cpu = set().union(*(set(map(operator.attrgetter("is_cpu"), p)) for p in pieces)) | {pg_loss.is_cpu}
-    if on_cpu != {True}:
-        where = sorted({str(t.device) for p in pieces for t in p if not t.is_cpu} | ({str(pg_loss.device)} - {"cpu"}))
-        return f"tensors on {', '.join(where)} (the kernel runs on a CPU)"
-    lp = set(map(operator.attrgetter("dtype"), rollout)) | (set() if train is None else set(map(operator.attrgetter("dtype"), train)))
-    if not lp <= _LOG_PROB_DTYPES:
-        return f"log-probs of dtype {sorted(map(str, lp - _LOG_PROB_DTYPES))}"
-    md = set(map(operator.attrgetter("dtype"), masks))
-    if not md <= _MASK_DTYPES:
-        return f"loss masks of dtype {sorted(map(str, md - _MASK_DTYPES))}"
+    if not pg_loss.is_cpu:
+        return f"pg_loss on {pg_loss.device} (the kernel runs on a CPU)"
     if pg_loss.dtype not in _LOG_PROB_DTYPES:
         return f"pg_loss of dtype {pg_loss.dtype}"
     return None
@@ -243,6 +228,11 @@ def weights_and_masks(
         lengths: the samples' lengths, if the caller has them (else read from ``masks``).
 
     The caller has validated the lists (types, lengths) and :func:`unsupported_reason`.
+
+    Raises:
+        NotImplementedError: a piece the kernel does not read (not on a CPU, or a dtype other
+            than float16 / bfloat16 / float32 / float64 log-probs and those or bool / integer
+            masks); nothing has been computed, so the caller can run the torch engine instead.
     """
     ops = load()
     sums, scratch = ops.token_pass.default(

@@ -224,35 +224,37 @@ def _native(
         reason = f"context parallelism (CP = {groups.cp.size})"
     elif cfg.nonfinite_policy == "error":
         reason = "nonfinite_policy='error' (which must read the count on the host to raise)"
-    checked = None
     if reason is None:
-        checked = inputs.checked(groups.cp)
-        _, train, rollout, masks, _, resp = checked
-        reason = native.unsupported_reason(train, rollout, masks, pg_loss)
-    if reason is not None:
-        if not getattr(args, _NATIVE_WARNED_ATTR, False):
-            warnings.warn(
-                f"megatron-mis: native_engine is set but this call has {reason}; the torch engine computes it "
-                "(the same values)",
-                RuntimeWarning,
-                stacklevel=4,
+        _, train, rollout, masks, _, resp = inputs.checked(groups.cp)
+        reason = native.unsupported_reason(rollout, pg_loss)
+    if reason is None:
+        if pg_loss.shape[0] != sum(resp):
+            raise ValueError(
+                f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {sum(resp)} response tokens "
+                "(pg_loss must be the flat local per-token loss, sequences concatenated)"
             )
-            try:
-                setattr(args, _NATIVE_WARNED_ATTR, True)
-            except AttributeError:
-                pass
-        return None
-    if pg_loss.shape[0] != sum(resp):
-        raise ValueError(
-            f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {sum(resp)} response tokens "
-            "(pg_loss must be the flat local per-token loss, sequences concatenated)"
+        global_mean = None
+        if normalizer is not None:
+            global_mean = check_normalizer(normalizer, torch.device("cpu"))
+        try:
+            res = native.weights_and_masks(train, rollout, masks, pg_loss, Plan.of(cfg), global_mean, lengths=resp)
+        except NotImplementedError as exc:  # a piece the kernel does not read; nothing was computed
+            reason = str(exc).split("\n")[0].removeprefix("megatron_mis_native: ")
+        else:
+            _warn_deferred_nonfinite(args, res, cfg)
+            return res.loss, res.masks, {}
+    if not getattr(args, _NATIVE_WARNED_ATTR, False):
+        warnings.warn(
+            f"megatron-mis: native_engine is set but this call has {reason}; the torch engine computes it "
+            "(the same values)",
+            RuntimeWarning,
+            stacklevel=4,
         )
-    global_mean = None
-    if normalizer is not None:
-        global_mean = check_normalizer(normalizer, torch.device("cpu"))
-    res = native.weights_and_masks(train, rollout, masks, pg_loss, Plan.of(cfg), global_mean, lengths=resp)
-    _warn_deferred_nonfinite(args, res, cfg)
-    return res.loss, res.masks, {}
+        try:
+            setattr(args, _NATIVE_WARNED_ATTR, True)
+        except AttributeError:
+            pass
+    return None
 
 
 def _unchanged_masks(inputs: CPInputs) -> list[torch.Tensor]:

@@ -275,3 +275,17 @@ def test_tokens_exactly_at_the_veto_thresholds_are_not_vetoed():
     ref, got = _both(cfg, train, rollout, masks)
     _assert_identical(ref, got)
     assert [int(m.sum()) for m in got[1]] == [3, 3, 0]  # only the third sample's ratio is below
+
+
+def test_pieces_the_kernel_does_not_read_run_the_torch_engine():
+    # float8 log-probs: the torch engine converts them to float32; the kernel names the first piece
+    train, rollout, masks = _batch([30, 40], seed=15, special=False)
+    rollout = [r.to(torch.float8_e4m3fn) for r in rollout]
+    pg = torch.randn(70)
+    with pytest.warns(RuntimeWarning, match=r"rollout_log_probs\[0\] of dtype Float8_e4m3fn; the torch engine computes it"):
+        got = compute_mis_weights_fsdp(_args(native_engine=True, **SEED000), pg_loss=pg, train_log_probs=train,
+                                       rollout_log_probs=rollout, loss_masks=masks)
+    ref = compute_mis_weights_fsdp(_args(**SEED000), pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout,
+                                   loss_masks=masks)
+    assert torch.equal(got[0], ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))

@@ -159,6 +159,24 @@ double lane_sum(const Vec& x) {
   return total;
 }
 
+bool is_log_prob_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+bool is_mask_dtype(at::ScalarType t) {
+  return is_log_prob_dtype(t) || t == at::kBool || t == at::kByte || t == at::kChar || t == at::kShort ||
+         t == at::kInt || t == at::kLong;
+}
+
+void check_pieces(const char* name, at::TensorList pieces, bool (*supported)(at::ScalarType)) {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    TORCH_CHECK_NOT_IMPLEMENTED(pieces[i].device().is_cpu(), "megatron_mis_native: ", name, "[", i, "] on ",
+                                pieces[i].device(), " (the kernel runs on a CPU)");
+    TORCH_CHECK_NOT_IMPLEMENTED(supported(pieces[i].scalar_type()), "megatron_mis_native: ", name, "[", i,
+                                "] of dtype ", pieces[i].scalar_type());
+  }
+}
+
 // ------------------------------------------------------------------------------ work items
 struct Item { int64_t seq, begin, end; };  // tokens [begin, end) of piece `seq`
 
@@ -214,6 +232,11 @@ std::tuple<at::Tensor, at::Tensor> token_pass(
   TORCH_CHECK(options.size() == 12, "megatron_mis_native.token_pass: 12 options expected, got ", options.size());
   TORCH_CHECK(columns.size() == kSums + 3, "megatron_mis_native.token_pass: ", kSums + 3, " columns expected");
   for (const auto c : columns) TORCH_CHECK(c >= 0 && c < width, "megatron_mis_native.token_pass: column ", c, " outside [0, ", width, ")");
+  // what the kernel reads: CPU pieces of these dtypes; anything else is NotImplementedError, on which
+  // the caller runs the torch engine (checked here, where it costs nanoseconds a piece)
+  check_pieces("train_log_probs", train_in, is_log_prob_dtype);
+  check_pieces("rollout_log_probs", rollout_in, is_log_prob_dtype);
+  check_pieces("loss_masks", mask_in, is_mask_dtype);
   const auto rollout = contiguous(rollout_in.vec());
   const auto masks = contiguous(mask_in.vec());
   const bool has_train = !train_in.empty();
