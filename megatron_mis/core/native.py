@@ -254,7 +254,7 @@ def weights_and_masks(
         seq_weight = torch.where(alive, seqs.w_seq / norm, torch.zeros_like(seqs.w_seq)).to(torch.float32)
     else:
         mode, seq_weight = 2, torch.zeros(n)
-    norm32 = float(norm.to(torch.float32))  # host memory (a CPU tensor): no device synchronisation
+    norm32 = norm.to(torch.float32)  # read by the kernel (no host read of a tensor here)
     # the returned masks take the dtype torch.cat gives the joined masks (the torch engine's)
     mask_dtype = functools.reduce(torch.promote_types, set(map(operator.attrgetter("dtype"), masks)))
     if lengths is None:

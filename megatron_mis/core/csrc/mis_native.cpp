@@ -379,8 +379,8 @@ std::tuple<at::Tensor, at::Tensor> token_pass(
 // keep mask [T] bool (what the loss's backward reads). What is not asked for comes back empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> output_pass(
     at::IntArrayRef lengths_in, const at::Tensor& pg_in, const at::Tensor& scratch_in, const at::Tensor& alive_in,
-    const at::Tensor& seq_weight_in, double norm, int64_t mode, at::ScalarType mask_dtype, bool with_loss,
-    bool with_weights) {
+    const at::Tensor& seq_weight_in, const at::Tensor& norm_in, int64_t mode, at::ScalarType mask_dtype,
+    bool with_loss, bool with_weights) {
   const int64_t n = static_cast<int64_t>(lengths_in.size());
   const std::vector<int64_t> lengths = lengths_in.vec();
   std::vector<int64_t> offsets(n + 1, 0);
@@ -390,6 +390,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> output_pass(
   const auto scratch = scratch_in.contiguous();
   const auto alive = alive_in.to(at::kFloat).contiguous();
   const auto seq_weight = seq_weight_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(norm_in.numel() == 1 && norm_in.device().is_cpu(), "megatron_mis_native.output_pass: a 0-dim CPU norm expected");
+  const float norm = norm_in.to(at::kFloat).contiguous().const_data_ptr<float>()[0];  // the engine's norm.to(float32)
   TORCH_CHECK(scratch.numel() == total && (!with_loss || pg.numel() == total), "megatron_mis_native.output_pass: ",
               pg.numel(), " loss values and ", scratch.numel(), " scratch values for ", total, " tokens");
   TORCH_CHECK(alive.numel() == n && seq_weight.numel() == n, "megatron_mis_native.output_pass: [N] decisions expected");
@@ -413,7 +415,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> output_pass(
     alignas(64) float w[kBlock], kf[kBlock];
     alignas(64) uint8_t keep[kBlock];
     constexpr int64_t W = Vec::size();
-    const Vec zero(0.0f), norm_v(static_cast<float>(norm));
+    const Vec zero(0.0f), norm_v(norm);
     for (int64_t it = first; it < last; ++it) {
       const Item& item = items[it];
       const Vec a(al[item.seq]), sweight(sw[item.seq]);
@@ -451,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> output_pass(
 
 TORCH_LIBRARY(megatron_mis_native, m) {
   m.def("token_pass(Tensor[] train, Tensor[] rollout, Tensor[] masks, float[] options, int[] columns, int width) -> (Tensor, Tensor)");
-  m.def("output_pass(int[] lengths, Tensor pg_loss, Tensor scratch, Tensor alive, Tensor seq_weight, float norm, int mode, ScalarType mask_dtype, bool with_loss, bool with_weights) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("output_pass(int[] lengths, Tensor pg_loss, Tensor scratch, Tensor alive, Tensor seq_weight, Tensor norm, int mode, ScalarType mask_dtype, bool with_loss, bool with_weights) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mis_native, CPU, m) {
