@@ -20,15 +20,17 @@ The built kernel is process-wide state by nature (``torch.ops.megatron_mis_nativ
 builds it once per process and remembers a failed build, so a job without a compiler gets the
 same clear error on every call instead of a rebuild attempt per micro-batch.
 
-The values are the eager engine's: the same float32 operations in the same order, the exponential
-from ATen's vectorised ``exp`` (the kernel ``torch.exp`` runs), float64 per-sequence sums of the
-same float32 values (in token order, so independent of the thread count; the engine's chunked
-sums differ from them by float64 rounding). ``tests/unit/test_native.py`` compares every
-configuration with the engine.
+The values are the eager engine's, bit for bit: the same float32 operations, and the exponential
+``torch.exp`` computes (MKL's ``vmsExp`` in high-accuracy mode where torch is built with MKL, as
+``ATen/cpu/vml.h`` calls it; ATen's vectorised ``exp`` otherwise). The per-sequence sums are float64
+sums of the same float32 values within fixed blocks, so they do not depend on the thread count
+(and differ from the engine's chunked sums by float64 rounding at most: none in the tests).
+``tests/unit/test_native.py`` compares the drop-in's loss, masks and gradient with the engine's.
 
 The kernel is built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
-``ninja``; about a minute on 2 cores, then cached in ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), for the CPU capability torch itself dispatches to.
+``ninja``; 16-21 s on 2 cores, then cached in ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``), for the CPU capability torch itself dispatches to. It runs on a
+CPU only; on a GPU the drop-ins run the torch engine.
 """
 
 from __future__ import annotations
