@@ -48,86 +48,54 @@ constexpr int64_t kItem = 8192;    // tokens per parallel work item (a piece may
 constexpr int64_t kSums = 8;
 
 // ----------------------------------------------------------------------------- loads and stores
-// One switch per block, not per token: values of any supported dtype into float32 (the engine
-// converts the log-probs with .to(float32)) and masks into 0/1 ("in the loss" iff value > 0).
+// One dtype dispatch per block, not per token: log-probs of any supported dtype into float32 (the
+// engine converts them with .to(float32)), masks into 0/1 ("in the loss" iff value > 0), the
+// returned masks in their dtype, the host's loss in pg_loss's dtype.
+#define MIS_DISPATCH_LOG_PROB(type, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, type, "megatron_mis_native", __VA_ARGS__)
+#define MIS_DISPATCH_MASK(type, ...) AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kHalf, at::kBFloat16, type, "megatron_mis_native", __VA_ARGS__)
+
 // float32 pieces are read in place; other dtypes are converted into `out`
 const float* load_float(const at::Tensor& t, int64_t start, int64_t k, float* out) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return t.const_data_ptr<float>() + start;
-    case at::kDouble: { const double* p = t.const_data_ptr<double>() + start; for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]); break; }
-    case at::kHalf: { const at::Half* p = t.const_data_ptr<at::Half>() + start; for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]); break; }
-    case at::kBFloat16: { const at::BFloat16* p = t.const_data_ptr<at::BFloat16>() + start; for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]); break; }
-    default: TORCH_CHECK(false, "megatron_mis_native: unsupported log-prob dtype ", t.scalar_type());
-  }
+  if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>() + start;
+  MIS_DISPATCH_LOG_PROB(t.scalar_type(), [&] {
+    const scalar_t* p = t.const_data_ptr<scalar_t>() + start;
+    for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i]);
+  });
   return out;
 }
 
 // W lanes from p, or the c < W left at a block's end (the rest of the vector zero)
 inline Vec load_lanes(const float* p, int64_t c) { return c >= Vec::size() ? Vec::loadu(p) : Vec::loadu(p, c); }
 
-template <typename T>
-void mask_of(const T* p, int64_t k, float* out) {
-  // branch-free (a mask is mostly ones; a mispredicted branch per zero costs more than the rest)
-  if constexpr (std::is_integral_v<T>) {
-    for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i] > 0);
-  } else {
-    for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i] > static_cast<T>(0));  // in T: NaN is out
-  }
-}
-
 void load_mask(const at::Tensor& t, int64_t start, int64_t k, float* out) {
-  switch (t.scalar_type()) {
-    case at::kBool: { const bool* p = t.const_data_ptr<bool>() + start; for (int64_t i = 0; i < k; ++i) out[i] = p[i] ? 1.0f : 0.0f; break; }
-    case at::kByte: mask_of(t.const_data_ptr<uint8_t>() + start, k, out); break;
-    case at::kChar: mask_of(t.const_data_ptr<int8_t>() + start, k, out); break;
-    case at::kShort: mask_of(t.const_data_ptr<int16_t>() + start, k, out); break;
-    case at::kInt: mask_of(t.const_data_ptr<int32_t>() + start, k, out); break;
-    case at::kLong: mask_of(t.const_data_ptr<int64_t>() + start, k, out); break;
-    case at::kFloat: mask_of(t.const_data_ptr<float>() + start, k, out); break;
-    case at::kDouble: mask_of(t.const_data_ptr<double>() + start, k, out); break;
-    case at::kHalf: mask_of(t.const_data_ptr<at::Half>() + start, k, out); break;
-    case at::kBFloat16: mask_of(t.const_data_ptr<at::BFloat16>() + start, k, out); break;
-    default: TORCH_CHECK(false, "megatron_mis_native: unsupported loss-mask dtype ", t.scalar_type());
-  }
-}
-
-template <typename T>
-void store_keep(T* p, const uint8_t* keep, int64_t k) {
-  for (int64_t i = 0; i < k; ++i) p[i] = static_cast<T>(keep[i] ? 1 : 0);
+  MIS_DISPATCH_MASK(t.scalar_type(), [&] {
+    const scalar_t* p = t.const_data_ptr<scalar_t>() + start;
+    // branch-free (a mask is mostly ones; a mispredicted branch per zero costs more than the rest)
+    if constexpr (std::is_integral_v<scalar_t>) {
+      for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i] > 0);
+    } else {
+      for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(p[i] > static_cast<scalar_t>(0));  // in T: NaN is out
+    }
+  });
 }
 
 void store_mask(at::Tensor& t, int64_t start, int64_t k, const uint8_t* keep) {
-  switch (t.scalar_type()) {
-    case at::kBool: { bool* p = t.mutable_data_ptr<bool>() + start; for (int64_t i = 0; i < k; ++i) p[i] = keep[i] != 0; break; }
-    case at::kByte: store_keep(t.mutable_data_ptr<uint8_t>() + start, keep, k); break;
-    case at::kChar: store_keep(t.mutable_data_ptr<int8_t>() + start, keep, k); break;
-    case at::kShort: store_keep(t.mutable_data_ptr<int16_t>() + start, keep, k); break;
-    case at::kInt: store_keep(t.mutable_data_ptr<int32_t>() + start, keep, k); break;
-    case at::kLong: store_keep(t.mutable_data_ptr<int64_t>() + start, keep, k); break;
-    case at::kFloat: store_keep(t.mutable_data_ptr<float>() + start, keep, k); break;
-    case at::kDouble: store_keep(t.mutable_data_ptr<double>() + start, keep, k); break;
-    case at::kHalf: store_keep(t.mutable_data_ptr<at::Half>() + start, keep, k); break;
-    case at::kBFloat16: store_keep(t.mutable_data_ptr<at::BFloat16>() + start, keep, k); break;
-    default: TORCH_CHECK(false, "megatron_mis_native: unsupported loss-mask dtype ", t.scalar_type());
-  }
+  MIS_DISPATCH_MASK(t.scalar_type(), [&] {
+    scalar_t* p = t.mutable_data_ptr<scalar_t>() + start;
+    for (int64_t i = 0; i < k; ++i) p[i] = static_cast<scalar_t>(keep[i] ? 1 : 0);
+  });
 }
 
 // The host's loss: where(keep, pg * w.to(pg.dtype), 0) in pg's dtype, as torch computes it.
-template <typename T>
-void loss_of(const T* pg, const float* w, const uint8_t* keep, int64_t k, T* out) {
-  using Acc = at::opmath_type<T>;
-  for (int64_t i = 0; i < k; ++i)
-    out[i] = keep[i] ? static_cast<T>(static_cast<Acc>(pg[i]) * static_cast<Acc>(static_cast<T>(w[i]))) : static_cast<T>(0);
-}
-
 void store_loss(const at::Tensor& pg, at::Tensor& out, int64_t start, int64_t k, const float* w, const uint8_t* keep) {
-  switch (pg.scalar_type()) {
-    case at::kFloat: loss_of(pg.const_data_ptr<float>() + start, w, keep, k, out.mutable_data_ptr<float>() + start); break;
-    case at::kDouble: loss_of(pg.const_data_ptr<double>() + start, w, keep, k, out.mutable_data_ptr<double>() + start); break;
-    case at::kHalf: loss_of(pg.const_data_ptr<at::Half>() + start, w, keep, k, out.mutable_data_ptr<at::Half>() + start); break;
-    case at::kBFloat16: loss_of(pg.const_data_ptr<at::BFloat16>() + start, w, keep, k, out.mutable_data_ptr<at::BFloat16>() + start); break;
-    default: TORCH_CHECK(false, "megatron_mis_native: unsupported pg_loss dtype ", pg.scalar_type());
-  }
+  MIS_DISPATCH_LOG_PROB(pg.scalar_type(), [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const scalar_t* p = pg.const_data_ptr<scalar_t>() + start;
+    scalar_t* o = out.mutable_data_ptr<scalar_t>() + start;
+    for (int64_t i = 0; i < k; ++i)
+      o[i] = keep[i] ? static_cast<scalar_t>(static_cast<Acc>(p[i]) * static_cast<Acc>(static_cast<scalar_t>(w[i])))
+                     : static_cast<scalar_t>(0);
+  });
 }
 
 // MKL runs each exp call on this thread alone while alive (the calls are already split over the
@@ -212,7 +180,7 @@ std::vector<int64_t> piece_lengths(const std::vector<at::Tensor>& pieces) {
   return out;
 }
 
-std::vector<at::Tensor> contiguous(const std::vector<at::Tensor>& pieces) {
+std::vector<at::Tensor> contiguous(at::TensorList pieces) {
   std::vector<at::Tensor> out;
   out.reserve(pieces.size());
   for (const auto& p : pieces) out.push_back(p.contiguous());
@@ -237,10 +205,10 @@ std::tuple<at::Tensor, at::Tensor> token_pass(
   check_pieces("train_log_probs", train_in, is_log_prob_dtype);
   check_pieces("rollout_log_probs", rollout_in, is_log_prob_dtype);
   check_pieces("loss_masks", mask_in, is_mask_dtype);
-  const auto rollout = contiguous(rollout_in.vec());
-  const auto masks = contiguous(mask_in.vec());
+  const auto rollout = contiguous(rollout_in);
+  const auto masks = contiguous(mask_in);
   const bool has_train = !train_in.empty();
-  const auto train = has_train ? contiguous(train_in.vec()) : rollout;
+  const auto train = has_train ? contiguous(train_in) : rollout;
   const int64_t n = static_cast<int64_t>(rollout.size());
   TORCH_CHECK(static_cast<int64_t>(masks.size()) == n && static_cast<int64_t>(train.size()) == n,
               "megatron_mis_native.token_pass: one train, rollout and mask piece per sequence");
