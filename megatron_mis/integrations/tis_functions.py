@@ -130,6 +130,26 @@ def _warn_deferred_nonfinite(args: Any, res: Any, cfg: MISConfig) -> None:
         pass
 
 
+def _warn_once(args: Any, attr: str, message: str, stacklevel: int) -> None:
+    """A RuntimeWarning the first time per ``args`` object (remembered in ``attr`` on it; every
+    time where ``args`` takes no attributes). ``stacklevel`` as seen from the caller."""
+    if getattr(args, attr, False):
+        return
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    try:
+        setattr(args, attr, True)
+    except AttributeError:
+        pass
+
+
+def _check_loss_length(pg_loss: torch.Tensor, num_tokens: int) -> None:
+    if pg_loss.shape[0] != num_tokens:
+        raise ValueError(
+            f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {num_tokens} response tokens "
+            "(pg_loss must be the flat local per-token loss, sequences concatenated)"
+        )
+
+
 def _metrics_only_config(args: Any, cfg: MISConfig) -> MISConfig:
     """The hosts call with use_tis false only for --get-mismatch-metrics: metrics, loss unchanged."""
     acts = [n for n, on in (("use_rs", cfg.use_rs), ("rs_veto_threshold", cfg.rs_veto_threshold is not None),
@@ -137,18 +157,14 @@ def _metrics_only_config(args: Any, cfg: MISConfig) -> MISConfig:
                             ("nonfinite_policy='reject'", cfg.nonfinite_policy == "reject")) if on]
     if cfg.rs_without_tis:
         return cfg
-    if acts and not getattr(args, _METRICS_ONLY_WARNED_ATTR, False):
-        warnings.warn(
+    if acts:
+        _warn_once(
+            args, _METRICS_ONLY_WARNED_ATTR,
             f"megatron-mis: {', '.join(acts)} has no effect without use_tis: slime / Miles call the TIS function with "
             "use_tis false only for --get-mismatch-metrics, so megatron-mis reports metrics and leaves the loss and "
             "masks unchanged (set rs_without_tis: true to reject anyway)",
-            RuntimeWarning,
             stacklevel=4,
         )
-        try:
-            setattr(args, _METRICS_ONLY_WARNED_ATTR, True)
-        except AttributeError:
-            pass
     policy = "neutralize" if cfg.nonfinite_policy == "reject" else cfg.nonfinite_policy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -163,18 +179,14 @@ def _apply(
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     cfg = config_from_args(args)
     pg_loss = _check_pg_loss(pg_loss)
-    if inputs.train_log_probs is None and cfg.use_tis and not getattr(args, _BYPASS_WARNED_ATTR, False):
-        warnings.warn(
+    if inputs.train_log_probs is None and cfg.use_tis:
+        _warn_once(
+            args, _BYPASS_WARNED_ATTR,
             "megatron-mis: train_log_probs is None (rollout log-probs used as the old policy and nothing "
             "recomputed), so every IS ratio is 1 and the mismatch metrics are 0; only the probability veto "
             "can act. Recompute pi_old (drop --use-rollout-logprobs or set --get-mismatch-metrics) to correct.",
-            RuntimeWarning,
             stacklevel=3,
         )
-        try:
-            setattr(args, _BYPASS_WARNED_ATTR, True)
-        except AttributeError:
-            pass
     metrics_only = not cfg.use_tis
     run_cfg = _metrics_only_config(args, cfg) if metrics_only else cfg
     normalizer = None
@@ -195,11 +207,7 @@ def _apply(
             return native_out
     out = compute_mis_cp(inputs, run_cfg, groups.cp, global_normalizer=normalizer)
     res = out.result
-    if pg_loss.shape != res.weights.shape:
-        raise ValueError(
-            f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {res.weights.numel()} response tokens "
-            "(pg_loss must be the flat local per-token loss, sequences concatenated)"
-        )
+    _check_loss_length(pg_loss, res.weights.numel())
     _warn_deferred_nonfinite(args, res, cfg)
     metrics = dict(res.token_metrics)
     if metrics_only and not (cfg.rs_without_tis and run_cfg.rejects):
@@ -228,11 +236,7 @@ def _native(
         _, train, rollout, masks, _, resp = inputs.checked(groups.cp)
         reason = native.unsupported_reason(rollout, pg_loss)
     if reason is None:
-        if pg_loss.shape[0] != sum(resp):
-            raise ValueError(
-                f"pg_loss has shape {tuple(pg_loss.shape)} but this rank holds {sum(resp)} response tokens "
-                "(pg_loss must be the flat local per-token loss, sequences concatenated)"
-            )
+        _check_loss_length(pg_loss, sum(resp))
         global_mean = None
         if normalizer is not None:
             global_mean = check_normalizer(normalizer, torch.device("cpu"))
@@ -243,17 +247,11 @@ def _native(
         else:
             _warn_deferred_nonfinite(args, res, cfg)
             return res.loss, res.masks, {}
-    if not getattr(args, _NATIVE_WARNED_ATTR, False):
-        warnings.warn(
-            f"megatron-mis: native_engine is set but this call has {reason}; the torch engine computes it "
-            "(the same values)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        try:
-            setattr(args, _NATIVE_WARNED_ATTR, True)
-        except AttributeError:
-            pass
+    _warn_once(
+        args, _NATIVE_WARNED_ATTR,
+        f"megatron-mis: native_engine is set but this call has {reason}; the torch engine computes it (the same values)",
+        stacklevel=4,
+    )
     return None
 
 
