@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from megatron_mis import MISConfig
 from megatron_mis.core.engine import compute_mis, compute_mis_from_lists
 from mis_reference import reference_mis
+from strategies import sample_lists
 
 ln = math.log
 
@@ -221,19 +222,8 @@ def _compare(train, rollout, masks, cfg):
 
 
 # -------------------------------------------------------------------- property tests
-_finite = st.floats(min_value=-8.0, max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
-
-
-@st.composite
-def batches(draw):
-    n = draw(st.integers(0, 6))
-    train, rollout, masks = [], [], []
-    for _ in range(n):
-        length = draw(st.integers(0, 8))
-        train.append(torch.tensor(draw(st.lists(_finite, min_size=length, max_size=length)), dtype=torch.float32))
-        rollout.append(torch.tensor(draw(st.lists(_finite, min_size=length, max_size=length)), dtype=torch.float32))
-        masks.append(torch.tensor(draw(st.lists(st.integers(0, 1), min_size=length, max_size=length)), dtype=torch.int64))
-    return train, rollout, masks
+def batches():
+    return sample_lists(max_samples=6, max_len=8)
 
 
 configs = st.builds(

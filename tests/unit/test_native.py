@@ -25,6 +25,7 @@ from megatron_mis.config.base import ConfigError
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import native
 from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp
+from strategies import sample_lists
 
 SEED000 = dict(use_tis=True, use_rs=True, rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99,
                rs_upper_bound=1.001, rs_veto_threshold=1e-4, tis_batch_normalize=True)
@@ -185,21 +186,6 @@ def test_native_results_do_not_depend_on_the_thread_count():
     assert all(torch.equal(a, b) for a, b in zip(one.masks, two.masks))
 
 
-_finite = st.floats(-8.0, 0.0, allow_nan=False, width=32)
-
-
-@st.composite
-def _random_batches(draw):
-    n = draw(st.integers(1, 5))
-    train, rollout, masks = [], [], []
-    for _ in range(n):
-        length = draw(st.integers(0, 12))
-        train.append(torch.tensor(draw(st.lists(_finite, min_size=length, max_size=length)), dtype=torch.float32))
-        rollout.append(torch.tensor(draw(st.lists(_finite, min_size=length, max_size=length)), dtype=torch.float32))
-        masks.append(torch.tensor(draw(st.lists(st.integers(-1, 2), min_size=length, max_size=length)), dtype=torch.int64))
-    return train, rollout, masks
-
-
 _configs = st.builds(
     lambda level, mode, rs, rs_level, veto, norm, up, policy: dict(
         use_tis=True, tis_level=level, tis_mode=mode, tis_upper_bound=up, tis_lower_bound=1.0 / up, use_rs=rs,
@@ -212,7 +198,7 @@ _configs = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(_random_batches(), _configs)
+@given(sample_lists(max_samples=5, max_len=12, min_samples=1, mask_range=(-1, 2)), _configs)
 def test_property_native_equals_the_torch_engine(batch, cfg):
     ref, got = _both(cfg, *batch)
     _assert_identical(ref, got)
