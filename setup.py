@@ -23,7 +23,7 @@ setup(
     packages=find_packages(include=["megatron_mis", "megatron_mis.*"]) + ["megatron_mis._configs"],
     package_dir={"megatron_mis._configs": "configs"},
     package_data={
-        "megatron_mis": ["py.typed", "core/csrc/*.cpp"],  # the native kernel's source, built on first use
+        "megatron_mis": ["py.typed"],
         "megatron_mis._configs": ["*.yaml", "presets/*.yaml"],
     },
     install_requires=[
@@ -36,9 +36,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # ninja builds the native kernel (native_engine: true) with torch.utils.cpp_extension
-        "test": ["pytest>=7.4", "hypothesis>=6.80", "ninja>=1.11"],
-        "native": ["ninja>=1.11"],
+        "test": ["pytest>=7.4", "hypothesis>=6.80"],
         # CUDA only; never needed (nor imported at top level) on CPU.
         "gpu": ["transformer-engine[pytorch]>=1.9"],
         "rollout": ["sglang>=0.4.6"],

@@ -12,8 +12,6 @@ of:
   statistic);
 - ``weights only``: the same with ``mis_metrics: none``;
 - the same two with ``compile_engine: true`` (``--compiled``; torch.compile, inductor);
-- weights only with ``native_engine: true`` (``--native``; the C++ kernel of
-  ``megatron_mis/core/native.py``, built before the timing);
 - ``floor``: one pass reading the log-probs and the mask and writing weights and a mask
   (token-level truncated ratio): the minimal eager chain, and with ``--compiled`` also one fused
   inductor kernel;
@@ -45,7 +43,7 @@ writing 37 MB into fresh memory took 12-15 ms against 1.2-1.9 ms into reused mem
 caching allocator, and jemalloc / tcmalloc on a CPU, reuse memory the same way; the default
 column is what an untuned CPU process sees.
 
-    python benchmarks/bench_mis.py [--repeats 7] [--compiled] [--native] [--threads 2] [--allocator default|keep]
+    python benchmarks/bench_mis.py [--repeats 7] [--compiled] [--threads 2] [--allocator default|keep]
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from naive_mis import naive_mis  # noqa: E402
 
 from megatron_mis import MISConfig  # noqa: E402
-from megatron_mis.core import native  # noqa: E402
 from megatron_mis.core.segments import concat_sequences  # noqa: E402
 from megatron_mis.integrations.tis_functions import compute_mis_weights_fsdp  # noqa: E402
 
@@ -153,8 +150,6 @@ def main() -> None:
                    help="batch shapes as SEQUENCES:MIN_LEN:MAX_LEN")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compiled", action="store_true", help="also time compile_engine: true and a fused floor")
-    p.add_argument("--native", action="store_true",
-                   help="also time native_engine: true (weights only; the C++ kernel is built first, untimed)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--allocator", choices=("default", "keep"), default="default",
                    help="keep: re-run in a process whose glibc malloc keeps freed memory (see above)")
@@ -169,11 +164,6 @@ def main() -> None:
     if args.compiled:
         variants["engine compiled"] = dict(SEED000, compile_engine=True)
         variants["weights only compiled"] = dict(SEED000, mis_metrics="none", compile_engine=True)
-    if args.native:
-        if args.device != "cpu":
-            p.error("--native times the CPU kernel: use --device cpu")
-        native.load()  # the build (about 20 s the first time on a machine) is not part of any call
-        variants["weights only native"] = dict(SEED000, mis_metrics="none", native_engine=True)
     print(f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats} "
           f"torch={torch.__version__} allocator={args.allocator}; seed-000 default config")
     print("times: median [min-max] ms over interleaved rounds (rows marked back to back: consecutive calls); "

@@ -128,14 +128,6 @@ class MISConfig(ConfigBase):
         "tokens), it ran every statistic 1.1-2.4x faster than eager and weights only 0.99-1.5x "
         "(benchmarks/README.md); not yet timed on a GPU.",
     )
-    native_engine: bool = doc(
-        False,
-        "Host drop-ins on a CPU, without context parallelism, with mis_metrics: none: compute the weights, "
-        "the loss and the returned masks in a C++ kernel that reads and writes the per-sample pieces "
-        "directly (megatron_mis/core/native.py): the eager engine's values, bit for bit. Built on first "
-        "use (a C++ compiler and ninja; about 20 s, then cached). Calls it cannot take (tensors on a GPU, "
-        "context parallelism, nonfinite_policy: error) run the torch engine, with a warning once.",
-    )
     rs_without_tis: bool = doc(
         False,
         "Host drop-ins only: slime and Miles also call the TIS function when only "
@@ -229,11 +221,6 @@ class MISConfig(ConfigBase):
             problems.append(
                 "tis_batch_normalize=true has nothing to normalise: use_tis is false, so every weight is 1 "
                 "(set use_tis: true or tis_batch_normalize: false)"
-            )
-        if self.native_engine and self.mis_metrics != "none":
-            problems.append(
-                f"native_engine=true computes weights and masks only, but mis_metrics={self.mis_metrics!r} asks for "
-                "metrics (set mis_metrics: none, or native_engine: false)"
             )
         if self.tis_batch_normalize_scope == "global" and not self.tis_batch_normalize:
             problems.append(

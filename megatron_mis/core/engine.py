@@ -481,8 +481,7 @@ def sequence_decisions(
 ) -> tuple[SequenceDecisions, NormalizationStatistics, torch.Tensor]:
     """``(decisions, this call's normalisation statistics, the 0-dim float64 mean the weights are
     divided by)`` from the reduced statistics: ``normalizer`` (the global mean) if given, else this
-    call's own mean, 1 without normalisation. Shared by the token stages here and the native
-    kernels (:mod:`megatron_mis.core.native`)."""
+    call's own mean, 1 without normalisation."""
     seqs = _sequence_stage(stats, plan)
     norm_stats = _normalization(stats, seqs, plan)
     if not plan.normalizes:

@@ -50,7 +50,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_mis._deprecated import moved_names
 from megatron_mis.monitor.config import LengthDecayConfig, MonitorConfig, ScheduleConfigs, SurgeConfig
 from megatron_mis.lr_schedule import LengthDecayParamScheduler, build_lr_schedule
 
@@ -271,6 +270,3 @@ def monitor_train_step(args: Any, step: int, log_dict: dict[str, Any], *, strip_
 
 
 # Deprecated for one release: the slime hook now lives in (and does everything from) one place.
-__getattr__ = moved_names(
-    __name__, {"slime_rollout_data_postprocess": "megatron_mis.integrations.slime.rollout_data_postprocess"}
-)

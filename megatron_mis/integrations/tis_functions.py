@@ -37,9 +37,7 @@ from typing import Any
 import torch
 
 from megatron_mis.config.mis import MISConfig
-from megatron_mis.core import native
-from megatron_mis.core.engine import DeferredCount, check_normalizer, nonfinite_message
-from megatron_mis.core.statistics import Plan
+from megatron_mis.core.engine import DeferredCount, nonfinite_message
 from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp, lengths_1d
 from megatron_mis.parallel.global_norm import compute_global_normalizer
 from megatron_mis.parallel.state import GroupView, HostGroups, host_groups
@@ -201,10 +199,6 @@ def _apply(
                 "megatron_mis.parallel.global_norm.compute_global_normalizer"
             )
         normalizer = normalizer[1]
-    if cfg.native_engine and (not metrics_only or (cfg.rs_without_tis and run_cfg.rejects)):
-        native_out = _native(args, pg_loss, inputs, groups, run_cfg, normalizer)
-        if native_out is not None:
-            return native_out
     out = compute_mis_cp(inputs, run_cfg, groups.cp, global_normalizer=normalizer)
     res = out.result
     _check_loss_length(pg_loss, res.weights.numel())
@@ -217,42 +211,6 @@ def _apply(
     keep = res.keep_mask.to(pg_loss.device)
     new_loss = torch.where(keep, pg_loss * weights, 0.0)  # a scalar zero: no [T] buffer of zeros
     return new_loss, out.modified_masks, metrics
-
-
-_NATIVE_WARNED_ATTR = "_megatron_mis_native_warned"
-
-
-def _native(
-    args: Any, pg_loss: torch.Tensor, inputs: CPInputs, groups: HostGroups, cfg: MISConfig, normalizer: Any
-) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]] | None:
-    """The call through the native kernel (:mod:`megatron_mis.core.native`), or ``None`` (after a
-    warning, once per ``args``) where it cannot run it: the torch engine then computes the same."""
-    reason = None
-    if groups.cp.size > 1:
-        reason = f"context parallelism (CP = {groups.cp.size})"
-    elif cfg.nonfinite_policy == "error":
-        reason = "nonfinite_policy='error' (which must read the count on the host to raise)"
-    if reason is None:
-        _, train, rollout, masks, _, resp = inputs.checked(groups.cp)
-        reason = native.unsupported_reason(rollout, pg_loss)
-    if reason is None:
-        _check_loss_length(pg_loss, sum(resp))
-        global_mean = None
-        if normalizer is not None:
-            global_mean = check_normalizer(normalizer, torch.device("cpu"))
-        try:
-            res = native.weights_and_masks(train, rollout, masks, pg_loss, Plan.of(cfg), global_mean, lengths=resp)
-        except NotImplementedError as exc:  # a piece the kernel does not read; nothing was computed
-            reason = str(exc).split("\n")[0].removeprefix("megatron_mis_native: ")
-        else:
-            _warn_deferred_nonfinite(args, res, cfg)
-            return res.loss, res.masks, {}
-    _warn_once(
-        args, _NATIVE_WARNED_ATTR,
-        f"megatron-mis: native_engine is set but this call has {reason}; the torch engine computes it (the same values)",
-        stacklevel=4,
-    )
-    return None
 
 
 def _unchanged_masks(inputs: CPInputs) -> list[torch.Tensor]:

@@ -8,16 +8,13 @@ Importing this package is cheap: no torch, no Megatron. See ``docs/monitor.md``.
 - :class:`MismatchMonitor`, :class:`MonitorWarning`, :class:`MismatchWarning`;
 - :func:`global_mean_response_length` (one all-reduce over an explicit data-parallel group).
 
-The learning-rate schedule driven by the surge detector lives in :mod:`megatron_mis.lr_schedule`;
-its names are still served from here for one release, with a ``DeprecationWarning``.
+The learning-rate schedule driven by the surge detector lives in :mod:`megatron_mis.lr_schedule`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_mis._deprecated import moved_names
-from megatron_mis.monitor import scheduler as _lr_names  # the deprecated names, forwarded
 from megatron_mis.monitor.config import (
     SCHEDULE_KEYS,
     LengthDecayConfig,
@@ -56,12 +53,10 @@ __all__ = [
 ]
 
 
-def _lazy(name: str) -> Any:
+def __getattr__(name: str) -> Any:
     if name == "global_mean_response_length":  # imports torch: resolved lazily
         from megatron_mis.monitor.distributed import global_mean_response_length
 
         return global_mean_response_length
     raise AttributeError(f"module 'megatron_mis.monitor' has no attribute {name!r}")
 
-
-__getattr__ = moved_names(__name__, _lr_names.MOVED, fallback=_lazy)

@@ -109,22 +109,3 @@ def test_validate_directory_and_missing_file(tmp_path, capsys):
     assert "is a directory, not a YAML file" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
-
-
-def test_validate_builds_the_native_kernel_or_says_why_not(tmp_path, capsys, monkeypatch):
-    from megatron_mis.core import native
-
-    cfg = tmp_path / "native.yaml"
-    cfg.write_text("use_tis: true\nmis_metrics: none\nnative_engine: true\n")
-    assert main(["validate", str(cfg)]) == 0
-    assert "# native kernel: ready" in capsys.readouterr().out
-
-    def no_compiler():
-        raise native.NativeBuildError("native_engine: true needs a C++ compiler to build its kernel (none found)")
-
-    monkeypatch.setattr(native, "load", no_compiler)
-    assert main(["validate", str(cfg)]) == 2
-    assert "the kernel does not build here: native_engine: true needs a C++ compiler" in capsys.readouterr().err
-    cfg.write_text("use_tis: true\nnative_engine: true\n")  # metrics asked for: a config error, nothing built
-    assert main(["validate", str(cfg)]) == 2
-    assert "native_engine=true computes weights and masks only" in capsys.readouterr().err

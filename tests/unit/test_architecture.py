@@ -112,7 +112,7 @@ def test_package_has_no_import_cycle():
 LIBRARY = ("core", "parallel", "integrations", "routing", "monitor", "config")
 #: What users import: the library, the dump analysis and the CPU / test helpers, and the top-level
 #: modules (presets, registry, lr_schedule); NOT the testbed (demo, study, CPU models), the CLI or
-#: anything private (``_deprecated``, ``_version``, ``_``-prefixed names).
+#: anything private (``_version``, ``_``-prefixed names).
 PUBLIC = LIBRARY + ("analysis", "testing")
 
 
@@ -186,10 +186,10 @@ def test_examples_import_only_the_public_api(tmp_path):
     planted.write_text(
         "from megatron_mis.testbed.demo.train import run_rank\n"
         "from megatron_mis.integrations.megatron import MegatronRLLoss, NoSuchName\n"
-        "def f():\n    import megatron_mis._deprecated\n    from megatron_mis.cli import demo\n"
+        "def f():\n    import megatron_mis._version\n    from megatron_mis.cli import demo\n"
     )
     assert _example_offenders([planted]) == {"planted.py": [
-        "megatron_mis._deprecated", "megatron_mis.cli", "megatron_mis.cli.demo",
+        "megatron_mis._version", "megatron_mis.cli", "megatron_mis.cli.demo",
         "megatron_mis.integrations.megatron.NoSuchName", "megatron_mis.testbed.demo.train",
         "megatron_mis.testbed.demo.train.run_rank",
     ]}

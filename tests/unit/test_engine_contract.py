@@ -379,22 +379,3 @@ def test_weights_only_mode_returns_no_metrics_and_the_same_weights():
     bare = compute_mis_from_lists(train, rollout, masks, _cfg(**SEED000, mis_metrics="none"))
     assert bare.token_metrics == {} and bare.summary == {}
     assert torch.equal(bare.keep_mask, full.keep_mask) and torch.equal(bare.weights, full.weights)
-
-
-def test_native_drop_in_reads_nothing_on_the_host():
-    """native_engine: true (the C++ kernel of megatron_mis/core/native.py) makes no host read of a
-    tensor either, the deferred non-finite count of the previous call included."""
-    lengths, train, rollout, masks = _lists(12, nonfinite=True)
-    args = Namespace(custom_config_path=None, mis_metrics="none", native_engine=True, use_tis=True, use_rs=True,
-                     rs_level="geometric", tis_upper_bound=1.5, rs_lower_bound=0.99, rs_upper_bound=1.001,
-                     rs_veto_threshold=1e-4, tis_batch_normalize=True)
-    pg = torch.randn(sum(lengths), requires_grad=True)
-    kw = dict(pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compute_mis_weights_fsdp(args, **kw)  # builds the kernel and caches the config outside the count
-        with SyncCounter() as counter:
-            for _ in range(2):
-                loss, _, _ = compute_mis_weights_fsdp(args, **kw)
-                loss.sum().backward()
-    assert counter.calls == []

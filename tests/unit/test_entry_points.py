@@ -1,10 +1,9 @@
-"""One entry module per host, and the old dotted paths of the 0.1 docs.
+"""One entry module per host.
 
 - every ``megatron_mis.*`` dotted path named in the README, docs, examples, configs and patches
   resolves, and resolves WITHOUT a deprecation warning (the docs point at the new homes);
 - the slime / Miles / plain-Megatron entry modules expose every path their flags and patches take;
-- each old path still resolves for one release, with a ``DeprecationWarning`` naming the new
-  path, to the very object of the new home (so behaviour is identical by construction).
+- the old paths of unreleased 0.1 drafts are gone (no shims): they fail to import.
 """
 
 from __future__ import annotations
@@ -85,38 +84,23 @@ def test_entry_modules_expose_every_host_path(module, names):
     assert compute_mis_weights_with_cp is tis_functions.compute_mis_weights_with_cp
 
 
-OLD_PATHS = [
-    ("megatron_mis.integrations.hosts.compute_mis_weights_with_cp", "megatron_mis.integrations.tis_functions.compute_mis_weights_with_cp"),
-    ("megatron_mis.integrations.hosts.compute_mis_weights_fsdp", "megatron_mis.integrations.tis_functions.compute_mis_weights_fsdp"),
-    ("megatron_mis.integrations.hosts.prepare_global_normalizer", "megatron_mis.integrations.tis_functions.prepare_global_normalizer"),
-    ("megatron_mis.integrations.hosts.config_from_args", "megatron_mis.integrations.tis_functions.config_from_args"),
-    ("megatron_mis.integrations.scheduler_hooks.slime_rollout_data_postprocess",
-     "megatron_mis.integrations.slime.rollout_data_postprocess"),
-    *[(f"megatron_mis.monitor.scheduler.{n}", f"megatron_mis.lr_schedule.{n}")
-      for n in ("LengthDecayParamScheduler", "LengthDecayScheduler", "LengthDecaySchedule", "ConstantSchedule", "LR_SCHEDULES",
-                "build_lr_schedule")],
-    *[(f"megatron_mis.monitor.{n}", f"megatron_mis.lr_schedule.{n}")
-      for n in ("LengthDecayParamScheduler", "LengthDecayScheduler", "LengthDecaySchedule", "ConstantSchedule", "LR_SCHEDULES",
-                "build_lr_schedule")],
+REMOVED = [
+    ("megatron_mis.integrations.hosts", None),
+    ("megatron_mis.monitor.scheduler", None),
+    ("megatron_mis._deprecated", None),
+    ("megatron_mis.integrations.scheduler_hooks", "slime_rollout_data_postprocess"),
+    ("megatron_mis.monitor", "LengthDecayParamScheduler"),
+    ("megatron_mis.monitor", "build_lr_schedule"),
 ]
 
 
-@pytest.mark.parametrize(("old", "new"), OLD_PATHS, ids=[o for o, _ in OLD_PATHS])
-def test_old_path_warns_and_is_the_same_object(old, new):
-    module, _, attr = old.rpartition(".")
-    with pytest.warns(DeprecationWarning, match=re.escape(new)) as record:
-        obj = getattr(importlib.import_module(module), attr)  # how slime / Miles load a flag's value
-    assert record[0].filename == __file__  # the warning points at the caller, not the shim
-    assert obj is _resolve(new)
-    with pytest.warns(DeprecationWarning, match=re.escape(old)):
-        exec(f"from {module} import {attr} as imported", ns := {})
-    assert ns["imported"] is obj
-
-
-def test_old_modules_refuse_names_they_never_had():
-    from megatron_mis.integrations import hosts, scheduler_hooks
-    from megatron_mis.monitor import scheduler
-
-    for mod in (hosts, scheduler_hooks, scheduler):
-        with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
-            mod.nonexistent  # noqa: B018
+@pytest.mark.parametrize(("module", "attr"), REMOVED, ids=[f"{m}.{a}" if a else m for m, a in REMOVED])
+def test_removed_paths_are_gone(module, attr):
+    """The package was never released: the draft paths have no shims (nothing warns, nothing
+    forwards); a flag naming one fails at once with Python's own error."""
+    if attr is None:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
+    else:
+        with pytest.raises(AttributeError, match=attr):
+            getattr(importlib.import_module(module), attr)
