@@ -71,9 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = _missing_packages(args)
     if missing:
+        one = len(missing) == 1
         print(
-            f"error: megatron-mis {args.command} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-            f"not installed (a plain install for training leaves them out); install them with: {_INSTALL_DEMO}",
+            f"error: megatron-mis {args.command} needs {' and '.join(missing)}, which {'is' if one else 'are'} not installed "
+            f"(a plain install for training leaves {'it' if one else 'them'} out); install {'it' if one else 'them'} with: "
+            f"{_INSTALL_DEMO}",
             file=sys.stderr,
         )
         return 2
