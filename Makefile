@@ -2,6 +2,8 @@
 #   make demo   -- set up .venv and run the main job (megatron-mis demo)
 #   make test   -- set up .venv and run the whole test suite
 # torch==2.13.0 is installed first, on its own, so that nothing pulls a CUDA build of torch.
+# The package goes in with its [demo] extra (matplotlib, tqdm: the demo, study, plots and analyze)
+# and [test] (pytest, hypothesis); a training container needs neither (`pip install .`).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -14,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,demo]"
 	touch $(STAMP)
 
 demo: setup

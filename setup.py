@@ -32,10 +32,13 @@ setup(
         "torch>=2.1",
         "megatron-core>=0.13",
         "pyyaml>=6.0",
-        "tqdm>=4.60",
-        "matplotlib>=3.7",
+        "numpy",  # routing/sglang.py decodes routes with it; megatron-core requires it anyway
     ],
     extras_require={
+        # Only the CPU testbed and the command line's demo / study / analyze use these (plots and
+        # progress bars); the drop-ins a training container imports never do
+        # (tests/unit/test_install_light.py). The command line names this extra when one is missing.
+        "demo": ["matplotlib>=3.7", "tqdm>=4.60"],
         "test": ["pytest>=7.4", "hypothesis>=6.80"],
         # CUDA only; never needed (nor imported at top level) on CPU.
         "gpu": ["transformer-engine[pytorch]>=1.9"],

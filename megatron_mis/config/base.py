@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
-__all__ = ["ConfigBase", "ConfigError", "Interval", "doc", "load_yaml_mapping"]
+__all__ = ["ConfigBase", "ConfigError", "Interval", "doc", "load_yaml_mapping", "read_yaml_mapping"]
 
 
 class ConfigError(ValueError):
@@ -154,6 +154,22 @@ def load_yaml_mapping(path: str | Path, *, allow_empty: bool = False) -> dict[st
         FileNotFoundError: if nothing exists at ``path``.
         ConfigError: every other problem (see above).
     """
+    data, duplicates = read_yaml_mapping(path, allow_empty=allow_empty)
+    if duplicates:
+        raise ConfigError(str(path), duplicates)
+    return data
+
+
+def read_yaml_mapping(path: str | Path, *, allow_empty: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """:func:`load_yaml_mapping`, but duplicate keys are returned rather than raised:
+    ``(mapping with each duplicate's last value, one sentence per duplicate key)``, so that a
+    caller validating the keys can report the duplicates together with every other problem of the
+    file. A non-empty list must still end in a :class:`ConfigError`.
+
+    Raises:
+        FileNotFoundError: if nothing exists at ``path``.
+        ConfigError: every other problem (with the duplicates, if the file has both).
+    """
     import yaml
 
     if not isinstance(path, (str, os.PathLike)):
@@ -192,24 +208,20 @@ def load_yaml_mapping(path: str | Path, *, allow_empty: bool = False) -> dict[st
         raise ConfigError(name, ["nested too deeply to parse; a config is a flat mapping of keys"]) from None
     except ValueError as exc:  # e.g. an integer with more digits than Python converts
         raise ConfigError(name, [f"not a readable YAML value: {exc}"]) from None
-    if duplicates:
-        raise ConfigError(
-            name,
-            [
-                f"duplicate key {_short(d.key)} at line {d.line} (first at line {d.first_line}); YAML would "
-                "silently keep only the last value, so write each key once"
-                for d in duplicates
-            ],
-        )
+    problems = [
+        f"duplicate key {_short(d.key)} at line {d.line} (first at line {d.first_line}); YAML would "
+        "silently keep only the last value, so write each key once"
+        for d in duplicates
+    ]
     if data is None:
         if allow_empty:
-            return {}
+            return {}, problems
         raise ConfigError(
-            name, ["holds no keys (empty, or comments only); write `{}` to mean every default explicitly"]
+            name, problems + ["holds no keys (empty, or comments only); write `{}` to mean every default explicitly"]
         )
     if not isinstance(data, Mapping):
-        raise ConfigError(name, [f"top level must be a mapping of keys, got {type(data).__name__}"])
-    return dict(data)
+        raise ConfigError(name, problems + [f"top level must be a mapping of keys, got {type(data).__name__}"])
+    return dict(data), problems
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -415,10 +427,15 @@ class ConfigBase:
             source: where ``data`` came from, for error messages (a file path).
             ignore: keys that belong to someone else and are skipped silently.
         """
+        return cls._from_mapping(data, source, ignore, [])
+
+    @classmethod
+    def _from_mapping(cls, data: Mapping[str, Any], source: str | None, ignore: tuple[str, ...], problems: list[str]):
+        """:meth:`from_dict`, reporting ``problems`` (found while reading ``data``) with its own."""
         if not isinstance(data, Mapping):
             raise ConfigError(cls._label(source), [f"expected a mapping of keys, got {type(data).__name__}"])
         valid = cls.field_names()
-        problems = [
+        problems = list(problems) + [
             f"unknown key {key!r}{_closest(str(key), valid)}; valid keys: {', '.join(valid)}"
             for key in data
             if key not in valid and key not in ignore
@@ -434,8 +451,10 @@ class ConfigBase:
 
     @classmethod
     def from_yaml(cls, path: str | Path, *, ignore: tuple[str, ...] = ()):
-        """Build from a YAML file whose top level holds this config's keys."""
-        return cls.from_dict(load_yaml_mapping(path), source=str(path), ignore=ignore)
+        """Build from a YAML file whose top level holds this config's keys; a duplicate key is
+        reported together with every other problem of the file."""
+        data, duplicates = read_yaml_mapping(path)
+        return cls._from_mapping(data, str(path), ignore, duplicates)
 
     @classmethod
     def from_namespace(cls, namespace: Any, *, source: str | None = None):

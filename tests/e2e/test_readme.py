@@ -62,7 +62,16 @@ def test_setup_commands_match_ci_and_makefile():
     assert "make test" in (REPO / ".ci" / "run").read_text()
     makefile = (REPO / "Makefile").read_text()
     assert "torch==2.13.0" in makefile
-    assert makefile.index("torch==2.13.0") < makefile.index('-e ".[test]"')  # torch first
+    install = re.search(r'-e "\.\[([a-z,]+)\]"', makefile)
+    # the demo and the tests need the [demo] extra (matplotlib, tqdm) besides [test]
+    assert install and {"test", "demo"} <= set(install.group(1).split(",")), install
+    assert makefile.index("torch==2.13.0") < install.start()  # torch first
+
+
+def test_readme_says_how_to_install_for_training_and_for_the_demo():
+    setup = (REPO / "setup.py").read_text()
+    assert '"demo": [' in setup and "matplotlib" not in setup.split("extras_require")[0]
+    assert 'pip install "megatron-mis[demo]"' in README or "pip install \".[demo]\"" in README
 
 
 def test_named_files_exist():

@@ -285,3 +285,29 @@ def test_host_args_yaml_with_duplicate_key(tmp_path):
 def test_ratio_bounds_fit_float32(key, value):
     with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r} must lie in [2.939e-39, 3.403e+38] (float32")):
         MISConfig(**{key: value})
+
+
+def test_duplicate_key_reported_with_every_other_problem(tmp_path):
+    # issue 30: a duplicate key used to stop the check, hiding the file's other problems
+    path = tmp_path / "mis.yaml"
+    path.write_text("use_tis: true\ntis_upper_bound: -2.0\ntis_levle: token\nuse_tis: false\ntis_mode: trunc\n")
+    with pytest.raises(ConfigError) as info:
+        MISConfig.from_yaml(path)
+    text = str(info.value)
+    assert str(path) in text
+    assert len(info.value.problems) == 4, info.value.problems
+    assert "duplicate key 'use_tis' at line 4 (first at line 1)" in info.value.problems[0]
+    assert "unknown key 'tis_levle' (did you mean 'tis_level'?)" in text
+    assert "tis_upper_bound=-2.0 must be > 0" in text
+    assert "tis_mode='trunc' is not one of" in text
+    # a duplicate alone is still an error, and a duplicate in an otherwise valid file too
+    path.write_text("use_tis: true\ntis_upper_bound: 2.0\ntis_upper_bound: 2.0\n")
+    with pytest.raises(ConfigError) as info:
+        MISConfig.from_yaml(path)
+    assert info.value.problems == [
+        "duplicate key 'tis_upper_bound' at line 3 (first at line 2); YAML would silently keep only the last value, "
+        "so write each key once"
+    ]
+    # the file-level reader used by the other loaders keeps refusing duplicates outright
+    with pytest.raises(ConfigError, match="duplicate key 'tis_upper_bound' at line 3"):
+        load_yaml_mapping(path)
