@@ -5,8 +5,8 @@
 # Prerequisites, inside Miles' container on every node:
 #   pip install "megatron-mis[gpu]"        (or `pip install -e .` from a megatron-mis checkout)
 #   cd "${MILES_DIR}" && git checkout 31f1ca961a94cb860cec3b2dea34ec332bfa8f76   # the commit the patches name
-#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-global-mis-normalizer.patch
-#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-length-decay.patch
+#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-length-decay.patch           # first:
+#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-global-mis-normalizer.patch  # its line numbers count the first's
 # Miles calls its rollout-data hook without the data, so the two once-per-rollout tasks (the
 # global normalisation mean, the response length for the LR schedule) need these small patches;
 # the TIS function itself needs no patch. Everything megatron-mis adds is in MIS_ARGS.
