@@ -99,7 +99,8 @@ MISC_ARGS=(
    --attention-backend flash
 )
 
-megatron-mis validate "${SCRIPT_DIR}/mis.yaml"
+# Check the YAML, and what it does on Miles with these flags (exit 2 on any error):
+megatron-mis validate --host miles --host-flags="$(printf '%q ' "${MIS_ARGS[@]}")" "${SCRIPT_DIR}/mis.yaml"
 
 export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 ray start --head --node-ip-address "${MASTER_ADDR}" --num-gpus 8 --disable-usage-stats
