@@ -180,3 +180,33 @@ def test_importable_without_torch_or_yaml():
     code = "import sys, megatron_mis.integrations.host_report; print('torch' in sys.modules, 'yaml' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_tables_agree_with_docs_hosts_md():
+    """host_report's tables are the ones of docs/hosts.md's machine-readable summary (written with
+    the drop-in's semantics, issue 27a); a change on one side must be made on the other."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_mis.integrations import host_report as hr
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "hosts.md"
+    if not doc.is_file():
+        pytest.skip("docs/hosts.md comes with the drop-in semantics branch (issue 27a)")
+    block = re.search(r"```yaml\n(hosts_summary_version:.*?)```", doc.read_text(), re.S)
+    assert block, "docs/hosts.md lost its machine-readable summary"
+    summary = yaml.safe_load(block[1])
+    assert summary["hosts_summary_version"] == 1
+    assert set(summary["yaml_overrides_flags"]) <= set(hr._HOST_ARGS)
+    assert {flag: row["maps_to"] for flag, row in summary["host_bound_flags"].items()} == hr._BOUND_FLAG_KEYS
+    assert {flag: row["default"] for flag, row in summary["host_bound_flags"].items()} == {
+        flag: hr._HOST_ARGS[flag][1] for flag in hr._BOUND_FLAG_KEYS
+    }
+    assert tuple(summary["modes"]["bypass"]["inert_keys"]) == hr._BYPASS_INERT
+    assert set(hr._RATIO_REJECTION) <= set(summary["modes"]["bypass"]["acting_keys"])
+    assert tuple(summary["modes"]["metrics_only"]["inert_keys"]) == hr._METRICS_ONLY_INERT
+    assert summary["host_meanings"]["tis_batch_normalize"]["variant_key"] == {"tis_batch_normalize_over": "kept"}
+    assert summary["host_meanings"]["rs_veto_threshold"]["variant_key"] == {"rs_veto_without_rs": True}
+    assert "icepop" in summary["host_meanings"]["tis_mode"]
