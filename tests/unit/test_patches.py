@@ -14,8 +14,9 @@ a shifted hunk). To re-run that check after editing a patch::
     tools/check_patches.sh miles      # prints the rows below and fails where they differ
     tools/check_patches.sh slime
 
-The megatron-core patch is checked the same way by hand against megatron-core 0.15.3
-(``git apply --check`` from the Megatron-LM checkout); no example script applies it.
+The megatron-core patch was checked on the same day with ``git apply --check`` against the files of
+the megatron-core 0.15.3 wheel (``pip download megatron-core==0.15.3 --no-deps``, unzip, run it
+from the unzipped root); no example script applies it, so here it is only checked for form.
 """
 
 from __future__ import annotations
