@@ -407,6 +407,14 @@ def host_report(data: Mapping[str, Any], host: str, *, flags: Mapping[str, Any] 
                 "tis_batch_normalize_scope: micro_batch",
                 _src("rollout_data_hook", host) + "; " + _src("log_prob_reuse", host),
             ))
+        elif _truthy(effective.get("skip_actor_forward_only")):
+            add(HostNote(
+                "error", "tis_batch_normalize_scope",
+                "global needs pi_old before training, but --skip-actor-forward-only skips its recompute "
+                "(rollout_data has no log_probs; the first call raises). Fix: drop --skip-actor-forward-only or "
+                "use tis_batch_normalize_scope: micro_batch",
+                _src("log_prob_reuse", host) + "; docs/hosts.md modes.log_prob_reuse",
+            ))
         else:
             add(HostNote(
                 "needs_hook", "tis_batch_normalize_scope",

@@ -139,6 +139,8 @@ def test_hooks_and_patches():
     assert "(the command line gives None)" in one(missing, "error", "tis_batch_normalize_scope").message
     miles = one(host_report(data, "miles"), "needs_hook", "tis_batch_normalize_scope")
     assert "patches/miles-31f1ca96-global-mis-normalizer.patch" in miles.message
+    skip = host_report(data, "miles", flags=parse_host_flags(f"--use-tis {CUSTOM} --skip-actor-forward-only", "miles"))
+    assert "Fix: drop --skip-actor-forward-only" in one(skip, "error", "tis_batch_normalize_scope").message
     assert "length-decay.patch (apply it before" in one(host_report({"length_decay_enabled": True}, "miles"), "needs_hook", "length_decay_enabled").message
     assert "slime-624b824a-length-decay.patch" in one(host_report({"monitor_enabled": True}, "slime"), "needs_hook", "monitor_enabled").message
 
