@@ -5,8 +5,8 @@
 # Prerequisites, inside Miles' container on every node:
 #   pip install "megatron-mis[gpu]"        (or `pip install -e .` from a megatron-mis checkout)
 #   cd "${MILES_DIR}" && git checkout 31f1ca961a94cb860cec3b2dea34ec332bfa8f76   # the commit the patches name
-#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-global-mis-normalizer.patch
-#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-length-decay.patch
+#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-length-decay.patch           # first:
+#   git apply /path/to/megatron-mis/patches/miles-31f1ca96-global-mis-normalizer.patch  # its line numbers count the first's
 # Miles calls its rollout-data hook without the data, so the two once-per-rollout tasks (the
 # global normalisation mean, the response length for the LR schedule) need these small patches;
 # the TIS function itself needs no patch. Everything megatron-mis adds is in MIS_ARGS.
@@ -99,7 +99,8 @@ MISC_ARGS=(
    --attention-backend flash
 )
 
-megatron-mis validate "${SCRIPT_DIR}/mis.yaml"
+# Check the YAML, and what it does on Miles with these flags (exit 2 on any error):
+megatron-mis validate --host miles --host-flags="$(printf '%q ' "${MIS_ARGS[@]}")" "${SCRIPT_DIR}/mis.yaml"
 
 export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 ray start --head --node-ip-address "${MASTER_ADDR}" --num-gpus 8 --disable-usage-stats

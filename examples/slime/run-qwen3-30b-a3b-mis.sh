@@ -77,6 +77,12 @@ MIS_ARGS=(
    # corrects the rollout engine's numerics. (Add --use-rollout-logprobs instead for bypass mode:
    # then pi_old := pi_rollout and only rejection / vetoes act.)
    --use-tis
+   # 32 prompts x 8 samples = one global batch of 256: one optimizer step per rollout, so slime would
+   # reuse the training forward's log-probs as pi_old (can_reuse_log_probs_in_loss, actor.py:461-475)
+   # and rollout_data would hold no pi_old when the global normalisation mean is taken before
+   # training. This flag keeps the pi_old recompute (one more forward pass per rollout) and adds the
+   # mismatch metrics; without it, use tis_batch_normalize_scope: micro_batch in mis.yaml.
+   --get-mismatch-metrics
    # The IS / RS / veto / normalisation settings, and the LR-schedule and monitor keys.
    --custom-config-path "${SCRIPT_DIR}/mis.yaml"
    # The megatron-mis TIS function: exact under tensor and context parallelism (one all-gather of
@@ -105,7 +111,8 @@ MISC_ARGS=(
    --attention-backend flash
 )
 
-megatron-mis validate "${SCRIPT_DIR}/mis.yaml"
+# Check the YAML, and what it does on slime with these flags (exit 2 on any error):
+megatron-mis validate --host slime --host-flags="$(printf '%q ' "${MIS_ARGS[@]}")" "${SCRIPT_DIR}/mis.yaml"
 
 export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 ray start --head --node-ip-address "${MASTER_ADDR}" --num-gpus 8 --disable-usage-stats

@@ -243,7 +243,7 @@ def _vector(
             raise DumpError(
                 path, f"{where}: field {name!r} must be a list of numbers, found {_short(bad)} ({type(bad).__name__}) at position {at}"
             )
-        t = torch.tensor([float(v) for v in value], dtype=torch.float32)
+        t = torch.tensor([_float32(path, where, name, i, v) for i, v in enumerate(value)], dtype=torch.float32)
     else:
         raise DumpError(path, f"{where}: field {name!r} must be a 1-D tensor or a list of numbers, got {type(value).__name__}")
     if t.dim() != 1:
@@ -257,6 +257,35 @@ def _vector(
             bad = t[(t != 0) & (t != 1)][0].item()
             raise DumpError(path, f"{where}: field {name!r} (a loss mask) must hold 0 / 1 values, found {bad:g}")
     return t
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _float32(path: Path, where: str, name: str, at: int, value: int | float | bool) -> float:
+    """``value`` as a float that float32 holds, or a :class:`DumpError` naming the field and the
+    position: a JSON integer too large for a float (``float()`` would raise ``OverflowError``) or a
+    finite number beyond the float32 range (it would silently become inf). inf / NaN given as such
+    pass through (the analysis reports non-finite log-probs itself)."""
+    try:
+        out = float(value)
+    except OverflowError:
+        try:
+            digits = f"{len(str(abs(value)))}"
+        except ValueError:  # beyond Python's int -> str digit limit
+            digits = f"about {int(value.bit_length() * 0.30103)}"
+        raise DumpError(
+            path,
+            f"{where}: field {name!r} holds an integer of {digits} digits at position {at}, too large "
+            f"for a float; expected log-probs / mask values within +-{_FLOAT32_MAX:.4g} (float32)",
+        ) from None
+    if math.isfinite(out) and abs(out) > _FLOAT32_MAX:
+        raise DumpError(
+            path,
+            f"{where}: field {name!r} holds {out:.6g} at position {at}, outside the float32 range "
+            f"+-{_FLOAT32_MAX:.4g}",
+        )
+    return out
 
 
 def _int(path: Path, where: str, name: str, value: Any) -> int:
@@ -397,6 +426,8 @@ class DumpReader:
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise DumpError(path, f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                    except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
+                        raise DumpError(path, f"{where}: not readable JSON ({exc})") from None
                     if not isinstance(row, dict):
                         raise DumpError(path, f"{where}: expected a JSON object per line, got {type(row).__name__}")
                     if "train_log_probs" not in row and {"input", "output"} <= set(row) and ("step" in row or "score" in row):

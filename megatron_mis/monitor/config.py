@@ -307,11 +307,20 @@ class MonitorConfig(ConfigBase):
     )
     monitor_wandb: bool = doc(
         False,
-        "Also log to Weights & Biases (needs wandb): into the active run if there is one, else a "
-        "new run in monitor_wandb_project.",
+        "Also log to Weights & Biases (needs wandb) into the active run. When no run is active (slime / "
+        "Miles training ranks: the driver owns the run, only the Megatron main rank joins it with "
+        "--use-wandb), W&B logging is dropped with one warning, unless monitor_wandb_new_run is true. "
+        "The JSONL file is written either way.",
+    )
+    monitor_wandb_new_run: bool = doc(
+        False,
+        "With monitor_wandb: start a W&B run (in monitor_wandb_project) when none is active, and "
+        "finish it on close. Off by default: inside slime / Miles it would open one stray run per "
+        "training rank. Turn it on only in a single-process loop of your own.",
     )
     monitor_wandb_project: str | None = doc(
-        None, "W&B project for a new run when no run is active. null: wandb's default."
+        None,
+        "W&B project of the run started under monitor_wandb_new_run. null: wandb's default.",
     )
     monitor_log_prefix: str = doc(
         "mis_monitor/", "Prefix of the scalar names written to TensorBoard and W&B."
@@ -347,8 +356,15 @@ class MonitorConfig(ConfigBase):
 
     def _warnings(self) -> list[str]:
         out = []
-        if self.monitor_wandb_project is not None and not self.monitor_wandb:
-            out.append("monitor_wandb_project is set but monitor_wandb is false: nothing goes to W&B")
+        if not self.monitor_wandb:
+            for name in ("monitor_wandb_new_run", "monitor_wandb_project"):
+                if getattr(self, name) not in (None, False):
+                    out.append(f"{name} is set but monitor_wandb is false: nothing goes to W&B")
+        elif self.monitor_wandb_project is not None and not self.monitor_wandb_new_run:
+            out.append(
+                "monitor_wandb_project is set but monitor_wandb_new_run is false: the monitor logs only "
+                "into an already active run (whose project is not its to choose)"
+            )
         return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,11 +82,17 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """Logs into the active W&B run, or starts one in ``project`` when none is active (and then
-    finishes it on :meth:`close`). The monitor's step is its own W&B step metric
-    (``<prefix>step``), so it never conflicts with the host's step counter."""
+    """Logs into the active W&B run. A run is started here only when ``new_run`` is true (the
+    ``monitor_wandb_new_run`` key) and none is active; that run is finished on :meth:`close`.
 
-    def __init__(self, project: str | None, prefix: str) -> None:
+    Without an active run and without ``new_run``, the sink warns once and logs nothing (the JSONL
+    sink still writes every record): in slime / Miles the driver process owns the W&B run and every
+    training actor sees ``wandb.run is None``, so starting a run there would open one stray run
+    per rank. The run is looked up again at each write, so a run started later is used. The
+    monitor's step is its own W&B step metric (``<prefix>step``), so it never conflicts with the
+    host's step counter."""
+
+    def __init__(self, project: str | None, prefix: str, *, new_run: bool = False) -> None:
         try:
             import wandb
         except ImportError as exc:
@@ -95,13 +102,39 @@ class WandbSink:
             ) from exc
         self.wandb = wandb
         self.prefix = prefix
-        self._owns_run = wandb.run is None
-        if self._owns_run:
+        self._owns_run = False
+        self._defined_in = None  # the run whose step metric has been defined
+        self._warned = False
+        if wandb.run is None and new_run:
             wandb.init(project=project)
-        wandb.define_metric(prefix + "step")
-        wandb.define_metric(prefix + "*", step_metric=prefix + "step")
+            self._owns_run = True
+        self._active_run()
+
+    def _active_run(self) -> Any:
+        """The active run (defining the monitor's step metric in it once), or None after one
+        warning."""
+        run = self.wandb.run
+        if run is None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "monitor_wandb is true but no W&B run is active in this process (in slime / Miles "
+                    "the driver owns the run; training actors have none): the monitor logs nothing to "
+                    "W&B here; its JSONL file is written as usual. Set monitor_wandb_new_run: true to "
+                    "start a run in a single-process loop of your own.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        if self._defined_in is not run:
+            self.wandb.define_metric(self.prefix + "step")
+            self.wandb.define_metric(self.prefix + "*", step_metric=self.prefix + "step")
+            self._defined_in = run
+        return run
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._active_run() is None:
+            return
         data = {self.prefix + name: value for name, value in scalars_of(record).items()}
         data[self.prefix + "step"] = record["step"]
         self.wandb.log(data)
@@ -120,7 +153,13 @@ def build_sinks(config: MonitorConfig) -> list[Sink]:
         if config.monitor_tensorboard_dir is not None:
             sinks.append(TensorBoardSink(config.monitor_tensorboard_dir, config.monitor_log_prefix))
         if config.monitor_wandb:
-            sinks.append(WandbSink(config.monitor_wandb_project, config.monitor_log_prefix))
+            sinks.append(
+                WandbSink(
+                    config.monitor_wandb_project,
+                    config.monitor_log_prefix,
+                    new_run=config.monitor_wandb_new_run,
+                )
+            )
     except BaseException:
         for sink in sinks:
             sink.close()

@@ -182,15 +182,52 @@ def _raw_bytes(value: Any) -> bytes:
 _MAX_DIM = 2**31 - 1
 
 
+#: Marks an argument that was not given (so that a misnamed one gets a clear error, not Python's
+#: "missing 1 required positional argument").
+_NOT_GIVEN: Any = object()
+_DECODE_ARGS = ("meta_info", "num_tokens", "num_layers", "topk", "num_experts", "start_len", "with_mask")
+
+
+def _check_decode_call(given: Mapping[str, Any], unknown: Mapping[str, Any]) -> None:
+    """A ``TypeError`` naming each unknown keyword and the accepted ones (Python's own message
+    for ``decode_routed_experts(payload=None, ...)`` names neither what is allowed nor where the
+    routes come from)."""
+    if unknown:
+        names = ", ".join(repr(k) for k in sorted(unknown))
+        hint = ""
+        if {"payload", "routed_experts", "data", "response"} & set(unknown):
+            hint = (
+                " Pass the response's meta_info dict, e.g. decode_routed_experts(response['meta_info'], ...); "
+                "'payload' is the request body of request_routed_experts(), not an argument here."
+            )
+        raise TypeError(
+            f"decode_routed_experts() got unknown keyword argument(s) {names}; it accepts "
+            f"{', '.join(_DECODE_ARGS)} (meta_info first, the rest by keyword).{hint}"
+        )
+    if given["meta_info"] is _NOT_GIVEN:
+        raise TypeError(
+            "decode_routed_experts() needs meta_info: the response's meta_info dict, which holds "
+            "'routed_experts' (e.g. decode_routed_experts(response['meta_info'], num_tokens=..., ...))"
+        )
+    missing = [name for name, value in given.items() if value is _NOT_GIVEN]
+    if missing:
+        raise TypeError(
+            f"decode_routed_experts() needs {', '.join(missing)} (keyword arguments): num_tokens = prompt + "
+            "completion tokens the server saw, num_layers = the model's num_hidden_layers, topk = "
+            "num_experts_per_tok, num_experts = routed experts per layer"
+        )
+
+
 def decode_routed_experts(
-    meta_info: Mapping[str, Any],
+    meta_info: Mapping[str, Any] = _NOT_GIVEN,
     *,
-    num_tokens: int,
-    num_layers: int,
-    topk: int,
-    num_experts: int,
+    num_tokens: int = _NOT_GIVEN,
+    num_layers: int = _NOT_GIVEN,
+    topk: int = _NOT_GIVEN,
+    num_experts: int = _NOT_GIVEN,
     start_len: int = 0,
     with_mask: bool = False,
+    **unknown: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode ``meta_info["routed_experts"]`` of one SGLang response.
 
@@ -212,12 +249,19 @@ def decode_routed_experts(
         sent a negative id; those entries of ``routes`` hold spread filler ids).
 
     Raises:
-        TypeError: ``meta_info`` is not a mapping, or ``routed_experts`` has an unusable type.
+        TypeError: ``meta_info`` missing or not a mapping, an unknown keyword argument (e.g.
+            ``payload=``; the message lists the accepted ones), or ``routed_experts`` has an
+            unusable type.
         KeyError: no ``routed_experts`` in ``meta_info`` (request field or server flag missing).
         ValueError: a bad argument (named), unknown dtype name, bad base64, a byte count that is
             not a whole number of elements, an element count that does not match the expected
             shape, or an expert id out of range — each message names the numbers involved.
     """
+    _check_decode_call(
+        {"meta_info": meta_info, "num_tokens": num_tokens, "num_layers": num_layers, "topk": topk,
+         "num_experts": num_experts},
+        unknown,
+    )
     if not isinstance(meta_info, Mapping):
         raise TypeError(
             f"meta_info must be the response's meta_info dict (a Mapping), got {type(meta_info).__name__}: "

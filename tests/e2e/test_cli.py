@@ -109,3 +109,59 @@ def test_validate_directory_and_missing_file(tmp_path, capsys):
     assert "is a directory, not a YAML file" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+# ---- validate --host (issue 27) ---------------------------------------------------------------------
+@pytest.mark.parametrize("host, source", [("slime", "slime/backends/megatron_utils/loss.py:1050"),
+                                          ("miles", "miles/backends/training_utils/loss_hub/losses.py:230")])
+def test_validate_host_reports_an_inert_preset_with_status_0(capsys, host, source):
+    """configs/presets/geometric_rs.yaml sets use_tis: false: valid, but on the host it overrides
+    --use-tis and the function is never called without --get-mismatch-metrics."""
+    assert main(["validate", "--host", host, "configs/presets/geometric_rs.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out and "0 error(s)" in out
+    assert "overrides_flag: use_tis:" in out and f"inert: use_tis:" in out and source in out
+
+
+def test_validate_host_with_flags_exits_2_on_errors(capsys):
+    flags = "--use-tis --custom-tis-function-path megatron_mis.compute_mis_weights_with_cp"
+    assert main(["validate", "--host", "slime", "--host-flags", flags, "configs/presets/geometric_rs.yaml"]) == 2
+    captured = capsys.readouterr()
+    assert "1 error(s)" in captured.out
+    assert "error: use_tis: use_tis: false in the YAML overrides --use-tis" in captured.err and "never called" in captured.err
+    assert main(["validate", "--host", "slime", "--host-flags", flags + " --get-mismatch-metrics",
+                 "configs/presets/geometric_rs.yaml"]) == 0
+    assert "metrics only" in capsys.readouterr().out
+
+
+def test_validate_host_bad_arguments(capsys, tmp_path):
+    assert main(["validate", "--host-flags=--use-tis", "configs/presets/token_tis.yaml"]) == 2
+    assert "--host-flags needs --host slime|miles" in capsys.readouterr().err
+    assert main(["validate", "--host", "miles", "--host-flags=--tis-clip", "configs/presets/token_tis.yaml"]) == 2
+    assert "error: --host-flags: host flag --tis-clip needs a value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["validate", "--host", "verl", "configs/presets/token_tis.yaml"])
+    assert "invalid choice: 'verl'" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tis_levle: token\n")
+    assert main(["validate", "--host", "slime", str(bad)]) == 2  # the config's own errors still count
+    assert "tis_levle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["slime", "miles"])
+def test_validate_host_on_the_shipped_examples_has_no_error(capsys, host):
+    """The examples' YAML with the flags their launch scripts pass (MIS_ARGS)."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    script = next(Path("examples", host).glob("run-*.sh"))
+    text = script.read_text()
+    block = text[text.index("MIS_ARGS=(") : text.index("\n)\n", text.index("MIS_ARGS=(")) + 3]
+    printed = subprocess.run(["bash", "-c", f'SCRIPT_DIR={shlex.quote(str(script.parent))}\n{block}\nprintf "%q " "${{MIS_ARGS[@]}}"'],
+                             capture_output=True, text=True, check=True).stdout
+    assert "--custom-tis-function-path" in printed
+    assert main(["validate", "--host", host, "--host-flags", printed, str(script.parent / "mis.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "0 error(s)" in out and "needs_hook: tis_batch_normalize_scope:" in out
+    assert f'megatron-mis validate --host {host} --host-flags="' in text  # the script runs the same check

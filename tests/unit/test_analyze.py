@@ -345,6 +345,15 @@ def _valid_pt_bytes(tmp_path):
         ("mask.jsonl", '{"train_log_probs": [-1], "rollout_log_probs": [-1], "loss_mask": [2]}\n',
          "field 'loss_mask' (a loss mask) must hold 0 / 1 values, found 2"),
         ("latin1.jsonl", b'{"train_log_probs": [-1], "x": "\xe9"}\n', "not UTF-8 text"),
+        # issue 27: a 400-digit integer gave an OverflowError traceback from float()
+        ("bigint.jsonl", '{"train_log_probs": [-1], "rollout_log_probs": [-0.5, ' + "9" * 400 + ']}\n',
+         "line 1: field 'rollout_log_probs' holds an integer of 400 digits at position 1, too large for a float"),
+        ("bigmask.jsonl", '{"train_log_probs": [-1, -1], "rollout_log_probs": [-1, -1], "loss_mask": [1, -' + "1" * 400 + ']}\n',
+         "line 1: field 'loss_mask' holds an integer of 400 digits at position 1"),
+        ("f32.jsonl", '{"train_log_probs": [-1e39], "rollout_log_probs": [-1]}\n',
+         "line 1: field 'train_log_probs' holds -1e+39 at position 0, outside the float32 range"),
+        ("huge.jsonl", '{"train_log_probs": [' + "9" * 5000 + '], "rollout_log_probs": [-1]}\n',
+         "line 1: not readable JSON (Exceeds the limit (4300 digits)"),
         ("verl.jsonl", None, "verl's trainer.rollout_data_dir dump"),
     ],
 )

@@ -230,25 +230,93 @@ def test_tensorboard_or_wandb_configured_but_missing(tmp_path, monkeypatch):
         monitor(tmp_path, monitor_wandb=True)
 
 
-@pytest.mark.parametrize("active_run", [False, True])
-def test_wandb_sink_with_a_fake_module(tmp_path, monkeypatch, active_run):
+def _fake_wandb(monkeypatch, run):
+    """A stand-in for the wandb module recording every call; ``init`` activates a run and
+    ``finish`` ends it, as wandb does."""
     calls = []
     fake = types.ModuleType("wandb")
-    fake.run = object() if active_run else None
-    fake.init = lambda project=None: calls.append(("init", project))
+    fake.run = run
+
+    def init(project=None):
+        calls.append(("init", project))
+        fake.run = object()
+
+    def finish():
+        calls.append(("finish",))
+        fake.run = None
+
+    fake.init = init
+    fake.finish = finish
     fake.define_metric = lambda name, step_metric=None: calls.append(("define_metric", name, step_metric))
     fake.log = lambda data: calls.append(("log", data))
-    fake.finish = lambda: calls.append(("finish",))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    mon = monitor(tmp_path, monitor_wandb=True, monitor_wandb_project="mis", monitor_length_metric=None)
+    return fake, calls
+
+
+def _logged(calls):
+    return [c[1] for c in calls if c[0] == "log"]
+
+
+def test_wandb_sink_logs_into_the_active_run_and_never_finishes_it(tmp_path, monkeypatch):
+    _, calls = _fake_wandb(monkeypatch, run=object())
+    mon = monitor(tmp_path, monitor_wandb=True, monitor_length_metric=None)
     mon.update(3, {"mis_k3_kl": 2e-3})
     mon.close()
-    expected_start = [] if active_run else [("init", "mis")]
-    assert calls[: len(expected_start)] == expected_start
+    assert not [c for c in calls if c[0] in ("init", "finish")]
     assert ("define_metric", "mis_monitor/*", "mis_monitor/step") in calls
-    logged = [c[1] for c in calls if c[0] == "log"]
-    assert logged and logged[0]["mis_monitor/step"] == 3 and logged[0]["mis_monitor/mis_k3_kl"] == 2e-3
-    assert (("finish",) in calls) == (not active_run)  # only a run the monitor started is finished
+    (logged,) = _logged(calls)
+    assert logged["mis_monitor/step"] == 3 and logged["mis_monitor/mis_k3_kl"] == 2e-3
+
+
+def test_wandb_sink_without_a_run_starts_none_warns_once_and_keeps_the_jsonl(tmp_path, monkeypatch):
+    """A slime / Miles training actor: the driver owns the W&B run, ``wandb.run`` is None here.
+    The monitor must not open a run of its own (one stray run per rank); it warns once, logs
+    nothing to W&B and still writes every record to its JSONL file."""
+    _, calls = _fake_wandb(monkeypatch, run=None)
+    with pytest.warns(RuntimeWarning, match="no W&B run is active") as record:
+        mon = monitor(tmp_path, monitor_wandb=True, monitor_length_metric=None)
+        mon.update(1, {"mis_k3_kl": 1e-3})
+        mon.update(2, {"mis_k3_kl": 2e-3})
+        mon.close()
+    assert len([w for w in record if "W&B" in str(w.message)]) == 1
+    assert calls == []
+    steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+def test_wandb_sink_uses_a_run_started_after_it(tmp_path, monkeypatch):
+    fake, calls = _fake_wandb(monkeypatch, run=None)
+    with pytest.warns(RuntimeWarning, match="no W&B run is active"):
+        mon = monitor(tmp_path, monitor_wandb=True, monitor_length_metric=None)
+    fake.run = object()  # e.g. the user's own wandb.init() after building the monitor
+    mon.update(5, {"mis_k3_kl": 1e-3})
+    mon.close()
+    assert ("define_metric", "mis_monitor/*", "mis_monitor/step") in calls
+    assert [d["mis_monitor/step"] for d in _logged(calls)] == [5]
+    assert ("finish",) not in calls  # not the monitor's run
+
+
+def test_wandb_sink_starts_and_finishes_its_own_run_only_when_asked(tmp_path, monkeypatch):
+    _, calls = _fake_wandb(monkeypatch, run=None)
+    mon = monitor(
+        tmp_path, monitor_wandb=True, monitor_wandb_new_run=True, monitor_wandb_project="mis", monitor_length_metric=None
+    )
+    mon.update(3, {"mis_k3_kl": 2e-3})
+    mon.close()
+    assert calls[0] == ("init", "mis") and calls[-1] == ("finish",)
+    assert [d["mis_monitor/step"] for d in _logged(calls)] == [3]
+    # with a run already active, new_run changes nothing: that run is used and not finished
+    _, calls = _fake_wandb(monkeypatch, run=object())
+    mon = monitor(tmp_path, monitor_wandb=True, monitor_wandb_new_run=True, monitor_length_metric=None)
+    mon.close()
+    assert not [c for c in calls if c[0] in ("init", "finish")]
+
+
+def test_wandb_keys_without_effect_warn():
+    with pytest.warns(UserWarning, match="monitor_wandb_new_run is set but monitor_wandb is false"):
+        MonitorConfig(monitor_wandb_new_run=True)
+    with pytest.warns(UserWarning, match="monitor_wandb_project is set but monitor_wandb_new_run is false"):
+        MonitorConfig(monitor_wandb=True, monitor_wandb_project="p")
 
 
 # -------------------------------------------------------------------------------- configs

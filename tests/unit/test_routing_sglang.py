@@ -185,6 +185,24 @@ def test_decoder_bad_arguments_name_the_parameter():
         decode_routed_experts(good, **kw, with_mask="yes")
 
 
+def test_decoder_misnamed_argument_is_named_with_the_accepted_ones():
+    """issue 27: decode_routed_experts(payload=None, ...) raised Python's bare TypeError about a
+    missing positional argument / an unexpected keyword, naming neither what is accepted nor
+    where the routes come from."""
+    kw = dict(num_tokens=4, num_layers=2, topk=2, num_experts=8)
+    accepted = "it accepts meta_info, num_tokens, num_layers, topk, num_experts, start_len, with_mask"
+    with pytest.raises(TypeError, match=rf"unknown keyword argument\(s\) 'payload'; {accepted} .*response\['meta_info'\]"):
+        decode_routed_experts(payload=None, **kw)
+    good = {"routed_experts": _b64(ROUTES.astype("<i4"))}
+    with pytest.raises(TypeError, match=rf"unknown keyword argument\(s\) 'top_k'; {accepted}"):
+        decode_routed_experts(good, num_tokens=4, num_layers=2, top_k=2, num_experts=8)
+    with pytest.raises(TypeError, match="needs meta_info: the response's meta_info dict"):
+        decode_routed_experts(**kw)
+    with pytest.raises(TypeError, match=r"needs topk, num_experts \(keyword arguments\)"):
+        decode_routed_experts(good, num_tokens=4, num_layers=2)
+    assert decode_routed_experts(meta_info=good, **kw).shape == (3, 2, 2)  # by keyword, as documented
+
+
 def test_sample_routes_mask_through_finalize_and_shard():
     from megatron_mis.routing.slicing import RouteShardSpec, shard_routes
 
