@@ -144,7 +144,8 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[T, ...] -> [N, ...]``: differentiable sums over the sequences of ``cu_seqlens [N+1]``
     (one ``index_add``; empty sequences give 0). For the losses' autograd path; the MIS engine's
     float64 statistics use :class:`SegmentLayout`."""
-    cu = cu_seqlens.to(device=values.device, dtype=torch.long)
+    cu = cu_seqlens.to(torch.long)
+    cu = to_device(cu, values.device) if cu.device.type == "cpu" else cu.to(values.device)
     out = values.new_zeros((cu.numel() - 1,) + tuple(values.shape[1:]))
     return out.index_add(0, sequence_ids(cu, int(values.shape[0])), values)
 

@@ -211,6 +211,16 @@ class SyncProbe(TorchDispatchMode):
                     Violation(CPU_OUTPUT, name, _where(), f"leaf {i}: CPU tensor of shape {tuple(leaf.shape)}")
                 )
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run plain CPU code (a reference) inside the block: the probe steps aside."""
+        with torch.utils._python_dispatch._disable_current_modes():
+            saved, SyncProbe.current = SyncProbe.current, None
+            try:
+                yield
+            finally:
+                SyncProbe.current = saved
+
     def count(self, kind: str | None = None) -> int:
         return sum(1 for v in self.violations if kind is None or v.kind == kind)
 
