@@ -49,7 +49,7 @@ from megatron_mis.core.engine import (
     compute_mis,
     normalization_statistics,
 )
-from megatron_mis.core.segments import concat_sequences
+from megatron_mis.core.segments import concat_sequences, to_device
 from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, local_response_layout, validate_lengths
 from megatron_mis.parallel.state import GroupView
 
@@ -192,7 +192,7 @@ class CPInputs:
         if cp.size == 1:
             local_mask, index = full_mask, None
         else:
-            index = lay.local_to_full_index().to(device)
+            index = _on(lay.local_to_full_index(), device)
             local_mask = full_mask.index_select(0, index) if full_mask.numel() else full_mask[:0]
         return lay, train, rollout, local_mask, full_mask, index, expected, resp
 
@@ -364,7 +364,7 @@ def compute_mis_cp(
         full_keep = _in_loss(full_mask)
         if num_seqs:
             full_seq_ids = torch.repeat_interleave(
-                torch.arange(num_seqs, device=full_mask.device), torch.tensor(resp, device=full_mask.device),
+                torch.arange(num_seqs, device=full_mask.device), _on(torch.tensor(resp), full_mask.device),
                 output_size=int(full_mask.numel()),
             )
             full_keep = full_keep & ~result.seq_rejected.to(full_mask.device).index_select(0, full_seq_ids)
@@ -378,6 +378,11 @@ def compute_mis_cp(
     modified = full_keep if full_mask.dtype == torch.bool else full_keep.to(full_mask.dtype)
     masks = list(torch.split(modified, resp)) if resp else []
     return CPMISResult(result=result, modified_masks=masks, layout=lay, num_collectives=collectives)
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on ``device`` without blocking (pinned, non-blocking on CUDA)."""
+    return to_device(host, device) if host.device.type == "cpu" else host.to(device)
 
 
 def _in_loss(mask: torch.Tensor) -> torch.Tensor:

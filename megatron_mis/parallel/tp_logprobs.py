@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from megatron_mis.core.checks import reads_values
+
 __all__ = ["vocab_parallel_log_probs", "log_probs_from_shards", "log_softmax_from_shards"]
 
 
@@ -180,7 +182,7 @@ def vocab_parallel_log_probs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 1024,
-    check_targets: bool = True,
+    check_targets: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` (and the entropy) under ``softmax(logits / temperature)`` from this
     rank's vocabulary shard.
@@ -196,7 +198,11 @@ def vocab_parallel_log_probs(
         temperature: rollout sampling temperature (``> 0``).
         with_entropy: also return the per-token entropy (differentiable).
         chunk_size: tokens per chunk (``-1``: all at once).
-        check_targets: raise on a target id outside ``[0, V)`` (one host sync).
+        check_targets: raise on a target id outside ``[0, V)``. ``None`` (default): only where
+            reading the ids costs no device synchronisation (host tensors, or the debug flag
+            ``MEGATRON_MIS_DEBUG_CHECKS=1``: :mod:`megatron_mis.core.checks`); ``True``: always
+            (one host sync on an accelerator); ``False``: never (an out-of-range id then lies on
+            no shard and its log-prob is computed from a target logit of 0: wrong, not an error).
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32 (float64 for float64 logits),
@@ -224,6 +230,8 @@ def vocab_parallel_log_probs(
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).long()
     vocab = logits.shape[-1] * world
+    if check_targets is None:
+        check_targets = reads_values(flat_targets)
     if check_targets and flat_targets.numel():
         lo, hi = int(flat_targets.min()), int(flat_targets.max())
         if lo < 0 or hi >= vocab:
