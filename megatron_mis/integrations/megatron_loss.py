@@ -319,9 +319,12 @@ class MegatronRLLoss:
         """Log pi and entropy of this rank's response tokens: ``[R_local]`` each (the package's
         one log-prob function; the true-on-policy rollout path records the same numbers)."""
         logits = output_tensor.reshape(-1, output_tensor.shape[-1])
+        # rows= computes at the response rows without an [R_local, V/tp] copy of the logits
+        # (and of its gradient): one chunk of rows is gathered at a time
         return vocab_parallel_log_probs(
-            logits.index_select(0, _on(view.rows, logits.device)),
+            logits,
             _on(view.targets, logits.device),
+            rows=_on(view.rows, logits.device),
             group=self.tp_group,
             temperature=self.config.rollout_temperature,
             with_entropy=with_entropy,
