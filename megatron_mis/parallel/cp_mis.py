@@ -50,7 +50,7 @@ from megatron_mis.core.engine import (
     normalization_statistics,
 )
 from megatron_mis.core.segments import concat_sequences, to_device
-from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, local_response_layout, validate_lengths
+from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, check_max_seq_lens, local_response_layout, validate_lengths
 from megatron_mis.parallel.state import GroupView
 
 __all__ = ["CPFaultError", "CPInputs", "CPMISResult", "cp_stats_reducer", "compute_mis_cp", "cp_normalization_statistics"]
@@ -218,6 +218,8 @@ class CPInputs:
         validate_lengths(total, resp)
         got = lengths_1d(rollout_list)
         if cp.size == 1:
+            if self.layout == "bshd" and self.max_seq_lens is not None:
+                check_max_seq_lens(self.max_seq_lens, total)  # rejected at every CP size alike
             lay, expected = None, resp
         else:
             lay = local_response_layout(

@@ -379,3 +379,26 @@ def test_weights_only_mode_returns_no_metrics_and_the_same_weights():
     bare = compute_mis_from_lists(train, rollout, masks, _cfg(**SEED000, mis_metrics="none"))
     assert bare.token_metrics == {} and bare.summary == {}
     assert torch.equal(bare.keep_mask, full.keep_mask) and torch.equal(bare.weights, full.weights)
+
+
+def test_bshd_max_seq_lens_below_a_sample_length_is_rejected_at_cp1():
+    """Issue 27 backlog: bshd pads every sample to max_seq_lens, so a max_seq_len below a sample's
+    total length is a host bug at every CP size, CP = 1 included (it used to pass there)."""
+    from megatron_mis.parallel.layout import local_response_layout
+
+    lengths = [3, 5, 4]
+    totals = [k + 3 for k in lengths]  # 6, 8, 7
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(k, generator=g) for k in lengths]
+    kw = dict(pg_loss=torch.zeros(sum(lengths)), train_log_probs=parts, rollout_log_probs=parts,
+              loss_masks=[torch.ones(k) for k in lengths], total_lengths=totals, response_lengths=lengths,
+              cp_group=None, cp_layout="bshd")
+    msg = r"sample 1: total_length=8 \(prompt \+ response\) exceeds max_seq_len=7 \(max_seq_lens=\[8, 7, 8\]\)"
+    with pytest.raises(ValueError, match=msg):
+        compute_mis_weights_with_cp(Namespace(custom_config_path=None, use_tis=True), max_seq_lens=[8, 7, 8], **kw)
+    with pytest.raises(ValueError, match=r"sample 1: total_length=8 .* exceeds max_seq_len=7 \(max_seq_lens=7\)"):
+        local_response_layout(totals, lengths, 1, 0, layout="bshd", max_seq_lens=7)
+    # enough room: accepted, and the layout at CP = 1 is the whole responses
+    out = compute_mis_weights_with_cp(Namespace(custom_config_path=None, use_tis=True), max_seq_lens=8, **kw)
+    assert [m.numel() for m in out[1]] == lengths
+    assert local_response_layout(totals, lengths, 1, 0, layout="bshd", max_seq_lens=8).local_lengths.tolist() == lengths
