@@ -13,7 +13,8 @@ from megatron_mis.core.engine import compute_mis
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs under set_sync_debug_mode('error'))")
 
 
-def test_compute_mis_does_not_synchronise_on_a_gpu():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile_engine"])
+def test_compute_mis_does_not_synchronise_on_a_gpu(compiled):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     n, length = 8, 32
@@ -21,11 +22,12 @@ def test_compute_mis_does_not_synchronise_on_a_gpu():
     rollout = train + torch.randn(n * length, device=dev) * 0.05
     mask = torch.rand(n * length, device=dev) > 0.2
     cu = torch.arange(0, n * length + 1, length, device=dev)
-    compute_mis(train, rollout, mask, cu, MISConfig())  # warm-up (allocator, lazy init)
+    cfg = MISConfig(use_tis=True, use_rs=True, rs_level="geometric", compile_engine=compiled)
+    compute_mis(train, rollout, mask, cu, cfg)  # warm-up (allocator, lazy init, compilation)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = compute_mis(train, rollout, mask, cu, MISConfig())
+        out = compute_mis(train, rollout, mask, cu, cfg)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.weights.device.type == "cuda"

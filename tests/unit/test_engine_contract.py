@@ -253,6 +253,54 @@ def test_inductor_compiled_stages_agree_with_eager():
     _compare_compiled("inductor", "seed000")
 
 
+def test_compiled_stages_have_no_host_synchronising_op():
+    """compile_engine, as far as it can be checked without a GPU: the aten graphs of both
+    compiled stages (captured by an aot_autograd backend, dynamic shapes) hold no op that reads
+    a value on the host (_local_scalar_dense, a copy to the CPU) or whose output shape depends on
+    the data (nonzero, masked_select, ...): those synchronise on any device. The graphs are
+    traced on the CPU, so device copies cannot show here; which copies inductor issues for CUDA
+    (the statistic index moved from pinned memory) needs a GPU: tests/fakecuda/test_real_cuda.py runs
+    compile_engine under set_sync_debug_mode('error') there (dynamo cannot trace the fake-CUDA
+    wrapper tensors, and inductor emits Triton for CUDA)."""
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from megatron_mis.core.segments import segment_layout
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        def fw(graph, inputs):
+            graphs.append(graph)
+            return graph
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+    torch._dynamo.reset()
+    plan = Plan.of(_cfg(**SEED000))
+    tok = torch.compile(engine._token_stage, fullgraph=True, dynamic=True, backend=capture)
+    out = torch.compile(engine._outputs, fullgraph=True, dynamic=True, backend=capture)
+    cu, tr, ro, m = _nonfinite_batch(9, 13, 9)
+    lay = segment_layout(cu, 9 * 13)
+    tokens, sums, mins, maxs = tok(tr, ro, m, lay, plan)
+    out(tokens, SequenceStatistics(sums, mins, maxs), None, plan)
+    try:
+        assert len(graphs) == 2, f"expected one graph per stage, got {len(graphs)}"
+        bad = []
+        for graph in graphs:
+            for node in graph.graph.nodes:
+                target = node.target
+                if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+                    continue
+                reads = target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+                dynamic = torch.Tag.dynamic_output_shape in target.tags or torch.Tag.data_dependent_output in target.tags
+                to_host = target is torch.ops.aten._to_copy.default and str(node.kwargs.get("device", "")) == "cpu"
+                if reads or dynamic or to_host:
+                    bad.append(f"{target} ({node.format_node()[:120]})")
+        assert not bad, "compiled stages hold host-synchronising ops:\n" + "\n".join(bad)
+    finally:
+        torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- accuracy
 def test_float32_token_work_is_as_accurate_as_float64():
     """Long sequences (up to 4096 tokens), small mismatches: the engine's float32 token work
