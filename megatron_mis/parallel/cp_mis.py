@@ -109,7 +109,7 @@ def _collective_device(cp: GroupView, fallback: torch.device) -> torch.device:
 def _exchange_status(cp: GroupView, status: list[int], device: torch.device) -> list[list[int]]:
     """One fixed-size all-gather of every rank's status (``[cp, 8]`` int64), read on the host."""
     local = torch.tensor(status + [0] * (_STATUS_SIZE - len(status)), dtype=torch.long)
-    local = local.to(_collective_device(cp, device))
+    local = _on(local, _collective_device(cp, device))  # pinned, non-blocking: the read below is the one wait
     gathered = local.new_empty(cp.size * _STATUS_SIZE)
     _all_gather_into(gathered, local, cp.group)
     rows = gathered.cpu().tolist()  # the one host read of a CP call: raising needs to know

@@ -329,6 +329,8 @@ def log_probs_from_shards(
 
     Returns:
         ``[...]`` log-probs in float32 (float64 for float64 shards). No gradient.
+
+    Synchronisation: one read (the targets' minimum and maximum together, for the range check).
     """
     zs, lead = _shard_inputs(shards, temperature)
     if targets.shape != lead:
@@ -337,8 +339,10 @@ def log_probs_from_shards(
         raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
     flat = targets.reshape(-1).long()
     local_vocab = zs[0].shape[-1]
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= local_vocab * len(zs)):
-        raise ValueError(f"target ids must lie in [0, {local_vocab * len(zs)}), got [{int(flat.min())}, {int(flat.max())}]")
+    if flat.numel():
+        lo, hi = torch.stack([flat.min(), flat.max()]).tolist()  # the one read of this per-step function
+        if lo < 0 or hi >= local_vocab * len(zs):
+            raise ValueError(f"target ids must lie in [0, {local_vocab * len(zs)}), got [{lo}, {hi}]")
     parts = [_shard_targets(flat, k * local_vocab, local_vocab) for k in range(len(zs))]
     _, _, stacked = _chunk_statistics(
         zs, [p[0] for p in parts], [p[1] for p in parts], False, _in_order_max, _in_order_sum

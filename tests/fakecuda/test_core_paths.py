@@ -112,3 +112,39 @@ def test_local_denominators_reads_once(probe):
     dens = local_denominators(*probe.cuda((mask, cu)))
     probe.assert_clean(allowed=1, what="local_denominators")
     assert dens == local_denominators(mask, cu)
+
+
+def test_per_step_functions_read_at_most_once(probe):
+    """compute_advantages (device rewards: one copy over, results back non-blocking),
+    log_probs_from_shards (one read for the range check), pack_sequences(device="cuda") (no
+    read: the model's tensors go over pinned and non-blocking)."""
+    from megatron_mis.core.advantages import compute_advantages
+    from megatron_mis.parallel.packing import pack_sequences
+    from megatron_mis.parallel.tp_logprobs import log_probs_from_shards
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, float("nan"), 2.0])
+    with probe.paused():
+        ref = compute_advantages(rewards, group_size=2)
+    with pytest.warns(RuntimeWarning, match="non-finite reward"):
+        out = compute_advantages(probe.cuda(rewards), group_size=2)
+    probe.check_outputs([out.advantages, out.valid])
+    probe.assert_clean(allowed=1, what="compute_advantages")
+    torch.testing.assert_close(shadow(out.advantages), ref.advantages, rtol=0, atol=0)
+    assert out.advantages.device.type == "cuda" and out.num_nonfinite_rewards == 1
+
+    probe.clear()
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)]
+    targets = torch.tensor([0, 7, 3, 4, 6])
+    with probe.paused():
+        ref_lp = log_probs_from_shards(shards, targets)
+    lp = log_probs_from_shards(probe.cuda(shards), probe.cuda(targets))
+    probe.check_outputs([lp])
+    probe.assert_clean(allowed=1, what="log_probs_from_shards")
+    torch.testing.assert_close(shadow(lp), ref_lp, rtol=0, atol=0)
+
+    probe.clear()
+    pack = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], device="cuda")
+    probe.check_outputs([pack.tokens, pack.position_ids, pack.labels, pack.label_mask])
+    probe.assert_clean(what="pack_sequences(device='cuda')")
+    assert pack.tokens.device.type == "cuda" and pack.packed_seq_params.cu_seqlens_q.device.type == "cuda"
