@@ -164,3 +164,48 @@ def test_megatron_rl_loss_step_has_no_host_synchronisation(probe, one_rank_group
     assert metrics.keys() == ref_metrics.keys()
     for k in metrics:
         assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-9, abs=1e-12), k
+
+
+def test_recompute_log_probs_and_reduce_metrics(probe, one_rank_group):
+    """MegatronRLLoss.recompute_log_probs (forward-only, per micro-batch: no read) and
+    reduce_metrics (per step: one read), with Megatron's parallel state initialised on one rank
+    and a schedule that calls forward_step / loss_func per micro-batch as Megatron's does."""
+    from megatron_mis import MISConfig
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    def schedule(forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size, forward_only, **kw):
+        store = []
+        for _ in range(num_microbatches):
+            output, loss_func = forward_step_func(data_iterator, model[0])
+            *_, metrics = loss_func(output)
+            store.append(metrics)
+        return store
+
+    vocab = 13
+    mbs = [_micro_batch(vocab, seed=s) for s in range(2)]
+    w = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(9))
+    with megatron_parallel():
+        with probe.paused():
+            rl_ref = MegatronRLLoss(LossConfig(policy_loss="decoupled_ppo"), MISConfig(use_tis=True), tp_group=one_rank_group,
+                                    cp_group=one_rank_group, dp_group=one_rank_group)
+            ref = rl_ref.recompute_log_probs(_TinyModel(w), mbs, forward_backward_func=schedule)
+            den = rl_ref.count_denominators(mbs)
+            ref_store = schedule(rl_ref.forward_step(den, num_microbatches=2), iter(mbs), [_TinyModel(w)], 2, 0, 1, True)
+            ref_metrics = rl_ref.reduce_metrics(ref_store, den)
+        rl = MegatronRLLoss(LossConfig(policy_loss="decoupled_ppo"), MISConfig(use_tis=True), tp_group=one_rank_group,
+                            cp_group=one_rank_group, dp_group=one_rank_group)
+        model = _TinyModel(probe.cuda(w))
+        got = rl.recompute_log_probs(model, mbs, forward_backward_func=schedule)
+        probe.check_outputs(got)
+        probe.assert_clean(what="recompute_log_probs")
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(shadow(a), b, rtol=0, atol=0)
+        store = schedule(rl.forward_step(den, num_microbatches=2), iter(mbs), [model], 2, 0, 1, True)
+        probe.clear()
+        metrics = rl.reduce_metrics(store, den)
+        probe.assert_clean(allowed=1, what="reduce_metrics")
+    assert metrics.keys() == ref_metrics.keys()
+    for k in metrics:
+        assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-9, abs=1e-12), k
