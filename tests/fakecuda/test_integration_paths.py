@@ -209,3 +209,31 @@ def test_recompute_log_probs_and_reduce_metrics(probe, one_rank_group):
     assert metrics.keys() == ref_metrics.keys()
     for k in metrics:
         assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-9, abs=1e-12), k
+
+
+def test_megatron_rl_loss_warns_about_nonfinite_log_probs_once_per_step(probe, one_rank_group):
+    """The engine's non-finite count reaches MegatronRLLoss as a DeferredCount (no read per
+    micro-batch); warn_nonfinite() (called by reduce_metrics) warns with the step's count, once."""
+    from megatron_mis import MISConfig
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.core.aggregation import Denominators
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+
+    vocab = 13
+    mbs = [_micro_batch(vocab, seed=s) for s in range(2)]
+    for mb in mbs:
+        first = int(torch.nonzero(mb.loss_mask)[0, 0])
+        mb.rollout_log_probs[first] = float("nan")  # one loss token per micro-batch
+    rl = MegatronRLLoss(LossConfig(policy_loss="decoupled_ppo"), MISConfig(use_tis=True), tp_group=one_rank_group,
+                        cp_group=one_rank_group, dp_group=one_rank_group)
+    den = Denominators(float(sum(mb.loss_mask.sum() for mb in mbs)), 6.0)
+    step = rl.forward_step(den, num_microbatches=2)
+    it = iter(mbs)
+    model = _TinyModel(probe.cuda(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1))))
+    for _ in mbs:
+        out, fn = step(it, model)
+        fn(out)
+    probe.assert_clean(what="loss_func with non-finite rollout log-probs")
+    with pytest.warns(RuntimeWarning, match=r"2 loss-mask token\(s\) had NaN or inf"):
+        assert rl.warn_nonfinite() == 2
+    assert rl.warn_nonfinite() == 0  # drained: the next step starts from zero
