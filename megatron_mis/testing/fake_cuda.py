@@ -315,6 +315,8 @@ class SyncProbe(TorchDispatchMode):
                 elif not _is_fake(idx):
                     self.record(CPU_INDEX, func, f"CPU index of shape {tuple(idx.shape)}")
             return
+        if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and kwargs.get("output_size") is not None:
+            return  # the output size is given: nothing is read (the reason output_size exists)
         if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
             if func not in _SCALAR_METADATA:
                 self.record(DATA_DEPENDENT, func, "output shape or value depends on the data")

@@ -33,6 +33,7 @@ def test_each_kind_of_synchronisation_is_detected_with_its_line(probe):
     _one(probe, fc.DATA_DEPENDENT, lambda: a.nonzero())
     _one(probe, fc.DATA_DEPENDENT, lambda: torch.masked_select(a, a > 2))
     _one(probe, fc.DATA_DEPENDENT, lambda: a.unique())
+    _one(probe, fc.DATA_DEPENDENT, lambda: torch.repeat_interleave(probe.cuda(torch.tensor([1, 2]))))
     _one(probe, fc.DEVICE_MISMATCH, lambda: a + torch.ones(6))
     _one(probe, fc.DATA_DEPENDENT, lambda: a[probe.cuda(cpu_mask)])
     _one(probe, fc.EXPLICIT_SYNC, lambda: torch.cuda.synchronize())
@@ -46,17 +47,19 @@ def test_synchronisation_free_patterns_pass_and_values_are_real(probe):
     picked = a[idx]
     b = torch.where(a > 2, a, torch.zeros_like(a)) * torch.tensor(2.0)  # CPU 0-dim scalars are fine
     c = a.masked_fill(a > 4, 0.0).index_select(0, idx)
+    reps = torch.repeat_interleave(probe.cuda(torch.tensor([1, 2])), output_size=3)  # size given: no read
     pinned = torch.empty((), dtype=torch.float32, pin_memory=True)
     pinned.copy_(a.sum(), non_blocking=True)  # the DeferredCount pattern
     ev = torch.cuda.Event()
     ev.record()
     assert ev.query()
-    probe.check_outputs((picked, b, c))
+    probe.check_outputs((picked, b, c, reps))
     probe.assert_clean(what="sync-free patterns")
     assert picked.device.type == "cuda" and b.device.type == "cuda"
     assert fc.shadow(picked).tolist() == [0.0, 2.0, 4.0]
     assert fc.shadow(b).tolist() == [0.0, 0.0, 0.0, 6.0, 8.0, 10.0]
     assert fc.shadow(c).tolist() == [0.0, 2.0, 4.0]
+    assert fc.shadow(reps).tolist() == [0, 1, 1]
     assert float(pinned) == 15.0
 
 
