@@ -446,7 +446,8 @@ def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig) -> Po
 
 
 def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, shares: dict, config: LossConfig) -> None:
-    """One host read: every per-token policy term, every aggregated loss and the gradient's
+    """One host read (host tensors, or the debug flag ``MEGATRON_MIS_DEBUG_CHECKS=1``; skipped
+    on an accelerator): every per-token policy term, every aggregated loss and the gradient's
     ``IS weight * A`` factor must be finite.
 
     The last one: the backward of ``IS weight * ratio * A`` forms ``IS weight * A`` (times the
@@ -617,7 +618,10 @@ def compute_rl_loss(
             that must not use them, a non-finite input with
             ``nonfinite_input_policy="error"``, or a loss that does not fit its float type (a
             per-token policy term, or the aggregate of finite terms; one host read per call
-            checks both).
+            checks both). On an accelerator the value checks (non-finite inputs under
+            ``neutralize``, overflow, ``cu_seqlens`` values) do not run unless
+            ``MEGATRON_MIS_DEBUG_CHECKS=1`` (:mod:`megatron_mis.core.checks`): the call never
+            waits for the device; ``nonfinite_input_policy="error"`` reads once.
         KeyError: unknown loss / KL names (listing the valid ones).
     """
     policy = _check_loss_inputs(

@@ -148,3 +148,28 @@ def test_per_step_functions_read_at_most_once(probe):
     probe.check_outputs([pack.tokens, pack.position_ids, pack.labels, pack.label_mask])
     probe.assert_clean(what="pack_sequences(device='cuda')")
     assert pack.tokens.device.type == "cuda" and pack.packed_seq_params.cu_seqlens_q.device.type == "cuda"
+
+
+def test_debug_flag_turns_value_checks_on_for_device_tensors(probe, monkeypatch):
+    """MEGATRON_MIS_DEBUG_CHECKS=1: the checks that read values run on device tensors too (and
+    so synchronise); an unknown value of the flag is refused."""
+    from megatron_mis.core.checks import DEBUG_ENV, reads_values
+
+    x = probe.cuda(torch.ones(2))
+    assert reads_values(torch.ones(2), None) and not reads_values(x, torch.ones(2))
+    train, _, mask, cu = _batch()
+    cfg = LossConfig(policy_loss="ppo")
+    dens = Denominators(float(mask.sum()), 6.0)
+    adv = torch.full(train.shape, 3e38)  # finite per token; their sum overflows float32
+    # the overflow check: silent (no read) on the device by default ...
+    compute_rl_loss(probe.cuda(train.clone()), *probe.cuda((adv, mask, cu)), cfg, dens, old_log_probs=probe.cuda(train.clone()))
+    probe.assert_clean(what="compute_rl_loss without the debug flag")
+    # ... and raised, after a read, with the flag
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    assert reads_values(x)
+    with pytest.raises(ValueError, match="overflows"):
+        compute_rl_loss(probe.cuda(train.clone()), *probe.cuda((adv, mask, cu)), cfg, dens, old_log_probs=probe.cuda(train.clone()))
+    assert probe.count() >= 1
+    monkeypatch.setenv(DEBUG_ENV, "yes")
+    with pytest.raises(ValueError, match="MEGATRON_MIS_DEBUG_CHECKS='yes'"):
+        reads_values(x)
