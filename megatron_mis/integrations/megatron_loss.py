@@ -268,16 +268,21 @@ class MegatronRLLoss:
 
         if ps.model_parallel_is_initialized() and not ps.is_pipeline_last_stage(ignore_virtual=True):
             return Denominators(0.0, 0.0)
-        tokens = sequences = 0.0
+        # counted where the masks are, read once at the end (one synchronisation per step)
+        counts_per_mb = []
         for mb in micro_batches:
             full = self.denominator_mask(mb)
             full_index, _ = self._full_index(mb)
-            tokens += float(full.index_select(0, full_index.to(full.device)).sum())
+            tokens = full.index_select(0, _on(full_index, full.device)).sum().to(torch.float64)
+            sequences = torch.zeros((), dtype=torch.float64, device=full.device)
             if self.cp.rank == 0:
-                counts = segment_sum(full.float(), mb.response_cu_seqlens.to(full.device))
-                sequences += float((counts > 0).sum())
-        buf = self._all_reduce(torch.tensor([tokens, sequences], dtype=torch.float64))
-        return Denominators(float(buf[0]), float(buf[1]))
+                counts = segment_sum(full.float(), _on(mb.response_cu_seqlens, full.device))
+                sequences = (counts > 0).sum().to(torch.float64)
+            counts_per_mb.append(torch.stack([tokens, sequences]))
+        # the one read (host masks: none)
+        local = torch.stack(counts_per_mb).sum(0).cpu() if counts_per_mb else torch.zeros(2, dtype=torch.float64)
+        tokens, sequences = self._all_reduce(local).tolist()
+        return Denominators(tokens, sequences)
 
     def _all_reduce(self, buf: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist

@@ -5,6 +5,7 @@ no CPU tensor returned for CUDA inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -157,6 +158,12 @@ def test_megatron_rl_loss_step_has_no_host_synchronisation(probe, one_rank_group
         store.append(m)
     probe.assert_clean(what=f"MegatronRLLoss forward_step + loss_func + backward ({loss})")
     torch.testing.assert_close(shadow(weight.grad), w_cpu.grad)
+    # per step: the denominators are read once, from device masks too
+    probe.clear()
+    dev_mbs = [dataclasses.replace(mb, loss_mask=probe.cuda(mb.loss_mask), advantages=probe.cuda(mb.advantages)) for mb in mbs]
+    assert rl.count_denominators(dev_mbs) == den
+    probe.assert_clean(allowed=1, what="count_denominators on device masks")
+    probe.clear()
     # per step: the metrics are read once (and the deferred non-finite counts cost nothing)
     assert rl.warn_nonfinite() == 0
     metrics = reduce_metric_store(store, den, lambda b, op="sum": b)
