@@ -38,7 +38,8 @@ from typing import get_args
 import torch
 
 from megatron_mis.config.loss import AggregationMode
-from megatron_mis.core.segments import segment_sum as _segment_sum, sequence_ids
+from megatron_mis.core.checks import reads_values
+from megatron_mis.core.segments import segment_sum as _segment_sum, sequence_ids, to_device
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -81,8 +82,12 @@ class Denominators:
 
 
 def _check_cu(cu_seqlens: torch.Tensor, num_tokens: int, what: str = "values") -> None:
+    """The shape always; the values where reading them costs no device synchronisation (host
+    offsets, or the debug flag: :mod:`megatron_mis.core.checks`)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be a 1-D tensor [N+1], got shape {tuple(cu_seqlens.shape)}")
+    if not reads_values(cu_seqlens):
+        return
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the number of tokens of {what} ({num_tokens}), "
@@ -92,11 +97,23 @@ def _check_cu(cu_seqlens: torch.Tensor, num_tokens: int, what: str = "values") -
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
-def segment_ids(cu_seqlens: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+def segment_ids(cu_seqlens: torch.Tensor, device: torch.device | None = None, num_tokens: int | None = None) -> torch.Tensor:
     """``[T]`` long: the sequence index of every token, from ``cu_seqlens [N+1]`` — the losses'
-    name for :func:`megatron_mis.core.segments.sequence_ids` (one implementation)."""
-    cu = cu_seqlens.to(device=device or cu_seqlens.device, dtype=torch.long)
-    return sequence_ids(cu, int(cu[-1]) if cu.numel() else 0)
+    name for :func:`megatron_mis.core.segments.sequence_ids` (one implementation). Host offsets
+    reach an accelerator without blocking; pass ``num_tokens`` for offsets on an accelerator
+    (else ``T`` is read from them: one synchronisation)."""
+    cu = _on(cu_seqlens, device or cu_seqlens.device)
+    if num_tokens is None:
+        num_tokens = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+    return sequence_ids(cu, num_tokens)
+
+
+def _on(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` as int64 on ``device``; host offsets go through a non-blocking copy."""
+    cu = cu_seqlens.to(torch.long)
+    if cu.device.type == "cpu" and torch.device(device).type != "cpu":
+        return to_device(cu, device)
+    return cu.to(device)
 
 
 def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -143,8 +160,9 @@ def local_denominators(
     mask = mask.bool()
     _check_cu(cu_seqlens, mask.shape[0], "mask")
     counts = segment_sum(mask.float(), cu_seqlens) if seq_token_counts is None else seq_token_counts
-    num_seq = float((counts > 0).sum()) if count_sequences else 0.0
-    return Denominators(float(mask.sum()), num_seq)
+    num_seq = (counts > 0).sum().to(torch.float64) if count_sequences else torch.zeros((), dtype=torch.float64, device=counts.device)
+    num_tok, num_seq = torch.stack([mask.sum().to(torch.float64), num_seq.to(mask.device)]).tolist()  # the one read
+    return Denominators(num_tok, num_seq)
 
 
 def aggregate(
@@ -192,7 +210,7 @@ def aggregate(
     masked = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
     denom = denominators.for_mode(mode)
     if denom == 0.0:
-        if bool(mask.any()):
+        if reads_values(mask) and bool(mask.any()):
             raise ValueError(
                 f"{int(mask.sum())} local token(s) in the loss but the global {mode} denominator is 0: "
                 "the denominators were not computed from this data"
@@ -207,7 +225,7 @@ def aggregate(
         cmask = mask if count_mask is None else count_mask.bool()
         if cmask.shape != mask.shape:
             raise ValueError(f"count_mask {tuple(cmask.shape)} and mask {tuple(mask.shape)} must have the same shape")
-        if bool((mask & ~cmask).any()):
+        if reads_values(mask, cmask) and bool((mask & ~cmask).any()):
             raise ValueError("every token of the numerator mask must also be in count_mask (the denominator mask)")
         seq_token_counts = segment_sum(cmask.to(values.dtype), cu_seqlens)
     elif seq_token_counts.shape != per_seq.shape:

@@ -65,7 +65,7 @@ import torch
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
 from megatron_mis.core.flags import above, as_bool, as_factor, below
-from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout
+from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout, to_device
 from megatron_mis.core.statistics import (
     BIG,
     Plan as _Plan,
@@ -360,8 +360,15 @@ def _token_stage(
     num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))
     reduced = torch.cat([layout.sums(unique[:num_counts], float64=False), layout.sums(unique[num_counts:])], 1)
     del unique
-    sums = torch.zeros(num_seqs, len(SequenceSum), dtype=f64, device=train.device)
-    sums[:, [int(c) for c in order]] = reduced[:, slots]
+    # every statistic column from its reduced slot (an absent one from an appended zero column):
+    # one index_select with a host-built index moved without blocking (a Python-list index on
+    # an accelerator tensor would be a blocking copy)
+    source = [reduced.shape[1]] * len(SequenceSum)
+    for c, s in zip(order, slots):
+        source[int(c)] = s
+    sums = torch.cat([reduced, reduced.new_zeros(num_seqs, 1)], 1).index_select(
+        1, to_device(torch.tensor(source, dtype=torch.long), train.device)
+    )
     sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
     # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values
     sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]

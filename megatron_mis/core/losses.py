@@ -44,6 +44,7 @@ import torch
 
 from megatron_mis.config.loss import POLICY_LOSSES as _POLICY_REGISTRY
 from megatron_mis.config.loss import LossConfig
+from megatron_mis.core.checks import reads_values
 from megatron_mis.core.aggregation import Denominators, aggregate, denominator_mask, segment_ids, segment_sum
 from megatron_mis.core.kl import kl_estimate
 from megatron_mis.registry import Registry
@@ -246,7 +247,7 @@ def opsm_keep_mask(
     counts = seq_token_counts.float()
     mean = torch.where(counts > 0, seq_log_ratio_sums.float() / counts.clamp_min(1), torch.zeros_like(counts))
     off_policy = (counts > 0) & (mean > delta)
-    seq = segment_ids(cu_seqlens, advantages.device)
+    seq = segment_ids(cu_seqlens, advantages.device, num_tokens=int(advantages.shape[0]))
     drop = off_policy.to(advantages.device)[seq] & (advantages < 0)
     return ~drop, off_policy
 
@@ -362,7 +363,9 @@ def _check_loss_inputs(
         ("keep_mask", keep_mask),
     ):
         _check_1d(name, t, n)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or (
+        reads_values(cu_seqlens) and (int(cu_seqlens[-1]) != n or int(cu_seqlens[0]) != 0)
+    ):  # offsets on an accelerator are trusted: reading them would synchronise
         raise ValueError(
             f"cu_seqlens must be [N+1] from 0 to the number of tokens ({n}), got {cu_seqlens.tolist()[:8]}"
         )
@@ -400,7 +403,11 @@ def _screen_nonfinite(inputs: dict[str, torch.Tensor], lmask: torch.Tensor, conf
     for t in inputs.values():
         finite &= torch.isfinite(t)
     bad = lmask & ~finite
-    num_bad = int(bad.sum())
+    if config.nonfinite_input_policy != "error" and not reads_values(bad):
+        # on an accelerator the tokens are dropped and counted (num_nonfinite_inputs) without a
+        # read; the warning needs the count, so it is left to the host that reads the metrics
+        return finite, bad
+    num_bad = int(bad.sum())  # host data, the debug flag, or the opt-in "error" policy: one read
     if num_bad:
         detail = ", ".join(
             f"{k}: {int((lmask & ~torch.isfinite(t)).sum())}" for k, t in inputs.items() if bool((lmask & ~torch.isfinite(t)).any())
@@ -439,7 +446,8 @@ def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig) -> Po
 
 
 def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, shares: dict, config: LossConfig) -> None:
-    """One host read: every per-token policy term, every aggregated loss and the gradient's
+    """One host read (host tensors, or the debug flag ``MEGATRON_MIS_DEBUG_CHECKS=1``; skipped
+    on an accelerator): every per-token policy term, every aggregated loss and the gradient's
     ``IS weight * A`` factor must be finite.
 
     The last one: the backward of ``IS weight * ratio * A`` forms ``IS weight * A`` (times the
@@ -452,6 +460,8 @@ def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, 
             terms whose aggregate is not (naming the advantages, the IS weights and what to
             change).
     """
+    if not reads_values(valid):  # an accelerator: the check reads values (debug flag: MEGATRON_MIS_DEBUG_CHECKS=1)
+        return
     overflow = valid & ~torch.isfinite(terms.loss.detach())
     # adv and weights are finite here (non-finite inputs are zeroed), so only the product can be inf
     reads_weights = weights is not None and policy.uses_is_weights
@@ -498,17 +508,16 @@ def _opsm_policy_mask(adv, lp, old, lmask, finite, valid, cu_seqlens, config: Lo
     """``(pg_mask, num_opsm_tokens, num_opsm_sequences)``: the policy term's tokens after
     off-policy sequence masking (``valid`` when OPSM is off)."""
     pg_mask = valid
-    num_opsm_tokens = torch.zeros((), dtype=torch.float32)
-    num_opsm_sequences = torch.zeros((), dtype=torch.float32)
+    num_opsm_tokens = torch.zeros((), dtype=torch.float32, device=lp.device)
+    num_opsm_sequences = torch.zeros((), dtype=torch.float32, device=lp.device)
     if config.use_opsm:
         if opsm_seq_stats is None:
             opsm_seq_stats = opsm_sequence_stats(lp, old, lmask & finite, cu_seqlens)
         opsm_keep, off_policy = opsm_keep_mask(adv, cu_seqlens, *opsm_seq_stats, delta=config.opsm_delta)
-        num_opsm_tokens = (valid & ~opsm_keep).sum().float()
-        seq = segment_ids(cu_seqlens, lp.device)
-        dropped_seq = torch.zeros(cu_seqlens.numel() - 1, dtype=torch.bool, device=lp.device)
-        dropped_seq[seq[valid & ~opsm_keep]] = True
-        num_opsm_sequences = dropped_seq.sum().float()
+        dropped = (valid & ~opsm_keep).float()
+        num_opsm_tokens = dropped.sum()
+        # sequences with a dropped token: a per-sequence sum, no boolean index (no synchronisation)
+        num_opsm_sequences = (segment_sum(dropped, cu_seqlens) > 0).sum().float()
         pg_mask = valid & opsm_keep
 
     return pg_mask, num_opsm_tokens, num_opsm_sequences
@@ -609,7 +618,10 @@ def compute_rl_loss(
             that must not use them, a non-finite input with
             ``nonfinite_input_policy="error"``, or a loss that does not fit its float type (a
             per-token policy term, or the aggregate of finite terms; one host read per call
-            checks both).
+            checks both). On an accelerator the value checks (non-finite inputs under
+            ``neutralize``, overflow, ``cu_seqlens`` values) do not run unless
+            ``MEGATRON_MIS_DEBUG_CHECKS=1`` (:mod:`megatron_mis.core.checks`): the call never
+            waits for the device; ``nonfinite_input_policy="error"`` reads once.
         KeyError: unknown loss / KL names (listing the valid ones).
     """
     policy = _check_loss_inputs(

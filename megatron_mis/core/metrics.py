@@ -162,7 +162,7 @@ def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> t
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+    return torch.where(den > 0, num / den.clamp_min(1e-300), 0.0)
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -374,12 +374,13 @@ def build_metrics(
     if per_seq:
         block = torch.stack([v for _, v in per_seq], 0)  # [S, N] float64
         means = _safe_div((block * has_maskf).sum(1), num_seq_with_mask)  # over sequences with loss tokens
-        expanded = layout.expand(_f32(block))  # [S, N] -> [S, T]
+        expanded = layout.expand(_f32(block)).unbind(0)  # [S, N] -> S x [T] (one op for all the views)
+        means = means.unbind(0)
         for i, (name, _) in enumerate(per_seq):
             token_metrics[name] = expanded[i]
             summary[name] = means[i]
     if tok_sums:
-        means = _safe_div(torch.stack([v.to(f64).reshape(()) for _, v in tok_sums]), total_mask)  # over loss tokens
+        means = _safe_div(torch.stack([v.reshape(()) for _, v in tok_sums]).to(f64), total_mask).unbind(0)  # over loss tokens
         for i, (name, _) in enumerate(tok_sums):
             summary[name] = means[i]
 

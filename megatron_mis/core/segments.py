@@ -144,7 +144,8 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[T, ...] -> [N, ...]``: differentiable sums over the sequences of ``cu_seqlens [N+1]``
     (one ``index_add``; empty sequences give 0). For the losses' autograd path; the MIS engine's
     float64 statistics use :class:`SegmentLayout`."""
-    cu = cu_seqlens.to(device=values.device, dtype=torch.long)
+    cu = cu_seqlens.to(torch.long)
+    cu = to_device(cu, values.device) if cu.device.type == "cpu" else cu.to(values.device)
     out = values.new_zeros((cu.numel() - 1,) + tuple(values.shape[1:]))
     return out.index_add(0, sequence_ids(cu, int(values.shape[0])), values)
 
@@ -215,24 +216,36 @@ class SegmentLayout(NamedTuple):
         if not columns:
             return torch.zeros(n, 0, dtype=f64, device=device)
         m, c = self.num_chunks, self.chunk
+        # columns of one dtype are reduced together as a [K, T] block: a handful of ops per
+        # dtype instead of ~8 per column (every op is a kernel launch on an accelerator)
+        groups: dict[torch.dtype, list[int]] = {}
+        for k, col in enumerate(columns):
+            groups.setdefault(torch.float32 if col.dtype == torch.bool else col.dtype, []).append(k)
+        valid = self.window_valid.view(torch.uint8)  # 0/1
         flat = self.window.reshape(-1)
-        valid = self.window_valid.view(torch.uint8).to(f64 if float64 else torch.float32)  # 0/1 factor
-        chunk_parts, window_parts = [], []
-        for col in columns:
-            if col.dtype == torch.bool:
-                col = col.view(torch.uint8).to(torch.float32)
-            if float64:
-                col = col.to(f64)
-            chunk_parts.append(col[: m * c].view(m, c).sum(1).to(f64))
-            if col.numel():
-                win = col.index_select(0, flat).view(valid.shape)
-                window_parts.append(win.mul_(valid if win.dtype == valid.dtype else valid.to(win.dtype)).sum(1).to(f64))
+        pieces, order = [], []
+        for dtype, ks in groups.items():
+            cols = [columns[k].view(torch.uint8).to(torch.float32) if columns[k].dtype == torch.bool else columns[k] for k in ks]
+            block = torch.stack(cols, 0) if len(cols) > 1 else cols[0].unsqueeze(0)  # [K, T]
+            acc = f64 if float64 else dtype
+            chunks = block[:, : m * c].view(len(ks), m, c).sum(2, dtype=acc).to(f64)  # [K, M]
+            if self.num_tokens:
+                win = block.index_select(1, flat).view(len(ks), 2 * n, c)
+                win = win.to(acc) if win.dtype != acc else win
+                windows = win.mul_(valid.to(acc)).sum(2).to(f64)  # [K, 2N]
             else:
-                window_parts.append(torch.zeros(valid.shape[0], dtype=f64, device=device))
-        out = torch.zeros(len(columns), n + 1, dtype=f64, device=device)
-        out.index_add_(1, self.chunk_segment, torch.stack(chunk_parts, 0))  # [K, N+1]
-        parts = torch.stack(window_parts, 0)  # [K, 2N]
-        return (out[:, :n] + parts[:, :n] + parts[:, n:]).t()
+                windows = torch.zeros(len(ks), 2 * n, dtype=f64, device=device)
+            out = torch.zeros(len(ks), n + 1, dtype=f64, device=device)
+            out.index_add_(1, self.chunk_segment, chunks)  # [K, N+1]
+            pieces.append(out[:, :n] + windows[:, :n] + windows[:, n:])
+            order.extend(ks)
+        result = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]  # [K, N] in group order
+        if order != sorted(order):
+            inverse = [0] * len(order)
+            for pos, k in enumerate(order):
+                inverse[k] = pos
+            result = result.index_select(0, to_device(torch.tensor(inverse, dtype=torch.long), device))
+        return result.t()
 
     def mins(self, columns: Sequence[torch.Tensor], fill: float) -> torch.Tensor:
         """``K x [T] -> [N, K]`` per-segment minima in the columns' dtype (``fill`` for empty
@@ -249,24 +262,23 @@ class SegmentLayout(NamedTuple):
         dtype = columns[0].dtype if columns else torch.float32
         if not columns:
             return torch.zeros(n, 0, dtype=dtype, device=device)
+        if any(col.dtype != dtype for col in columns):
+            raise TypeError(f"columns of one extremes call must share a dtype, got {[col.dtype for col in columns]}")
         m, c = self.num_chunks, self.chunk
-        flat = self.window.reshape(-1)
-        fills = torch.full((), fill, dtype=dtype, device=device)
+        k = len(columns)
+        block = torch.stack(list(columns), 0) if k > 1 else columns[0].unsqueeze(0)  # [K, T], one op for all
         reduce = torch.amin if how == "amin" else torch.amax
-        chunk_parts, window_parts = [], []
-        for col in columns:
-            chunk_parts.append(reduce(col[: m * c].view(m, c), 1))
-            if col.numel():
-                win = col.index_select(0, flat).view(self.window_valid.shape)
-                window_parts.append(reduce(torch.where(self.window_valid, win, fills), 1))
-            else:
-                window_parts.append(fills.expand(self.window_valid.shape[0]))
-        out = torch.full((len(columns), n + 1), fill, dtype=dtype, device=device)
-        index = self.chunk_segment.unsqueeze(0).expand(len(columns), -1)
-        out.scatter_reduce_(1, index, torch.stack(chunk_parts, 0), how)  # [K, N+1]
-        parts = torch.stack(window_parts, 0)  # [K, 2N]
+        chunks = reduce(block[:, : m * c].view(k, m, c), 2)  # [K, M]
+        fills = torch.full((), fill, dtype=dtype, device=device)
+        if self.num_tokens:
+            win = block.index_select(1, self.window.reshape(-1)).view(k, 2 * n, c)
+            windows = reduce(torch.where(self.window_valid, win, fills), 2)  # [K, 2N]
+        else:
+            windows = fills.expand(k, 2 * n)
+        out = torch.full((k, n + 1), fill, dtype=dtype, device=device)
+        out.scatter_reduce_(1, self.chunk_segment.unsqueeze(0).expand(k, -1), chunks, how)  # [K, N+1]
         pick = torch.minimum if how == "amin" else torch.maximum
-        return pick(out[:, :n], pick(parts[:, :n], parts[:, n:])).t()
+        return pick(out[:, :n], pick(windows[:, :n], windows[:, n:])).t()
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
         """``[N] -> [T]`` (or ``[S, N] -> [S, T]``, contiguous): each segment's value repeated

@@ -75,10 +75,14 @@ class SequenceStatistics:
     sums: torch.Tensor
     mins: torch.Tensor
     maxs: torch.Tensor
+    _columns: tuple[torch.Tensor, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def col(self, c: SequenceSum) -> torch.Tensor:
-        """``[N]`` column of the sums."""
-        return self.sums[:, int(c)]
+        """``[N]`` column of the sums (views made by one ``unbind`` on first use: the metrics read
+        some thirty columns, and every separate index is a dispatched op)."""
+        if self._columns is None:
+            self._columns = self.sums.unbind(1)
+        return self._columns[int(c)]
 
     @property
     def num_sequences(self) -> int:

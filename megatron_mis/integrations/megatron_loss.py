@@ -78,6 +78,8 @@ from megatron_mis.core.aggregation import Denominators, segment_sum
 from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss, opsm_sequence_stats
 from megatron_mis.integrations.rl_batch import RLMicroBatch, _LocalView, response_positions
 from megatron_mis.integrations.rl_metrics import engine_metrics, masked_extreme, reduce_metric_store
+from megatron_mis.core.engine import DeferredCount, nonfinite_message
+from megatron_mis.core.segments import to_device
 from megatron_mis.parallel.tp_logprobs import vocab_parallel_log_probs
 
 __all__ = ["MegatronRLLoss", "RLMicroBatch", "response_positions"]
@@ -142,6 +144,7 @@ class MegatronRLLoss:
         self.cp = group_view(cp_group if cp_group is not None else ps.get_context_parallel_group())
         self.dp_group = dp_group if dp_group is not None else ps.get_data_parallel_group(with_context_parallel=True)
         self.return_num_tokens = return_num_tokens
+        self._nonfinite: list[DeferredCount] = []  # the engine's non-finite counts, read per step
 
     # ------------------------------------------------------------------------------ layout
     def local_view(self, mb: RLMicroBatch) -> _LocalView:
@@ -188,13 +191,13 @@ class MegatronRLLoss:
         from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp
 
         dev = train_local.device
-        rollout_local = mb.rollout_log_probs.to(dev).index_select(0, full_index.to(dev)).float()
+        rollout_local = _on(mb.rollout_log_probs, dev).index_select(0, _on(full_index, dev)).float()
         counts_local = (cu_local[1:] - cu_local[:-1]).tolist()
         resp = mb.response_lengths.tolist()
         inputs = CPInputs(
             train_log_probs=list(torch.split(train_local.detach().float(), counts_local)),
             rollout_log_probs=list(torch.split(rollout_local, counts_local)),
-            loss_masks=list(torch.split(mb.loss_mask.to(dev), resp)),
+            loss_masks=list(torch.split(_on(mb.loss_mask, dev), resp)),
             total_lengths=mb.total_lengths.tolist(),
             response_lengths=resp,
             layout="thd",
@@ -265,16 +268,21 @@ class MegatronRLLoss:
 
         if ps.model_parallel_is_initialized() and not ps.is_pipeline_last_stage(ignore_virtual=True):
             return Denominators(0.0, 0.0)
-        tokens = sequences = 0.0
+        # counted where the masks are, read once at the end (one synchronisation per step)
+        counts_per_mb = []
         for mb in micro_batches:
             full = self.denominator_mask(mb)
             full_index, _ = self._full_index(mb)
-            tokens += float(full.index_select(0, full_index.to(full.device)).sum())
+            tokens = full.index_select(0, _on(full_index, full.device)).sum().to(torch.float64)
+            sequences = torch.zeros((), dtype=torch.float64, device=full.device)
             if self.cp.rank == 0:
-                counts = segment_sum(full.float(), mb.response_cu_seqlens.to(full.device))
-                sequences += float((counts > 0).sum())
-        buf = self._all_reduce(torch.tensor([tokens, sequences], dtype=torch.float64))
-        return Denominators(float(buf[0]), float(buf[1]))
+                counts = segment_sum(full.float(), _on(mb.response_cu_seqlens, full.device))
+                sequences = (counts > 0).sum().to(torch.float64)
+            counts_per_mb.append(torch.stack([tokens, sequences]))
+        # the one read (host masks: none)
+        local = torch.stack(counts_per_mb).sum(0).cpu() if counts_per_mb else torch.zeros(2, dtype=torch.float64)
+        tokens, sequences = self._all_reduce(local).tolist()
+        return Denominators(tokens, sequences)
 
     def _all_reduce(self, buf: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
@@ -283,7 +291,7 @@ class MegatronRLLoss:
             device = "cuda" if dist.get_backend(self.dp_group) == "nccl" else "cpu"
             out = buf.to(device)
             dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.dp_group)
-            return out.cpu()
+            return out.to(buf.device)  # where the caller keeps it (device buffers are read once, later)
         return buf
 
     def _cp_all_reduce(self, buf: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -304,21 +312,24 @@ class MegatronRLLoss:
         params = dataclasses.replace(
             p.packed_seq_params,
             **{
-                f.name: getattr(p.packed_seq_params, f.name).to(device)
+                f.name: _on(getattr(p.packed_seq_params, f.name), device)
                 for f in dataclasses.fields(p.packed_seq_params)
                 if isinstance(getattr(p.packed_seq_params, f.name), torch.Tensor)
             },
         )
-        output = model(p.tokens.to(device), p.position_ids.to(device), None, packed_seq_params=params)
+        output = model(_on(p.tokens, device), _on(p.position_ids, device), None, packed_seq_params=params)
         return output, view
 
     def _log_probs(self, output_tensor: torch.Tensor, view: _LocalView, with_entropy: bool):
         """Log pi and entropy of this rank's response tokens: ``[R_local]`` each (the package's
         one log-prob function; the true-on-policy rollout path records the same numbers)."""
         logits = output_tensor.reshape(-1, output_tensor.shape[-1])
+        # rows= computes at the response rows without an [R_local, V/tp] copy of the logits
+        # (and of its gradient): one chunk of rows is gathered at a time
         return vocab_parallel_log_probs(
-            logits.index_select(0, view.rows.to(logits.device)),
-            view.targets.to(logits.device),
+            logits,
+            _on(view.targets, logits.device),
+            rows=_on(view.rows, logits.device),
             group=self.tp_group,
             temperature=self.config.rollout_temperature,
             with_entropy=with_entropy,
@@ -405,7 +416,7 @@ class MegatronRLLoss:
         full = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
         offset = 0
         for (lp, index), size in zip(pieces, sizes):
-            full[offset + index.to(dev)] = lp
+            full[offset + _on(index, dev)] = lp
             offset += size
         if self.cp.size > 1:
             full = self._cp_all_reduce(full.to("cuda" if _is_nccl(self.cp.group) else "cpu")).to(dev)
@@ -435,11 +446,11 @@ class MegatronRLLoss:
         cfg = self.config
         log_probs, entropy = self._log_probs(output_tensor, view, with_entropy=True)
         dev = log_probs.device
-        idx = view.full_index.to(dev)
-        cu = view.cu.to(dev)
+        idx = _on(view.full_index, dev)
+        cu = _on(view.cu, dev)
 
         def local(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(dev).index_select(0, idx)
+            return None if t is None else _on(t, dev).index_select(0, idx)
 
         old = local(mb.old_log_probs)
         rollout = local(mb.rollout_log_probs)
@@ -453,7 +464,9 @@ class MegatronRLLoss:
         if self._runs_engine(mb):
             train = old if old is not None else log_probs.detach()
             res, full_keep = self._engine(train, mb, view.full_index, view.cu)
-            res.check_nonfinite()  # warns once about NaN / inf train or rollout log-probs
+            # NaN / inf train or rollout log-probs: counted without a read, warned about once the
+            # device has written the count (polled by reduce_metrics, once per step)
+            self._nonfinite.append(DeferredCount(res.num_nonfinite))
             keep_mask = res.keep_mask.to(dev)
             if self.policy.uses_is_weights:
                 is_weights = res.weights.to(dev)
@@ -462,7 +475,7 @@ class MegatronRLLoss:
         seq_token_counts = opsm_stats = None
         if self.cp.size > 1:
             den_full = self._full_denominator_mask(mb, full_keep if self.mis_config is not None and self.mis_config.rejects else None)
-            seq_token_counts = segment_sum(den_full.float().to(dev), mb.response_cu_seqlens.to(dev))
+            seq_token_counts = segment_sum(_on(den_full.float(), dev), _on(mb.response_cu_seqlens, dev))
             if cfg.use_opsm:
                 finite = lmask & torch.isfinite(log_probs.detach()) & torch.isfinite(advantages) & torch.isfinite(entropy.detach())
                 old_src = rollout if self.policy.old_policy == "rollout" else old
@@ -529,7 +542,30 @@ class MegatronRLLoss:
 
         if not ps.is_pipeline_last_stage():
             return {}
+        self.warn_nonfinite()
         return reduce_metric_store(forward_data_store, denominators, self._all_reduce)
+
+    def warn_nonfinite(self) -> int:
+        """Warn (once per call) about the NaN / inf train or rollout log-probs the engine met in
+        the micro-batches run since the last call, and return their number. Reads only counts the
+        device has finished writing (:class:`~megatron_mis.core.engine.DeferredCount`): no
+        synchronisation; counts not ready yet stay for the next call."""
+        ready = [(d, d.poll()) for d in self._nonfinite]
+        self._nonfinite = [d for d, v in ready if v is None]
+        count = sum(v for _, v in ready if v is not None)
+        if count:
+            import warnings
+
+            warnings.warn(nonfinite_message(count, self.mis_config), RuntimeWarning, stacklevel=2)
+        return count
+
+
+def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; host tensors reach an accelerator through pinned memory and a
+    non-blocking copy (a plain ``.to(device)`` of host memory blocks the host)."""
+    if t.device.type == "cpu" and torch.device(device).type != "cpu":
+        return to_device(t, device)
+    return t.to(device)
 
 
 def _is_nccl(group: Any) -> bool:

@@ -27,19 +27,35 @@ def reduce_metric_store(
     ``all_reduce(buf)`` (SUM over the data-parallel group) plus one ``all_reduce(buf, op="max")``
     when there are ``max/`` / ``min/`` entries, then :func:`finalize_metrics`.
 
+    The sums and extremes are formed where the values are (no read per entry) and the host
+    reads them once, after the all-reduces: one synchronisation per step.
+
     Raises:
         ValueError: if the counted denominator tokens / sequences differ from ``denominators``.
     """
     keys = sorted({k for d in forward_data_store for k in d if is_store_key(k)})
     sum_keys = [k for k in keys if k.partition("/")[0] not in ("max", "min")]
     ext_keys = [k for k in keys if k.partition("/")[0] in ("max", "min")]
-    local = torch.zeros(len(sum_keys), dtype=torch.float64)
+    device = next(
+        (v.device for d in forward_data_store for k, v in d.items() if k in keys and isinstance(v, torch.Tensor) and v.device.type != "cpu"),
+        torch.device("cpu"),
+    )
+    f64 = torch.float64
+    # a host 0-dim value in a device op is read as a scalar on the host: no synchronisation
+    local = [torch.zeros((), dtype=f64, device=device) for _ in sum_keys]
+    ext = [torch.full((), float("-inf"), dtype=f64, device=device) for _ in ext_keys]
     for d in forward_data_store:
         for i, k in enumerate(sum_keys):
             if k in d:
-                local[i] += float(d[k])
-    total = all_reduce(local)
-    summed = dict(zip(sum_keys, total.tolist()))
+                local[i] = local[i] + torch.as_tensor(d[k]).to(f64)
+        for i, k in enumerate(ext_keys):
+            if k in d:
+                v = torch.as_tensor(d[k]).to(f64)
+                ext[i] = torch.fmax(ext[i], v if k.startswith("max/") else -v)  # NaN: no value there
+    total = all_reduce(torch.stack(local)) if sum_keys else torch.zeros(0, dtype=f64)
+    extremes = all_reduce(torch.stack(ext), op="max") if ext_keys else torch.zeros(0, dtype=f64)
+    values = torch.cat([total.to(f64).reshape(-1), extremes.to(total.device, f64).reshape(-1)]).tolist()  # the one read
+    summed = dict(zip(sum_keys, values[: len(sum_keys)]))
     got = (summed.get("count/num_denominator_tokens", 0.0), summed.get("count/num_denominator_sequences", 0.0))
     if got != (denominators.num_tokens, denominators.num_sequences):
         raise ValueError(
@@ -52,29 +68,21 @@ def reduce_metric_store(
     out = finalize_metrics(summed)
     for k, v in lsums.items():
         out[k.partition("/")[2]] = v / num_loss if num_loss > 0 else 0.0
-    if ext_keys:
-        # one MAX all-reduce: maxima as they are, minima negated
-        ext = torch.full((len(ext_keys),), float("-inf"), dtype=torch.float64)
-        for d in forward_data_store:
-            for i, k in enumerate(ext_keys):
-                if k in d:
-                    v = float(d[k]) if k.startswith("max/") else -float(d[k])
-                    if v == v:  # NaN: no value in this micro-batch
-                        ext[i] = max(float(ext[i]), v)
-        ext = all_reduce(ext, op="max")
-        for k, v in zip(ext_keys, ext.tolist()):
-            kind, _, name = k.partition("/")
-            if v != float("-inf"):
-                out[f"{name}_{kind}"] = v if kind == "max" else -v
+    for k, v in zip(ext_keys, values[len(sum_keys):]):
+        kind, _, name = k.partition("/")
+        if v != float("-inf"):
+            out[f"{name}_{kind}"] = v if kind == "max" else -v
     return out
 
 
 def masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
-    """0-dim max / min of ``values [T]`` over ``mask``; NaN when the mask is empty."""
-    if not bool(mask.any()):
-        return torch.tensor(float("nan"))
-    v = values[mask].double()
-    return (v.max() if kind == "max" else v.min()).detach().cpu()
+    """0-dim float64 max / min of ``values [T]`` over ``mask``, on their device; NaN when the mask
+    is empty (no read: a masked reduction, no boolean index)."""
+    v = values.detach().to(torch.float64)
+    fill = float("-inf") if kind == "max" else float("inf")
+    picked = torch.where(mask, v, torch.full((), fill, dtype=torch.float64, device=v.device))
+    ext = picked.amax() if kind == "max" else picked.amin()
+    return torch.where(mask.any(), ext, torch.full((), float("nan"), dtype=torch.float64, device=v.device))
 
 
 def engine_metrics(res, train: torch.Tensor, rollout: torch.Tensor, lmask: torch.Tensor, keep: torch.Tensor, mis_config) -> dict[str, torch.Tensor]:

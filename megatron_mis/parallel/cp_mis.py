@@ -49,8 +49,8 @@ from megatron_mis.core.engine import (
     compute_mis,
     normalization_statistics,
 )
-from megatron_mis.core.segments import concat_sequences
-from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, local_response_layout, validate_lengths
+from megatron_mis.core.segments import concat_sequences, to_device
+from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, check_max_seq_lens, local_response_layout, validate_lengths
 from megatron_mis.parallel.state import GroupView
 
 __all__ = ["CPFaultError", "CPInputs", "CPMISResult", "cp_stats_reducer", "compute_mis_cp", "cp_normalization_statistics"]
@@ -109,7 +109,7 @@ def _collective_device(cp: GroupView, fallback: torch.device) -> torch.device:
 def _exchange_status(cp: GroupView, status: list[int], device: torch.device) -> list[list[int]]:
     """One fixed-size all-gather of every rank's status (``[cp, 8]`` int64), read on the host."""
     local = torch.tensor(status + [0] * (_STATUS_SIZE - len(status)), dtype=torch.long)
-    local = local.to(_collective_device(cp, device))
+    local = _on(local, _collective_device(cp, device))  # pinned, non-blocking: the read below is the one wait
     gathered = local.new_empty(cp.size * _STATUS_SIZE)
     _all_gather_into(gathered, local, cp.group)
     rows = gathered.cpu().tolist()  # the one host read of a CP call: raising needs to know
@@ -192,7 +192,7 @@ class CPInputs:
         if cp.size == 1:
             local_mask, index = full_mask, None
         else:
-            index = lay.local_to_full_index().to(device)
+            index = _on(lay.local_to_full_index(), device)
             local_mask = full_mask.index_select(0, index) if full_mask.numel() else full_mask[:0]
         return lay, train, rollout, local_mask, full_mask, index, expected, resp
 
@@ -218,6 +218,8 @@ class CPInputs:
         validate_lengths(total, resp)
         got = lengths_1d(rollout_list)
         if cp.size == 1:
+            if self.layout == "bshd" and self.max_seq_lens is not None:
+                check_max_seq_lens(self.max_seq_lens, total)  # rejected at every CP size alike
             lay, expected = None, resp
         else:
             lay = local_response_layout(
@@ -364,7 +366,7 @@ def compute_mis_cp(
         full_keep = _in_loss(full_mask)
         if num_seqs:
             full_seq_ids = torch.repeat_interleave(
-                torch.arange(num_seqs, device=full_mask.device), torch.tensor(resp, device=full_mask.device),
+                torch.arange(num_seqs, device=full_mask.device), _on(torch.tensor(resp), full_mask.device),
                 output_size=int(full_mask.numel()),
             )
             full_keep = full_keep & ~result.seq_rejected.to(full_mask.device).index_select(0, full_seq_ids)
@@ -378,6 +380,11 @@ def compute_mis_cp(
     modified = full_keep if full_mask.dtype == torch.bool else full_keep.to(full_mask.dtype)
     masks = list(torch.split(modified, resp)) if resp else []
     return CPMISResult(result=result, modified_masks=masks, layout=lay, num_collectives=collectives)
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on ``device`` without blocking (pinned, non-blocking on CUDA)."""
+    return to_device(host, device) if host.device.type == "cpu" else host.to(device)
 
 
 def _in_loss(mask: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ __all__ = [
     "zigzag_chunk_size",
     "zigzag_position_ranges",
     "allgather_local_length",
+    "check_max_seq_lens",
     "validate_lengths",
 ]
 
@@ -191,6 +192,8 @@ def local_response_layout(
     lo = prompt - 1
     hi = total - 1
 
+    if layout == "bshd" and (max_seq_lens is not None or cp_size > 1):
+        msl = check_max_seq_lens(max_seq_lens, tl)  # also at CP = 1: a padded length below a sample's is a host bug
     if cp_size == 1:
         ranges = torch.zeros(n, 2, 2, dtype=torch.long)
         ranges[:, 0, 1] = resp
@@ -200,14 +203,6 @@ def local_response_layout(
         if layout == "thd":
             chunk = -(-total // (2 * cp_size))
         else:
-            if max_seq_lens is None:
-                raise ValueError("layout='bshd' needs max_seq_lens (the padded length of the batch)")
-            msl = [int(max_seq_lens)] * n if isinstance(max_seq_lens, int) else [int(x) for x in max_seq_lens]
-            if len(msl) != n:
-                raise ValueError(f"got {len(msl)} max_seq_lens for {n} sequences")
-            for i, (m, t) in enumerate(zip(msl, tl)):
-                if t > m:
-                    raise ValueError(f"sequence {i}: total_length={t} exceeds max_seq_len={m}")
             chunk = -(-torch.tensor(msl, dtype=torch.long) // (2 * cp_size))
         r = cp_rank
         c0s, c0e = r * chunk, (r + 1) * chunk
@@ -238,6 +233,32 @@ def local_response_layout(
     ranges = torch.stack([seg_starts, seg_ends], 2)  # [N, 2, 2] response coordinates
     local_lengths = (ranges[:, :, 1] - ranges[:, :, 0]).sum(1)
     return LocalResponseLayout(ranges, local_lengths, resp)
+
+
+def check_max_seq_lens(max_seq_lens: Sequence[int] | int | None, total_lengths: Sequence[int]) -> list[int]:
+    """The bshd padded length of every sample (``[N]``), checked: given, one per sample (or one
+    int for all), and never below the sample's total (prompt + response) length.
+
+    Raises:
+        ValueError: naming the sample, its total length and the ``max_seq_lens`` given.
+    """
+    n = len(total_lengths)
+    if max_seq_lens is None:
+        raise ValueError("layout='bshd' needs max_seq_lens (the padded length of the batch)")
+    if isinstance(max_seq_lens, bool) or not isinstance(max_seq_lens, int) and not hasattr(max_seq_lens, "__iter__"):
+        raise ValueError(f"max_seq_lens must be an int or one int per sample, got {type(max_seq_lens).__name__} ({max_seq_lens!r:.60})")
+    msl = [int(max_seq_lens)] * n if isinstance(max_seq_lens, int) else [int(x) for x in max_seq_lens]
+    if len(msl) != n:
+        raise ValueError(f"got {len(msl)} max_seq_lens for {n} sequences")
+    for i, (m, t) in enumerate(zip(msl, total_lengths)):
+        if t > m:
+            shown = max_seq_lens if isinstance(max_seq_lens, int) else msl
+            raise ValueError(
+                f"sample {i}: total_length={t} (prompt + response) exceeds max_seq_len={m} "
+                f"(max_seq_lens={shown!r:.120}); bshd pads every sample to max_seq_lens, so it must be >= every "
+                "sample's total length"
+            )
+    return msl
 
 
 def _check_rank(cp_size: int, cp_rank: int) -> None:

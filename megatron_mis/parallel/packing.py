@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from megatron_mis.core.segments import to_device
+
 __all__ = [
     "PackedBatch",
     "pack_sequences",
@@ -229,7 +231,11 @@ def pack_sequences(
         slot_length: pad EVERY sequence to this many tokens (rounded up to a multiple of
             ``2*cp``): a layout that does not depend on the generated lengths, the one the
             rollout engine's true-on-policy path reproduces at every decoding step.
-        device: where the tensors go (default CPU).
+        device: where the tensors the model reads go (tokens, position ids, labels, label mask,
+            the ``cu_seqlens`` of ``packed_seq_params``; default CPU): copied from pinned memory
+            without blocking, so packing never waits for the device. The sequences are host data
+            (token ids from the rollout); the layout tensors (``global_index``, ``sequence_ids``,
+            ``lengths``, ``cu_seqlens_padded``) stay on the host, where the layout code reads them.
 
     Returns:
         :class:`PackedBatch`.
@@ -286,8 +292,11 @@ def pack_sequences(
     if stream_pad:
         cu_real = torch.cat([cu_real, cu_real[-1:] + stream_pad * cp_size])
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    cu_real32 = cu_real.to(device=dev, dtype=torch.int32)
-    cu_pad32 = cu_padded.to(device=dev, dtype=torch.int32)
+    # every tensor the model reads goes to the device pinned and non-blocking (no host wait);
+    # the layout tensors the host reads (global_index, sequence_ids, lengths, cu_seqlens_padded)
+    # stay host data
+    cu_real32 = to_device(cu_real.to(torch.int32), dev)
+    cu_pad32 = to_device(cu_padded.to(torch.int32), dev)
     max_seqlen = int((cu_padded[1:] - cu_padded[:-1]).max())
     params = PackedSeqParams(
         qkv_format="thd",
@@ -299,10 +308,10 @@ def pack_sequences(
         max_seqlen_kv=max_seqlen,
     )
     return PackedBatch(
-        tokens=g_tokens[index].unsqueeze(0).to(dev),
-        position_ids=g_pos[index].unsqueeze(0).to(dev),
-        labels=g_labels[index].unsqueeze(0).to(dev),
-        label_mask=g_label_mask[index].unsqueeze(0).to(dev),
+        tokens=to_device(g_tokens[index].unsqueeze(0), dev),
+        position_ids=to_device(g_pos[index].unsqueeze(0), dev),
+        labels=to_device(g_labels[index].unsqueeze(0), dev),
+        label_mask=to_device(g_label_mask[index].unsqueeze(0), dev),
         packed_seq_params=params,
         global_index=index,
         sequence_ids=g_seq[index],

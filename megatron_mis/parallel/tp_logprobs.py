@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from megatron_mis.core.checks import reads_values
+
 __all__ = ["vocab_parallel_log_probs", "log_probs_from_shards", "log_softmax_from_shards"]
 
 
@@ -109,9 +111,10 @@ def _shard_targets(targets: torch.Tensor, vocab_start: int, local_vocab: int) ->
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, with_entropy, chunk_size):  # type: ignore[override]
+    def forward(ctx, logits, targets, group, temperature, with_entropy, chunk_size, rows=None):  # type: ignore[override]
         rank, world = _group_info(group)
-        num_tokens, local_vocab = logits.shape
+        local_vocab = logits.shape[1]
+        num_tokens = logits.shape[0] if rows is None else rows.shape[0]
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         local_target, on_rank = _shard_targets(targets, rank * local_vocab, local_vocab)
 
@@ -128,7 +131,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         mean_logit = torch.empty(num_tokens if with_entropy else 0, dtype=compute_dtype, device=logits.device)
         entropy = torch.empty(num_tokens if with_entropy else 0, dtype=compute_dtype, device=logits.device)
         for s, e in _chunks(num_tokens, chunk_size):
-            z = _scaled(logits[s:e], compute_dtype, temperature)
+            z = _scaled(_rows(logits, rows, s, e), compute_dtype, temperature)
             zmax, _, stacked = _chunk_statistics(
                 [z], [local_target[s:e]], [on_rank[s:e]], with_entropy, reduce_max, reduce_sum
             )
@@ -139,7 +142,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 mean_shifted = stacked[:, 2] / stacked[:, 0]  # E_p[z - zmax]
                 entropy[s:e] = log_sum - mean_shifted
                 mean_logit[s:e] = mean_shifted + zmax
-        ctx.save_for_backward(logits, local_target, on_rank, log_norm, mean_logit)
+        ctx.save_for_backward(logits, local_target, on_rank, log_norm, mean_logit, rows)
         ctx.temperature = temperature
         ctx.with_entropy = with_entropy
         ctx.chunk_size = chunk_size
@@ -147,29 +150,47 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
-        logits, local_target, on_rank, log_norm, mean_logit = ctx.saved_tensors
+        logits, local_target, on_rank, log_norm, mean_logit, rows = ctx.saved_tensors
         temperature = ctx.temperature
-        num_tokens = logits.shape[0]
+        num_tokens = log_norm.shape[0]
         compute_dtype = log_norm.dtype
-        grad = torch.empty_like(logits)
+        # with rows, rows of logits outside them get no gradient: the gradient of logits is
+        # written in place, one chunk at a time (no [R, V/tp] copy of the rows)
+        grad = torch.empty_like(logits) if rows is None else torch.zeros_like(logits)
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for s, e in _chunks(num_tokens, ctx.chunk_size):
-            z = logits[s:e].to(compute_dtype)
+            # at most four [C, V/tp] temporaries at a time (z, p, gz and the entropy term): the
+            # products are formed in place where the operand is this chunk's own buffer
+            z = _rows(logits, rows, s, e).to(compute_dtype)
             if temperature != 1.0:
                 z = z / temperature
-            p = (z - log_norm[s:e, None]).exp()
+            p = torch.sub(z, log_norm[s:e, None]).exp_()
             g_lp = grad_log_probs[s:e].to(compute_dtype) if grad_log_probs is not None else None
-            gz = torch.zeros_like(z)
             if g_lp is not None:
-                gz = -p * g_lp[:, None]
+                gz = p * g_lp.neg()[:, None]
                 gz.scatter_add_(1, local_target[s:e, None], torch.where(on_rank[s:e], g_lp, torch.zeros_like(g_lp))[:, None])
+            else:
+                gz = torch.zeros_like(z)
             if use_entropy:
                 # dH/dz_j = p_j (E_p[z] - z_j)
-                gz = gz + p * (mean_logit[s:e, None] - z) * grad_entropy[s:e, None].to(compute_dtype)
+                term = torch.sub(mean_logit[s:e, None], z)
+                del z
+                gz.add_(term.mul_(p).mul_(grad_entropy[s:e, None].to(compute_dtype)))
+                del term
+            del p
             if temperature != 1.0:
-                gz = gz / temperature
-            grad[s:e] = gz.to(logits.dtype)
-        return grad, None, None, None, None, None
+                gz.div_(temperature)
+            if rows is None:
+                grad[s:e] = gz.to(logits.dtype)
+            else:
+                grad.index_add_(0, rows[s:e], gz.to(logits.dtype))
+        return grad, None, None, None, None, None, None
+
+
+def _rows(logits: torch.Tensor, rows: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+    """Chunk ``[start, end)`` of the tokens: ``logits[start:end]``, or the logits rows
+    ``rows[start:end]`` (a ``[C, V/tp]`` gather of one chunk, never of all rows)."""
+    return logits[start:end] if rows is None else logits.index_select(0, rows[start:end])
 
 
 def vocab_parallel_log_probs(
@@ -180,7 +201,8 @@ def vocab_parallel_log_probs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 1024,
-    check_targets: bool = True,
+    check_targets: bool | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` (and the entropy) under ``softmax(logits / temperature)`` from this
     rank's vocabulary shard.
@@ -196,7 +218,17 @@ def vocab_parallel_log_probs(
         temperature: rollout sampling temperature (``> 0``).
         with_entropy: also return the per-token entropy (differentiable).
         chunk_size: tokens per chunk (``-1``: all at once).
-        check_targets: raise on a target id outside ``[0, V)`` (one host sync).
+        check_targets: raise on a target id outside ``[0, V)``. ``None`` (default): only where
+            reading the ids costs no device synchronisation (host tensors, or the debug flag
+            ``MEGATRON_MIS_DEBUG_CHECKS=1``: :mod:`megatron_mis.core.checks`); ``True``: always
+            (one host sync on an accelerator); ``False``: never (an out-of-range id then lies on
+            no shard and its log-prob is computed from a target logit of 0: wrong, not an error).
+        rows: ``[R]`` int64 (on the logits' device): compute only at these rows of ``logits``
+            viewed as ``[S, V/tp]`` (``targets`` then has shape ``[R]``). Equal to
+            ``vocab_parallel_log_probs(logits.reshape(-1, V/tp).index_select(0, rows), targets)``
+            without materialising that ``[R, V/tp]`` copy and its gradient: one chunk of rows is
+            gathered at a time, and the backward writes each chunk's gradient into the
+            ``[S, V/tp]`` gradient of ``logits`` (zero outside ``rows``) with ``index_add_``.
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32 (float64 for float64 logits),
@@ -208,7 +240,15 @@ def vocab_parallel_log_probs(
         ValueError: shape mismatches, a non-positive temperature or chunk size, or (with
             ``check_targets``) an out-of-range target.
     """
-    if logits.dim() < 1 or targets.shape != logits.shape[:-1]:
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype == torch.bool or targets.shape != rows.shape:
+            raise ValueError(
+                f"rows must be a 1-D integer index [R] with targets of the same shape, got rows {tuple(rows.shape)} "
+                f"{rows.dtype} and targets {tuple(targets.shape)}"
+            )
+        if logits.dim() < 1:
+            raise ValueError(f"logits must have a vocabulary dimension, got shape {tuple(logits.shape)}")
+    elif logits.dim() < 1 or targets.shape != logits.shape[:-1]:
         raise ValueError(
             f"targets {tuple(targets.shape)} must have the shape of logits {tuple(logits.shape)} without its last "
             "(vocabulary) dimension"
@@ -224,12 +264,15 @@ def vocab_parallel_log_probs(
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).long()
     vocab = logits.shape[-1] * world
+    if check_targets is None:
+        check_targets = reads_values(flat_targets)
     if check_targets and flat_targets.numel():
         lo, hi = int(flat_targets.min()), int(flat_targets.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"target ids must lie in [0, {vocab}) (vocabulary size), got min {lo}, max {hi}")
     log_probs, entropy = _VocabParallelLogProbs.apply(
-        flat_logits, flat_targets, group, float(temperature), bool(with_entropy), int(chunk_size)
+        flat_logits, flat_targets, group, float(temperature), bool(with_entropy), int(chunk_size),
+        None if rows is None else rows.long(),
     )
     return log_probs.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
 
@@ -286,6 +329,8 @@ def log_probs_from_shards(
 
     Returns:
         ``[...]`` log-probs in float32 (float64 for float64 shards). No gradient.
+
+    Synchronisation: one read (the targets' minimum and maximum together, for the range check).
     """
     zs, lead = _shard_inputs(shards, temperature)
     if targets.shape != lead:
@@ -294,8 +339,10 @@ def log_probs_from_shards(
         raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
     flat = targets.reshape(-1).long()
     local_vocab = zs[0].shape[-1]
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= local_vocab * len(zs)):
-        raise ValueError(f"target ids must lie in [0, {local_vocab * len(zs)}), got [{int(flat.min())}, {int(flat.max())}]")
+    if flat.numel():
+        lo, hi = torch.stack([flat.min(), flat.max()]).tolist()  # the one read of this per-step function
+        if lo < 0 or hi >= local_vocab * len(zs):
+            raise ValueError(f"target ids must lie in [0, {local_vocab * len(zs)}), got [{lo}, {hi}]")
     parts = [_shard_targets(flat, k * local_vocab, local_vocab) for k in range(len(zs))]
     _, _, stacked = _chunk_statistics(
         zs, [p[0] for p in parts], [p[1] for p in parts], False, _in_order_max, _in_order_sum

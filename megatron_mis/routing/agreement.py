@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from megatron_mis.core.segments import to_device
+
 __all__ = ["agreement_counts", "reduce_agreement", "agreement_fractions"]
 
 
@@ -38,9 +40,11 @@ def agreement_counts(
     k = replayed.shape[1]
     hits = (replayed.unsqueeze(2) == natural.unsqueeze(1)).any(2).sum(1).to(torch.float64) / max(k, 1)  # [N]
     if valid is None:
-        count = torch.tensor(float(hits.numel()), dtype=torch.float64, device=hits.device)
+        count = hits.new_full((), float(hits.numel()))  # a fill on the device, not a host copy
         return torch.stack([hits.sum(), count])
-    valid = valid.to(device=hits.device, dtype=torch.bool)
+    if valid.device != hits.device:  # host flags: pinned, non-blocking (a plain .to() would block)
+        valid = to_device(valid, hits.device) if valid.device.type == "cpu" else valid.to(hits.device)
+    valid = valid.to(torch.bool)
     return torch.stack([(hits * valid).sum(), valid.sum().to(torch.float64)])
 
 

@@ -72,6 +72,8 @@ from typing import Any
 
 import torch
 
+from megatron_mis.core.checks import reads_values
+from megatron_mis.core.segments import to_device
 from megatron_mis.routing.config import RoutingReplayConfig  # noqa: F401
 from megatron_mis.routing.agreement import agreement_fractions, reduce_agreement
 from megatron_mis.routing.replay_hook import _RECORD, _REPLAY, _ReplayHook, native_replay_available
@@ -281,12 +283,13 @@ class RoutingReplay:
                 f"micro-batch {key!r}: the shard has layers {shard.layer_ids} but this rank replays "
                 f"routers of layers {missing} too (slice with local_moe_layer_ids / shard_spec_from_megatron)"
             )
-        if shard.replayed is not None and bool(shard.replayed.all()):
+        # reading the flags is free on the host (where routes arrive); on a device it would synchronise
+        if shard.replayed is not None and reads_values(shard.replayed) and bool(shard.replayed.all()):
             shard = RouteShard(shard.routes, shard.layer_ids, shard.valid)  # nothing falls back
         if self._entries:
             device = next(iter(self._entries.values())).router.weight.device
-            replayed = None if shard.replayed is None else shard.replayed.to(device)
-            shard = RouteShard(shard.routes.to(device, non_blocking=True), shard.layer_ids, shard.valid.to(device), replayed)
+            replayed = None if shard.replayed is None else _on(shard.replayed, device)
+            shard = RouteShard(_on(shard.routes, device), shard.layer_ids, _on(shard.valid, device), replayed)
         self._routes[key] = shard
 
     def load_routes(self, shards: Sequence[RouteShard], *, first_key: int = 0) -> None:
@@ -311,7 +314,7 @@ class RoutingReplay:
         ids = sorted(self._agreement)
         if not ids:
             return [], torch.zeros(0, 2, dtype=torch.float64)
-        return ids, torch.stack([self._agreement[i].detach().to("cpu") for i in ids])
+        return ids, torch.stack([self._agreement[i].detach() for i in ids]).to("cpu")  # one read
 
     def agreement(self, group: Any = None, *, num_layers: int | None = None) -> dict[int, float]:
         """Per-layer routing agreement ``{layer_id: fraction}`` (forward passes only).
@@ -417,8 +420,9 @@ class RoutingReplay:
                     f"input of {num_tokens} tokens; slice routes exactly like the tokens (CP layout, packing, "
                     "sequence parallel, padding)"
                 )
-            hook.action, hook.target, hook.valid = _REPLAY, target.to(hidden.device, non_blocking=True), valid
-            hook.fallback = None if fallback is None else fallback.to(hidden.device, non_blocking=True)
+            hook.action, hook.target = _REPLAY, _on(target, hidden.device)
+            hook.valid = None if valid is None else _on(valid, hidden.device)
+            hook.fallback = None if fallback is None else _on(fallback, hidden.device)
             hook.collect_agreement = self.config.routing_replay_agreement and not self._in_backward
             hook.count_fallback = not self._in_backward
         else:  # r2, first forward of this micro-batch
@@ -456,6 +460,14 @@ class RoutingReplay:
             self._fallback[entry.layer_id] = count if prev is None else prev + count
         hook.action = hook.target = hook.valid = hook.recorded = hook.agreement = None
         hook.fallback = hook.fallback_count = None
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; host tensors through pinned memory and a non-blocking copy (per
+    router call: a blocking copy would wait for the device)."""
+    if t.device.type == "cpu" and torch.device(device).type != "cpu":
+        return to_device(t, device)
+    return t.to(device)
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:

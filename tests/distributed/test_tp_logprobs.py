@@ -61,6 +61,31 @@ def test_bf16_logits_are_computed_in_float32():
     assert logits.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("chunk_size", [3, -1])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_rows_equal_the_gathered_copy_without_making_it(chunk_size, with_entropy):
+    """rows= gives the log-probs, entropy and logits gradient of the index_select path (exactly:
+    the same chunk arithmetic on the same rows), and no gradient outside the rows."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 9, 13, generator=g, dtype=torch.float64)
+    rows = torch.tensor([0, 3, 4, 5, 8, 9, 10, 17])
+    targets = torch.randint(0, 13, (rows.numel(),), generator=g)
+    a = logits.clone().requires_grad_()
+    lp_a, ent_a = vocab_parallel_log_probs(a.reshape(-1, 13).index_select(0, rows), targets, with_entropy=with_entropy, chunk_size=chunk_size)
+    b = logits.clone().requires_grad_()
+    lp_b, ent_b = vocab_parallel_log_probs(b, targets, rows=rows, with_entropy=with_entropy, chunk_size=chunk_size)
+    torch.testing.assert_close(lp_b, lp_a, rtol=0, atol=0)
+    w = torch.randn(rows.numel(), generator=g, dtype=torch.float64)
+    ((lp_a * w).sum() + (ent_a.sum() if with_entropy else 0)).backward()
+    ((lp_b * w).sum() + (ent_b.sum() if with_entropy else 0)).backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-15)
+    outside = torch.ones(18, dtype=torch.bool)
+    outside[rows] = False
+    assert torch.count_nonzero(b.grad.reshape(-1, 13)[outside]) == 0
+    with pytest.raises(ValueError, match="rows must be a 1-D integer index"):
+        vocab_parallel_log_probs(logits, targets[:3], rows=rows)
+
+
 def test_empty_and_bad_inputs():
     lp, ent = vocab_parallel_log_probs(torch.zeros(0, 7, requires_grad=True), torch.zeros(0, dtype=torch.long))
     assert lp.shape == (0,) and ent is None

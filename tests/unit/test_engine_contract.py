@@ -253,6 +253,54 @@ def test_inductor_compiled_stages_agree_with_eager():
     _compare_compiled("inductor", "seed000")
 
 
+def test_compiled_stages_have_no_host_synchronising_op():
+    """compile_engine, as far as it can be checked without a GPU: the aten graphs of both
+    compiled stages (captured by an aot_autograd backend, dynamic shapes) hold no op that reads
+    a value on the host (_local_scalar_dense, a copy to the CPU) or whose output shape depends on
+    the data (nonzero, masked_select, ...): those synchronise on any device. The graphs are
+    traced on the CPU, so device copies cannot show here; which copies inductor issues for CUDA
+    (the statistic index moved from pinned memory) needs a GPU: tests/fakecuda/test_real_cuda.py runs
+    compile_engine under set_sync_debug_mode('error') there (dynamo cannot trace the fake-CUDA
+    wrapper tensors, and inductor emits Triton for CUDA)."""
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from megatron_mis.core.segments import segment_layout
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        def fw(graph, inputs):
+            graphs.append(graph)
+            return graph
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+    torch._dynamo.reset()
+    plan = Plan.of(_cfg(**SEED000))
+    tok = torch.compile(engine._token_stage, fullgraph=True, dynamic=True, backend=capture)
+    out = torch.compile(engine._outputs, fullgraph=True, dynamic=True, backend=capture)
+    cu, tr, ro, m = _nonfinite_batch(9, 13, 9)
+    lay = segment_layout(cu, 9 * 13)
+    tokens, sums, mins, maxs = tok(tr, ro, m, lay, plan)
+    out(tokens, SequenceStatistics(sums, mins, maxs), None, plan)
+    try:
+        assert len(graphs) == 2, f"expected one graph per stage, got {len(graphs)}"
+        bad = []
+        for graph in graphs:
+            for node in graph.graph.nodes:
+                target = node.target
+                if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+                    continue
+                reads = target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+                dynamic = torch.Tag.dynamic_output_shape in target.tags or torch.Tag.data_dependent_output in target.tags
+                to_host = target is torch.ops.aten._to_copy.default and str(node.kwargs.get("device", "")) == "cpu"
+                if reads or dynamic or to_host:
+                    bad.append(f"{target} ({node.format_node()[:120]})")
+        assert not bad, "compiled stages hold host-synchronising ops:\n" + "\n".join(bad)
+    finally:
+        torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- accuracy
 def test_float32_token_work_is_as_accurate_as_float64():
     """Long sequences (up to 4096 tokens), small mismatches: the engine's float32 token work
@@ -379,3 +427,68 @@ def test_weights_only_mode_returns_no_metrics_and_the_same_weights():
     bare = compute_mis_from_lists(train, rollout, masks, _cfg(**SEED000, mis_metrics="none"))
     assert bare.token_metrics == {} and bare.summary == {}
     assert torch.equal(bare.keep_mask, full.keep_mask) and torch.equal(bare.weights, full.weights)
+
+
+def test_bshd_max_seq_lens_below_a_sample_length_is_rejected_at_cp1():
+    """Issue 27 backlog: bshd pads every sample to max_seq_lens, so a max_seq_len below a sample's
+    total length is a host bug at every CP size, CP = 1 included (it used to pass there)."""
+    from megatron_mis.parallel.layout import local_response_layout
+
+    lengths = [3, 5, 4]
+    totals = [k + 3 for k in lengths]  # 6, 8, 7
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(k, generator=g) for k in lengths]
+    kw = dict(pg_loss=torch.zeros(sum(lengths)), train_log_probs=parts, rollout_log_probs=parts,
+              loss_masks=[torch.ones(k) for k in lengths], total_lengths=totals, response_lengths=lengths,
+              cp_group=None, cp_layout="bshd")
+    msg = r"sample 1: total_length=8 \(prompt \+ response\) exceeds max_seq_len=7 \(max_seq_lens=\[8, 7, 8\]\)"
+    with pytest.raises(ValueError, match=msg):
+        compute_mis_weights_with_cp(Namespace(custom_config_path=None, use_tis=True), max_seq_lens=[8, 7, 8], **kw)
+    with pytest.raises(ValueError, match=r"sample 1: total_length=8 .* exceeds max_seq_len=7 \(max_seq_lens=7\)"):
+        local_response_layout(totals, lengths, 1, 0, layout="bshd", max_seq_lens=7)
+    # enough room: accepted, and the layout at CP = 1 is the whole responses
+    out = compute_mis_weights_with_cp(Namespace(custom_config_path=None, use_tis=True), max_seq_lens=8, **kw)
+    assert [m.numel() for m in out[1]] == lengths
+    assert local_response_layout(totals, lengths, 1, 0, layout="bshd", max_seq_lens=8).local_lengths.tolist() == lengths
+
+
+# ------------------------------------------------------------------------ kernel launches
+def _dispatched_ops(num_seqs: int, cfg: MISConfig) -> int:
+    """aten ops dispatched by one compute_mis call on num_seqs sequences of 64 tokens."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(num_seqs)
+    t = num_seqs * 64
+    train = torch.randn(t, generator=g) * 0.3 - 1.0
+    rollout = train + torch.randn(t, generator=g) * 0.1
+    mask = torch.rand(t, generator=g) > 0.1
+    cu = list(range(0, t + 1, 64))
+    with Count():
+        compute_mis(train, rollout, mask, cu, cfg)
+    return Count.n
+
+
+#: Dispatched aten ops per compute_mis call, seed-000 config: (standard metrics, mis_metrics none).
+#: 702 / 241 before issue 28; a rise is a regression (each op is a kernel launch on a GPU).
+OPS_STANDARD, OPS_NONE = 529, 195
+
+
+@pytest.mark.parametrize("metrics", ["standard", "none"])
+def test_dispatched_ops_per_call_are_flat_in_n_and_do_not_grow(metrics):
+    cfg = _cfg(**SEED000, mis_metrics=metrics)
+    at_8, at_256 = _dispatched_ops(8, cfg), _dispatched_ops(256, cfg)
+    assert at_8 == at_256, f"op count depends on N: {at_8} at N=8, {at_256} at N=256"
+    ceiling = OPS_STANDARD if metrics == "standard" else OPS_NONE
+    assert at_8 <= ceiling, f"{at_8} aten ops per call, more than the recorded {ceiling}"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 28 target not reached: 529 ops per call with the standard metrics, target <= 300")
+def test_dispatched_ops_reach_the_issue_28_target():
+    assert _dispatched_ops(8, _cfg(**SEED000)) <= 300

@@ -1,0 +1,18 @@
+"""The fake-CUDA tier: public entry points on ``cuda:0`` tensors (megatron_mis.testing.fake_cuda)
+must not synchronise with the host on a per-micro-batch path. Skipped, with the reason, where
+the harness cannot run (on a CUDA machine the real-device tests in test_real_cuda.py run instead)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_mis.testing.fake_cuda import fake_cuda, fake_cuda_unavailable_reason
+
+
+@pytest.fixture
+def probe():
+    reason = fake_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"fake CUDA unavailable: {reason}")
+    with fake_cuda() as p:
+        yield p
