@@ -68,9 +68,18 @@ class Denominators:
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "num_sequences"):
-            value = float(getattr(self, name))
+            raw = getattr(self, name)
+            try:
+                if isinstance(raw, (str, bytes, bool)):
+                    raise TypeError
+                value = float(raw)
+            except (TypeError, ValueError, OverflowError, RuntimeError):
+                raise ValueError(
+                    f"Denominators.{name}={raw!r} must be a finite count >= 0 (a number or a one-element "
+                    f"tensor), got {type(raw).__name__}"
+                ) from None
             if not math.isfinite(value) or value < 0:
-                raise ValueError(f"Denominators.{name}={getattr(self, name)!r} must be a finite count >= 0")
+                raise ValueError(f"Denominators.{name}={raw!r} must be a finite count >= 0")
             object.__setattr__(self, name, value)
 
     def __add__(self, other: "Denominators") -> "Denominators":

@@ -148,3 +148,14 @@ def test_sum_over_any_split_equals_whole_batch(batch, mode, rejected_in_denomina
     if isinstance(split, torch.Tensor) and split.requires_grad:
         (g_split,) = torch.autograd.grad(split, values)
         torch.testing.assert_close(g_split, g_whole, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["x", b"7", True, [1, 2], None, torch.ones(2)])
+def test_denominators_name_the_field_of_a_bad_count(bad):
+    """Issue 27's backlog: ``Denominators('x', 1)`` raised ``could not convert string to float``
+    without naming the field; a bool passed as a count was taken as 1."""
+    with pytest.raises(ValueError, match=r"Denominators\.num_tokens=.* must be a finite count >= 0"):
+        Denominators(bad, 1)
+    with pytest.raises(ValueError, match=r"Denominators\.num_sequences=.* must be a finite count >= 0"):
+        Denominators(3, bad)
+    assert Denominators(torch.tensor(3.0), 2).num_tokens == 3.0
