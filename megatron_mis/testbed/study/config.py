@@ -10,7 +10,7 @@ from typing import Any
 from megatron_mis.config.base import ConfigBase, doc
 from megatron_mis.testbed.demo.config import DemoConfig, available_cpus
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "Arm", "Setting", "StudyConfig", "run_config"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig", "run_config"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,101 @@ SETTINGS: dict[str, Setting] = {
 DEFAULT_SETTING = "int4"
 
 
+# ------------------------------------------------------------------------ dose-response sweeps
+@dataclass(frozen=True)
+class Sweep:
+    """A mechanism with a dose: one setting per dose (named ``NAME-LABEL``), the same arms at
+    every dose. ``values`` sets the dose's :class:`DemoConfig` fields; ``measure`` names the
+    dose on the report's axis."""
+
+    name: str
+    description: str
+    measure: str
+    doses: tuple[tuple[str, dict[str, Any]], ...]  # (label, DemoConfig fields at this dose)
+    base: dict[str, Any]
+    arms: tuple[str, ...]
+
+    def setting_name(self, label: str) -> str:
+        return f"{self.name}-{label}"
+
+    @property
+    def labels(self) -> list[str]:
+        return [label for label, _ in self.doses]
+
+    def dose_value(self, label: str) -> Any:
+        return dict(self.doses)[label][self.measure]
+
+
+#: The full sweeps' run length: long enough to reach the plateau and see late collapses.
+SWEEP_STEPS = 300
+_SWEEP_BASE: dict[str, Any] = {"rollout_precision": "fp32", "steps": SWEEP_STEPS}
+_CORRECTIONS: tuple[str, ...] = ("none", "ref_fp32", "token_tis", "token_mis", "sequence_mis")
+
+SWEEPS: dict[str, Sweep] = {
+    w.name: w
+    for w in (
+        Sweep(
+            "staleness",
+            "asynchronous RL: rollouts from the weights of k optimizer steps earlier (fp32 rollouts, so the "
+            "staleness is the only mismatch besides reduction order); 1 update per rollout batch",
+            "staleness",
+            tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2, 4, 8, 16)),
+            _SWEEP_BASE,
+            _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
+        ),
+        Sweep(
+            "staleness-multi",
+            "asynchronous RL with 4 optimizer updates per rollout batch (PPO's clip acts): rollouts from the "
+            "weights of k optimizer steps earlier",
+            "staleness",
+            tuple((f"k{k}", {"staleness": k}) for k in (0, 4, 8, 16)),
+            {**_SWEEP_BASE, "updates_per_step": 4, "micro_batch_size": 32},
+            _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
+        ),
+        Sweep(
+            "temperature",
+            "the rollout engine samples at temperature T and records log_softmax(logits / T); the trainer "
+            "computes its log-probs at T = 1 (a configuration bug class)",
+            "temperature",
+            tuple((f"t{t:g}", {"temperature": t, "trainer_temperature": 1.0}) for t in (1.0, 0.9, 0.75, 0.5, 1.25, 1.5)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+        Sweep(
+            "top-p-raw",
+            "nucleus sampling in the rollout, raw (untruncated) log-probs recorded, no truncation in the trainer: "
+            "a support mismatch the recorded log-probs do not show",
+            "top_p",
+            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+        Sweep(
+            "top-p-processed",
+            "nucleus sampling in the rollout, the truncated distribution's log-probs recorded, no truncation in "
+            "the trainer: every sampled token has pi_train / pi_rollout = the kept mass < 1",
+            "top_p",
+            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+    )
+}
+for _w in SWEEPS.values():
+    for _label, _values in _w.doses:
+        _name = _w.setting_name(_label)
+        if _name in SETTINGS:  # pragma: no cover - a definition error
+            raise RuntimeError(f"sweep setting {_name!r} clashes with a setting")
+        SETTINGS[_name] = _setting(
+            _name, f"{_w.name} sweep, {_w.measure} = {_w.dose_value(_label)!r}: {_w.description}",
+            arms=_w.arms, demo_correction="token_tis", **{**_w.base, **_values},
+        )
+#: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
+#: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
+_NO_MECHANISM: dict[str, Any] = {"staleness": 0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
+                                 "rollout_logprobs": "raw"}
+
+
 def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:
     return Arm(name, description, overrides, reference)
 
@@ -137,10 +232,11 @@ ARMS: dict[str, Arm] = {
              correction="none", routing_replay=True),
         _arm("r3_token_tis", "rollout routing replay (MoE only) + decoupled PPO with token IS weight truncated at 2",
              correction="token_tis", routing_replay=True),
-        _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), none", True,
-             correction="none", rollout_precision="fp32"),
+        _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), fresh weights, "
+             "the rollout's temperature in the trainer, no truncation; none", True,
+             correction="none", rollout_precision="fp32", **_NO_MECHANISM),
         _arm("ref_true_on_policy", "no-mismatch reference: true on-policy rollouts (bitwise equal log-probs), none", True,
-             correction="none", rollout_precision="fp32", true_on_policy=True),
+             correction="none", rollout_precision="fp32", true_on_policy=True, **_NO_MECHANISM),
     )
 }
 #: The arms of a dense setting (the routing-replay arms need an MoE model).
