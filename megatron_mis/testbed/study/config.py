@@ -186,7 +186,7 @@ SWEEPS: dict[str, Sweep] = {
             "nucleus sampling in the rollout, the truncated distribution's log-probs recorded, no truncation in "
             "the trainer: every sampled token has pi_train / pi_rollout = the kept mass < 1",
             "top_p",
-            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
+            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed" if p < 1 else "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
             _SWEEP_BASE,
             _CORRECTIONS,
         ),
@@ -252,6 +252,10 @@ class StudyConfig(ConfigBase):
     """Arms x seeds of the demo's GRPO run in one setting, with statistics (``docs/study.md``)."""
 
     setting: str = doc(DEFAULT_SETTING, "The task and mismatch source (see SETTINGS / --list).")
+    sweep: str | None = doc(
+        None, "A dose-response sweep (see SWEEPS / --list): every dose's setting with the sweep's arms; 'setting' is then ignored."
+    )
+    doses: list[str] | None = doc(None, "sweep only: the dose labels to run (null: all; with quick: the first and the last).")
     arms: list[str] | None = doc(
         None, "Arms to run (the first 'none' is the paired baseline); null: the setting's arms (DEFAULT_ARMS for a dense setting)."
     )
@@ -280,6 +284,15 @@ class StudyConfig(ConfigBase):
         out: list[str] = []
         if self.setting not in SETTINGS:
             out.append(f"setting={self.setting!r} is not one of {sorted(SETTINGS)}")
+        if self.sweep is not None:
+            if self.sweep not in SWEEPS:
+                out.append(f"sweep={self.sweep!r} is not one of {sorted(SWEEPS)}")
+            elif self.doses is not None:
+                bad_doses = [d for d in self.doses if d not in SWEEPS[self.sweep].labels]
+                if bad_doses or not self.doses:
+                    out.append(f"doses={self.doses!r}: each must be one of {SWEEPS[self.sweep].labels}")
+        elif self.doses is not None:
+            out.append("doses needs a sweep")
         if self.arms is not None:
             unknown = [a for a in self.arms if a not in ARMS]
             if unknown:
@@ -310,9 +323,10 @@ class StudyConfig(ConfigBase):
         if bad:
             out.append(f"extra keys {bad} are not DemoConfig fields")
         if not out:
+            probe = self.for_dose(self.dose_labels[0]) if self.sweep is not None else self
             for arm in self.arm_names:  # every run's DemoConfig validates (e.g. a batch that does not split)
                 try:
-                    run_config(self, arm, self.first_seed)
+                    run_config(probe, arm, self.first_seed)
                 except ValueError as exc:
                     out.append(f"arm {arm!r}: {exc}")
                     break
@@ -323,7 +337,23 @@ class StudyConfig(ConfigBase):
         """The arms run: ``arms``, or the setting's default arms."""
         if self.arms is not None:
             return list(self.arms)
+        if self.sweep is not None and self.sweep in SWEEPS:
+            return list(SWEEPS[self.sweep].arms)
         return list(SETTINGS[self.setting].arms or DEFAULT_ARMS)
+
+    @property
+    def dose_labels(self) -> list[str]:
+        """sweep only: the doses run (``doses``; with ``quick`` the first and the last; else all)."""
+        labels = SWEEPS[self.sweep].labels
+        if self.doses is not None:
+            return [d for d in labels if d in self.doses]
+        return [labels[0], labels[-1]] if self.quick else labels
+
+    def for_dose(self, label: str) -> "StudyConfig":
+        """sweep only: the study of one dose (its setting, the same arms, seeds and flags)."""
+        values = self.to_dict()
+        values.update(setting=SWEEPS[self.sweep].setting_name(label), sweep=None, doses=None)
+        return StudyConfig(**values)
 
     @property
     def num_jobs(self) -> int:
@@ -337,7 +367,11 @@ class StudyConfig(ConfigBase):
     def resolved_steps(self) -> int:
         if self.steps is not None:
             return self.steps
-        return int(QUICK["steps"]) if self.quick else int(SETTINGS[self.setting].overrides["steps"])
+        if self.quick:
+            return int(QUICK["steps"])
+        if self.sweep is not None:
+            return SWEEP_STEPS
+        return int(SETTINGS[self.setting].overrides["steps"])
 
 
 def run_config(study: StudyConfig, arm: str, seed: int, *, out_dir: str = "runs/study/.scratch") -> DemoConfig:
