@@ -94,6 +94,12 @@ class DemoConfig(ConfigBase):
     vocab_size: int = doc(
         16, "Model vocabulary: 4 special ids, the digits 0-9 and unused ids (>= 14; an untrained policy emits them too)."
     )
+    scratchpad: int = doc(
+        0,
+        "Long-tail task: free, unscored response tokens before the answer (responses scratchpad + max_digits "
+        "tokens; with a large vocab_size they sample the policy's low-probability tail). 0: the answer at once.",
+    )
+    distractors: int = doc(0, "Long-tail task: random unused-vocabulary ids in the prompt after the digits.")
     eos: bool = doc(
         False,
         "Answers must end with <eos>: response lengths vary (what --lr-schedule length-decay watches); "
@@ -252,6 +258,14 @@ class DemoConfig(ConfigBase):
             out.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size!r} must be >= 1 or null")
         if self.routing_replay and self.num_moe_experts is None:
             out.append("routing_replay=True needs an MoE model (set num_moe_experts)")
+        if self.scratchpad < 0 or self.scratchpad > 1024:
+            out.append(f"scratchpad={self.scratchpad!r} must lie in [0, 1024]")
+        if self.distractors < 0 or self.distractors > 64:
+            out.append(f"distractors={self.distractors!r} must lie in [0, 64]")
+        if self.scratchpad and self.eos:
+            out.append("scratchpad with eos=True: the answer's position is fixed by the scratchpad (no <eos>)")
+        if self.distractors and self.vocab_size <= 14:
+            out.append(f"distractors={self.distractors} need unused ids: vocab_size={self.vocab_size} must exceed 14")
         if self.vocab_size < 14:
             out.append(f"vocab_size={self.vocab_size!r} must be >= 14 (4 special ids and 10 digits)")
         # layout: the vocabulary and the heads split over TP; whole micro-batches per DP rank

@@ -202,14 +202,15 @@ class GRPOTrainer:
         self.reporter = self.last_stage and self.tp_rank == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
         self.task = DigitTask(
-            TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos, vocab_size=cfg.vocab_size)
+            TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos,
+                       vocab_size=cfg.vocab_size, scratchpad=cfg.scratchpad, distractors=cfg.distractors)
         )
         spec = GPTSpec(
             vocab_size=self.task.vocab_size,
             hidden_size=cfg.hidden_size,
             num_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads,
-            max_sequence_length=max(64, 2 * (cfg.max_digits + 3)),
+            max_sequence_length=max(64, 2 * (cfg.max_digits + 3) + cfg.scratchpad + cfg.distractors),
             num_moe_experts=cfg.num_moe_experts,
             moe_router_topk=cfg.moe_router_topk,
         )
