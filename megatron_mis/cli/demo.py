@@ -31,6 +31,8 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--vocab-size", "vocab_size", {"type": int, "metavar": "V"}),
     ("--scratchpad", "scratchpad", {"type": int, "metavar": "S"}),
     ("--distractors", "distractors", {"type": int, "metavar": "M"}),
+    ("--scratchpad-position", "scratchpad_position", {"choices": ("before", "after")}),
+    ("--digit-credit", "digit_credit", {"type": float, "metavar": "C"}),
     ("--prompts-per-step", "prompts_per_step", {"type": int, "metavar": "P"}),
     ("--samples-per-prompt", "samples_per_prompt", {"type": int, "metavar": "G"}),
     ("--advantage-estimator", "advantage_estimator", {"choices": ("grpo", "rloo")}),
@@ -232,7 +234,7 @@ def _mechanisms(cfg) -> str:
         parts.append(f"rollout top_p {cfg.top_p:g} / top_k {cfg.top_k} ({cfg.rollout_logprobs} log-probs recorded), "
                      "no truncation in the trainer")
     if cfg.scratchpad or cfg.distractors:
-        parts.append(f"long-tail task: {cfg.scratchpad} scratchpad tokens before the answer, {cfg.distractors} distractors")
+        parts.append(f"long-tail task: {cfg.scratchpad} scratchpad tokens {cfg.scratchpad_position} the answer, {cfg.distractors} distractors")
     return "".join(f"\n  mechanism: {p}" for p in parts)
 
 

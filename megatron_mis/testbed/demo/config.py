@@ -99,6 +99,10 @@ class DemoConfig(ConfigBase):
         "Long-tail task: free, unscored response tokens before the answer (responses scratchpad + max_digits "
         "tokens; with a large vocab_size they sample the policy's low-probability tail). 0: the answer at once.",
     )
+    scratchpad_position: Literal["before", "after"] = doc(
+        "before", "Long-tail task: the scratchpad before the answer, or after it (the answer first; learns faster)."
+    )
+    digit_credit: float = doc(0.0, "Long-tail task: reward credit for a wrong digit at an answer position (0: none).")
     distractors: int = doc(0, "Long-tail task: random unused-vocabulary ids in the prompt after the digits.")
     eos: bool = doc(
         False,
@@ -258,6 +262,8 @@ class DemoConfig(ConfigBase):
             out.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size!r} must be >= 1 or null")
         if self.routing_replay and self.num_moe_experts is None:
             out.append("routing_replay=True needs an MoE model (set num_moe_experts)")
+        if not 0.0 <= self.digit_credit < 1.0:
+            out.append(f"digit_credit={self.digit_credit!r} must lie in [0, 1)")
         if self.scratchpad < 0 or self.scratchpad > 1024:
             out.append(f"scratchpad={self.scratchpad!r} must lie in [0, 1024]")
         if self.distractors < 0 or self.distractors > 64:

@@ -75,6 +75,16 @@ class TaskConfig(ConfigBase):
         "Free (unscored) response tokens before the answer: responses of scratchpad + max_length tokens whose "
         "low-probability tail over a large vocabulary is where a mismatch concentrates (0: the answer at once).",
     )
+    scratchpad_position: Literal["before", "after"] = doc(
+        "before",
+        "before: the scratchpad precedes the answer (the answer's position moves with it); after: the answer "
+        "comes first and the scratchpad follows it (unscored, as the tokens past the answer always are).",
+    )
+    digit_credit: float = doc(
+        0.0,
+        "Partial credit for a wrong digit at an answer position (0: none). With a large vocabulary an untrained "
+        "policy rarely emits a digit; this credit gives GRPO a signal from the first steps.",
+    )
     distractors: int = doc(
         0, "Random ids from the unused part of the vocabulary written into the prompt after the digits (before <sep>)."
     )
@@ -87,6 +97,10 @@ class TaskConfig(ConfigBase):
             out.append(f"max_length={self.max_length!r} must be >= min_length={self.min_length!r}")
         if self.num_symbols < 2:
             out.append(f"num_symbols={self.num_symbols!r} must be >= 2")
+        if self.scratchpad_position not in ("before", "after"):
+            out.append(f"scratchpad_position={self.scratchpad_position!r} must be 'before' or 'after'")
+        if not 0.0 <= self.digit_credit < 1.0:
+            out.append(f"digit_credit={self.digit_credit!r} must lie in [0, 1)")
         if self.scratchpad < 0:
             out.append(f"scratchpad={self.scratchpad!r} must be >= 0")
         if self.distractors < 0:
@@ -127,6 +141,11 @@ class DigitTask:
     def __init__(self, config: TaskConfig | None = None) -> None:
         self.config = config or TaskConfig()
         self._target = TASK_KINDS.get(self.config.kind)
+
+    @property
+    def _offset(self) -> int:
+        """Where the answer starts in a response."""
+        return self.config.scratchpad if self.config.scratchpad_position == "before" else 0
 
     # ----------------------------------------------------------------------- vocabulary
     @property
@@ -203,13 +222,14 @@ class DigitTask:
 
     # --------------------------------------------------------------------------- reward
     def _answer_part(self, response: torch.Tensor) -> list[int]:
-        ids = [int(t) for t in response.tolist()][self.config.scratchpad :]
+        ids = [int(t) for t in response.tolist()][self._offset :]
         if self.config.stop_with_eos and EOS in ids:
             return ids[: ids.index(EOS)]
         return ids
 
     def reward(self, problem: Problem, response: Sequence[int] | torch.Tensor) -> float:
-        """Score in ``[0, 1]``: answer positions right (after the ``scratchpad`` free tokens) / ``len(answer)`` (with
+        """Score in ``[0, 1]``: answer positions right (after the ``scratchpad`` free tokens; a wrong
+        digit counts ``digit_credit``) / ``len(answer)`` (with
         ``stop_with_eos``: / ``max(len(answer), tokens before <eos>)``, the whole response when
         it has no ``<eos>``). Without ``stop_with_eos`` tokens past the answer length are
         ignored."""
@@ -217,13 +237,16 @@ class DigitTask:
         got = self._answer_part(resp)
         want = problem.answer.tolist()
         matches = sum(1 for a, b in zip(got, want) if a == b)
+        if self.config.digit_credit:
+            digits = range(DIGIT0, DIGIT0 + self.config.num_symbols)
+            matches += self.config.digit_credit * sum(1 for a, b in zip(got, want) if a != b and a in digits)
         if self.config.stop_with_eos:
             return matches / max(len(want), len(got))
         return matches / len(want)
 
     def is_correct(self, problem: Problem, response: Sequence[int] | torch.Tensor) -> bool:
         """Exactly the answer (and, with ``stop_with_eos``, an ``<eos>`` right after it)."""
-        resp = torch.as_tensor(response, dtype=torch.long).tolist()[self.config.scratchpad :]
+        resp = torch.as_tensor(response, dtype=torch.long).tolist()[self._offset :]
         want = problem.answer.tolist()
         if self.config.stop_with_eos:
             return resp[: len(want) + 1] == want + [EOS]

@@ -203,7 +203,8 @@ class GRPOTrainer:
 
         self.task = DigitTask(
             TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos,
-                       vocab_size=cfg.vocab_size, scratchpad=cfg.scratchpad, distractors=cfg.distractors)
+                       vocab_size=cfg.vocab_size, scratchpad=cfg.scratchpad, distractors=cfg.distractors,
+                       scratchpad_position=cfg.scratchpad_position, digit_credit=cfg.digit_credit)
         )
         spec = GPTSpec(
             vocab_size=self.task.vocab_size,

@@ -142,6 +142,14 @@ SWEEP_STEPS = 300
 _SWEEP_BASE: dict[str, Any] = {"rollout_precision": "fp32", "steps": SWEEP_STEPS}
 _CORRECTIONS: tuple[str, ...] = ("none", "ref_fp32", "token_tis", "token_mis", "sequence_mis")
 
+#: The long-tail task (issue 29): a vocabulary of 512 ids, distractors, a free scratchpad before the
+#: answer; a small batch (8 prompts x 8 samples in micro-batches of 4: the packed attention costs
+#: grow with the micro-batch's length) so a step stays about a second at 64-token responses.
+_LONG_TAIL: dict[str, Any] = {
+    "vocab_size": 512, "distractors": 4, "digit_credit": 0.3, "scratchpad_position": "before",
+    "prompts_per_step": 8, "samples_per_prompt": 8, "micro_batch_size": 4, "lr": 5e-3,
+}
+
 SWEEPS: dict[str, Sweep] = {
     w.name: w
     for w in (
@@ -189,6 +197,23 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed" if p < 1 else "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
             _SWEEP_BASE,
             _CORRECTIONS,
+        ),
+        Sweep(
+            "long-tail",
+            "the long-tail task: vocabulary 512, 4 distractor ids in the prompt, a free scratchpad of S tokens "
+            "(responses of S + 3 = 64, 128, 256 tokens) and 3 digits to copy; int4 rollouts",
+            "scratchpad",
+            tuple((f"s{n}", {"scratchpad": n}) for n in (61, 125, 253)),
+            {**_SWEEP_BASE, **_LONG_TAIL, "rollout_precision": "int4"},
+            _CORRECTIONS + ("sequence_tis", "geo_rs_token_tis"),
+        ),
+        Sweep(
+            "long-tail-precision",
+            "the long-tail task with 128-token responses (vocabulary 512, scratchpad 125): bf16, int8 and int4 rollouts",
+            "rollout_precision",
+            tuple((p, {"rollout_precision": p}) for p in ("bf16", "int8", "int4")),
+            {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 125},
+            _CORRECTIONS + ("sequence_tis", "geo_rs_token_tis"),
         ),
     )
 }
