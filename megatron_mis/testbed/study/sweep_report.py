@@ -30,12 +30,15 @@ def sweep_dir(study: StudyConfig) -> Path:
 
 
 def _run_extras(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Mean gradient norm over steps and seeds; the fraction of runs with a monitor warning."""
+    """Mean gradient norm over steps and seeds; the runs the mismatch monitor flagged on a
+    mismatch metric (K3 KL, log-ppl gap: warnings whose message starts with ``mis_``) and on any
+    metric (gradient norm included)."""
     norms = [r["grad_norm"] for run in runs.values() for r in run["records"] if r.get("grad_norm") is not None]
-    flagged = [any(r.get("monitor_warnings") for r in run["records"]) for run in runs.values()]
+    warned = [[w for r in run["records"] for w in (r.get("monitor_warnings") or [])] for run in runs.values()]
     return {
         "grad_norm_mean": float(np.mean(norms)) if norms else None,
-        "monitor_flagged": {"k": int(sum(flagged)), "n": len(flagged)},
+        "monitor_flagged": {"k": sum(any(w.startswith("mis_") for w in ws) for ws in warned), "n": len(warned)},
+        "monitor_any": {"k": sum(bool(ws) for ws in warned), "n": len(warned)},
     }
 
 
@@ -99,7 +102,7 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         f"{summary['parallel_runs']} run(s) in parallel on {m['cores']} core(s) ({m['cpu']}).",
         "",
         "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | reached threshold "
-        "| grad norm | monitor flagged |",
+        "| grad norm | monitor: mismatch / any |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in summary["doses"]:
@@ -107,14 +110,16 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
             k3 = row["k3_mean"]
             gn = row.get("grad_norm_mean")
             mon = row.get("monitor_flagged", {"k": 0, "n": 0})
+            anyw = row.get("monitor_any", {"k": 0, "n": 0})
             lines.append(
                 f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'} | {_fmt_ci(row['final_reward'])} "
                 f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {row['steps_to_threshold']['reached']}/{row['n']} "
-                f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} |"
+                f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
             )
     sd = summary["paired_sd"]
-    lines += ["", "`*`: the paired bootstrap interval excludes 0.", ""]
+    lines += ["", "`*`: the paired bootstrap interval excludes 0. Monitor: runs with a warning on K3 KL or the log-ppl "
+              "gap / runs with any warning (the gradient norm's included).", ""]
     if sd is None:
         lines.append("Paired SD of none - reference: not measured (needs >= 2 seeds of none and the reference at a dose).")
     else:
