@@ -47,6 +47,9 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     assert (lt.vocab_size, lt.scratchpad, lt.precision, lt.distractors) == (512, 253, "int4", 4)
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
             for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]
+    moe = StudyConfig(sweep="moe-ties")
+    assert "r3" in moe.arm_names and run_config(moe.for_dose("e64"), "r3", 0).routing_replay
+    assert [run_config(moe.for_dose(e), "none", 0).num_moe_experts for e in ("e16", "e32", "e64")] == [16, 32, 64]
     quick = StudyConfig(sweep="temperature", quick=True)
     assert quick.dose_labels == ["t1", "t1.5"] and quick.resolved_steps == 4
     with pytest.raises(ConfigError) as e:

@@ -215,6 +215,16 @@ SWEEPS: dict[str, Sweep] = {
             {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 125},
             _CORRECTIONS + ("sequence_tis", "geo_rs_token_tis"),
         ),
+        Sweep(
+            "moe-ties",
+            "the MoE GPT (top-2, every layer MoE, experts of width 64) with int4 rollouts; more experts per layer put "
+            "more router choices near ties, so more of them flip against the fp32 trainer (a 3-step probe: 4-9% of "
+            "the rollout's experts, 9-18% of (token, layer) choices at 32-64 experts); R3 among the arms",
+            "num_moe_experts",
+            tuple((f"e{e}", {"num_moe_experts": e}) for e in (16, 32, 64)),
+            {**_SWEEP_BASE, "rollout_precision": "int4", "moe_router_topk": 2, "moe_ffn_hidden_size": 64},
+            MOE_ARMS,
+        ),
     )
 }
 for _w in SWEEPS.values():

@@ -111,8 +111,10 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
             gn = row.get("grad_norm_mean")
             mon = row.get("monitor_flagged", {"k": 0, "n": 0})
             anyw = row.get("monitor_any", {"k": 0, "n": 0})
+            flip = row.get("route_flip_mean")
             lines.append(
-                f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'} | {_fmt_ci(row['final_reward'])} "
+                f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'}"
+                f"{'' if not flip else f' (flips {flip[0]:.1%})'} | {_fmt_ci(row['final_reward'])} "
                 f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {row['steps_to_threshold']['reached']}/{row['n']} "
                 f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
