@@ -42,7 +42,7 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     assert p.top_p == 0.9 and p.rollout_logprobs == "processed"
     # the staleness / sampling sweeps isolate their mechanism: fp32 rollouts
     assert all(SETTINGS[w.setting_name(lab)].overrides["rollout_precision"] == "fp32"
-               for w in SWEEPS.values() if not w.name.startswith("long-tail") for lab in w.labels)
+               for w in SWEEPS.values() if not w.name.startswith(("long-tail", "moe")) for lab in w.labels)
     lt = run_config(StudyConfig(sweep="long-tail").for_dose("s253"), "none", 0)
     assert (lt.vocab_size, lt.scratchpad, lt.precision, lt.distractors) == (512, 253, "int4", 4)
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
