@@ -125,6 +125,8 @@ class Sweep:
     doses: tuple[tuple[str, dict[str, Any]], ...]  # (label, DemoConfig fields at this dose)
     base: dict[str, Any]
     arms: tuple[str, ...]
+    #: the correction ``megatron-mis demo --compare --preset NAME-DOSE`` sets against none
+    demo_correction: str = "token_tis"
 
     def setting_name(self, label: str) -> str:
         return f"{self.name}-{label}"
@@ -161,6 +163,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2, 4, 8, 16)),
             _SWEEP_BASE,
             _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
+            demo_correction="decoupled_ppo",
         ),
         Sweep(
             "staleness-multi",
@@ -170,6 +173,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"k{k}", {"staleness": k}) for k in (0, 4, 8, 16)),
             {**_SWEEP_BASE, "updates_per_step": 4, "micro_batch_size": 32},
             _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
+            demo_correction="decoupled_ppo",
         ),
         Sweep(
             "temperature",
@@ -234,7 +238,7 @@ for _w in SWEEPS.values():
             raise RuntimeError(f"sweep setting {_name!r} clashes with a setting")
         SETTINGS[_name] = _setting(
             _name, f"{_w.name} sweep, {_w.measure} = {_w.dose_value(_label)!r}: {_w.description}",
-            arms=_w.arms, demo_correction="token_tis", **{**_w.base, **_values},
+            arms=_w.arms, demo_correction=_w.demo_correction, **{**_w.base, **_values},
         )
 #: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
 #: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
