@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="Hide the progress bar.")
     p.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="Do not write report.png.")
     p.add_argument("--report-only", action="store_true", help="Do not run anything: write the report from the finished runs.")
-    p.add_argument("--list", action="store_true", help="List the settings and arms and exit.")
+    p.add_argument("--list", action="store_true", help="List the settings, the arms and the dose-response sweeps and exit.")
     p.set_defaults(run=run)
 
 
