@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_mis.analysis.single import fmt
 
-__all__ = ["format_compare", "format_history", "to_json", "json_safe", "plot_history"]
+__all__ = ["format_compare", "format_history", "to_json", "json_safe", "plot_history", "recommendation"]
 
 _COLUMNS = (
     ("rollout", "rollout_id", 7),
@@ -78,6 +78,11 @@ def format_history(report: dict[str, Any]) -> str:
         "k3 = r - 1 - log r per loss token (mean, p99, max); |dlogppl| = |rollout - training log-ppl| per sequence;",
         "ess = (sum r)^2 / (n sum r^2); rej / veto = fractions rejected / vetoed by the config above.",
     ]
+    rec = recommendation(report)
+    if rec is not None:
+        band = f", geometric band [{rec['geometric_band'][0]:.4f}, {rec['geometric_band'][1]:.4f}]" if rec["geometric_band"] else ""
+        lines += ["", f"Recommended correction: {rec['correction']}{band} ({rec['regime']}): {rec['reason']}.",
+                  f"  basis: {rec['basis']} (docs/study.md, 'Which correction for which K3 and length')"]
     surge = report["surge"]
     lines.append("")
     if surge["fired"]:
@@ -141,10 +146,26 @@ def json_safe(value: Any, path: str = "$", replaced: list[str] | None = None) ->
     return value
 
 
+def recommendation(report: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`megatron_mis.analysis.recommend.recommend` on the report's overall mean K3 and mean
+    response length, as a dict; ``None`` when either is missing or not finite."""
+    from dataclasses import asdict
+
+    from megatron_mis.analysis.recommend import recommend
+
+    overall = report.get("overall") or {}
+    k3, length = overall.get("k3_mean"), overall.get("response_length")
+    if k3 is None or length is None or not (math.isfinite(k3) and math.isfinite(length)) or k3 < 0 or length < 1:
+        return None
+    return asdict(recommend(k3, length))
+
+
 def to_json(report: dict[str, Any]) -> str:
     """Strict JSON (no NaN / Infinity): non-finite values become ``null`` and their paths are
     listed under ``non_finite_values_as_null``."""
     replaced: list[str] = []
+    if "overall" in report and "recommendation" not in report:
+        report = {**report, "recommendation": recommendation(report)}
     safe = json_safe(report, "$", replaced)
     if replaced:
         safe["non_finite_values_as_null"] = replaced

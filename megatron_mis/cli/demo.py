@@ -20,10 +20,19 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--correction", "correction", {"metavar": "PRESET"}),
     ("--rollout-precision", "rollout_precision", {"choices": ("fp32", "bf16", "fp16", "int8", "int4")}),
     ("--temperature", "temperature", {"type": float, "metavar": "T"}),
+    ("--trainer-temperature", "trainer_temperature", {"type": float, "metavar": "T"}),
+    ("--top-p", "top_p", {"type": float, "metavar": "P"}),
+    ("--top-k", "top_k", {"type": int, "metavar": "K"}),
+    ("--rollout-logprobs", "rollout_logprobs", {"choices": ("raw", "processed")}),
+    ("--staleness", "staleness", {"type": int, "metavar": "K"}),
     ("--task", "task", {"choices": ("copy", "reverse", "sort")}),
     ("--min-digits", "min_digits", {"type": int, "metavar": "N"}),
     ("--max-digits", "max_digits", {"type": int, "metavar": "N"}),
     ("--vocab-size", "vocab_size", {"type": int, "metavar": "V"}),
+    ("--scratchpad", "scratchpad", {"type": int, "metavar": "S"}),
+    ("--distractors", "distractors", {"type": int, "metavar": "M"}),
+    ("--scratchpad-position", "scratchpad_position", {"choices": ("before", "after")}),
+    ("--digit-credit", "digit_credit", {"type": float, "metavar": "C"}),
     ("--prompts-per-step", "prompts_per_step", {"type": int, "metavar": "P"}),
     ("--samples-per-prompt", "samples_per_prompt", {"type": int, "metavar": "G"}),
     ("--advantage-estimator", "advantage_estimator", {"choices": ("grpo", "rloo")}),
@@ -210,8 +219,23 @@ def describe(cfg) -> str:
         f"task '{cfg.task}' ({cfg.min_digits}-{cfg.max_digits} digits), Megatron-Core GPT hidden {cfg.hidden_size} x "
         f"{cfg.num_layers} layers, vocabulary {cfg.vocab_size}\n"
         f"  rollouts: {rollout}; trainer: fp32 pi_old recompute; correction: {runs}\n"
-        f"  layout: {layout}"
+        f"  layout: {layout}" + _mechanisms(cfg)
     )
+
+
+def _mechanisms(cfg) -> str:
+    """The dose-response mechanisms switched on (an empty string by default)."""
+    parts = []
+    if cfg.staleness:
+        parts.append(f"rollouts from the weights of {cfg.staleness} optimizer step(s) earlier")
+    if cfg.resolved_trainer_temperature != cfg.temperature:
+        parts.append(f"rollout temperature {cfg.temperature:g}, trainer temperature {cfg.resolved_trainer_temperature:g}")
+    if cfg.top_p < 1 or cfg.top_k:
+        parts.append(f"rollout top_p {cfg.top_p:g} / top_k {cfg.top_k} ({cfg.rollout_logprobs} log-probs recorded), "
+                     "no truncation in the trainer")
+    if cfg.scratchpad or cfg.distractors:
+        parts.append(f"long-tail task: {cfg.scratchpad} scratchpad tokens {cfg.scratchpad_position} the answer, {cfg.distractors} distractors")
+    return "".join(f"\n  mechanism: {p}" for p in parts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from megatron_mis.config import ConfigError
 # (flag, StudyConfig field, argparse extras); help texts come from the config's field docs
 _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--setting", "setting", {"metavar": "NAME"}),
+    ("--sweep", "sweep", {"metavar": "NAME"}),
     ("--seeds", "seeds", {"type": int, "metavar": "N"}),
     ("--first-seed", "first_seed", {"type": int, "metavar": "S"}),
     ("--steps", "steps", {"type": int, "metavar": "N"}),
@@ -47,7 +48,9 @@ def add_parser(sub) -> None:
             "  megatron-mis study --quick                  # smoke run: 2 seeds x 4 small steps\n"
             "  megatron-mis study --setting bf16 --arms none,token_tis,ref_fp32 --seeds 4\n"
             "  megatron-mis study --report-only            # re-read the finished runs, rewrite the report\n"
-            "  megatron-mis study --list                   # settings and arms"
+            "  megatron-mis study --list                   # settings, arms and dose-response sweeps\n"
+            "  megatron-mis study --sweep staleness --seeds 8 --jobs 2   # a dose-response sweep (resumable)\n"
+            "  megatron-mis study --sweep temperature --quick            # its smoke run: first and last dose"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -55,6 +58,7 @@ def add_parser(sub) -> None:
         _, default, text = docs[field]
         p.add_argument(flag, dest=field, default=None, help=f"{text} (default: {default})".replace("%", "%%"), **extra)
     p.add_argument("--arms", default=None, metavar="A,B,..", help="Comma-separated arms (default: the setting's arms; see --list).")
+    p.add_argument("--doses", default=None, metavar="A,B,..", help="--sweep only: comma-separated dose labels (default: all; see --list).")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="A further demo setting for every run (e.g. --set lr=0.005); repeatable.")
     p.add_argument("--quick", action="store_true", default=None,
@@ -62,7 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="Hide the progress bar.")
     p.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="Do not write report.png.")
     p.add_argument("--report-only", action="store_true", help="Do not run anything: write the report from the finished runs.")
-    p.add_argument("--list", action="store_true", help="List the settings and arms and exit.")
+    p.add_argument("--list", action="store_true", help="List the settings, the arms and the dose-response sweeps and exit.")
     p.set_defaults(run=run)
 
 
@@ -82,6 +86,8 @@ def build_config(args: argparse.Namespace):
     from megatron_mis.testbed.study.config import QUICK, StudyConfig
 
     values = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
+    if args.doses is not None:
+        values["doses"] = [d.strip() for d in args.doses.split(",") if d.strip()]
     if args.arms is not None:
         values["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
     if args.extra:
@@ -95,21 +101,30 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_mis.testbed.study.config import ARMS, SETTINGS
+    from megatron_mis.testbed.study.config import ARMS, SETTINGS, SWEEPS
 
     if args.list:
         print("settings:")
+        sweep_settings = {w.setting_name(label) for w in SWEEPS.values() for label in w.labels}
         for name, s in SETTINGS.items():
-            print(f"  {name:14s} {s.description}")
+            if name not in sweep_settings:
+                print(f"  {name:14s} {s.description}")
         print("arms:")
         for name, a in ARMS.items():
             print(f"  {name:20s} {a.description}")
+        print("dose-response sweeps (--sweep NAME [--doses A,B]; each dose is the setting NAME-DOSE):")
+        for name, w in SWEEPS.items():
+            print(f"  {name:16s} {w.description}")
+            print(f"  {'':16s}   dose {w.measure}: {', '.join(w.labels)}")
+            print(f"  {'':16s}   arms: {', '.join(w.arms)}")
         return 0
     try:
         study = build_config(args)
     except ConfigError as exc:
         print(f"megatron-mis study: {exc}", file=sys.stderr)
         return 2
+    if study.sweep is not None:
+        return _run_sweep(study, report_only=args.report_only)
     from megatron_mis.testbed.study.report import format_markdown, write_report
     from megatron_mis.testbed.study.runner import StudyError, run_study, study_dir
 
@@ -130,4 +145,28 @@ def run(args: argparse.Namespace) -> int:
     out = study_dir(study)
     print(f"wrote {out / 'report.md'}, {out / 'summary.json'}" + (f", {out / 'report.png'}" if study.plot else ""),
           file=sys.stderr)
+    return 0
+
+
+def _run_sweep(study, *, report_only: bool) -> int:
+    from megatron_mis.testbed.study.runner import StudyError, plan_sweep, run_sweep
+    from megatron_mis.testbed.study.sweep_report import format_sweep_markdown, sweep_dir, write_sweep_report
+
+    if not report_only:
+        n = len(plan_sweep(study))
+        print(f"sweep {study.sweep}: {len(study.dose_labels)} doses x {len(study.arm_names)} arms x {study.seeds} seeds = "
+              f"{n} runs of {study.resolved_steps} steps, {study.num_jobs} in parallel x {study.threads} thread(s) "
+              f"-> {study.out_dir}", file=sys.stderr)
+        try:
+            done = run_sweep(study)
+        except StudyError as exc:
+            print(f"megatron-mis study: {exc}", file=sys.stderr)
+            return 1
+        print(f"ran {done['ran']} runs, reused {done['reused']}, {done['wall_s']:.0f} s", file=sys.stderr)
+    summary = write_sweep_report(study)
+    if not summary["doses"]:
+        print("megatron-mis study: no finished runs to report", file=sys.stderr)
+        return 1
+    print(format_sweep_markdown(summary))
+    print(f"wrote {sweep_dir(study) / 'report.md'}", file=sys.stderr)
     return 0

@@ -68,7 +68,25 @@ class DemoConfig(ConfigBase):
         "solution): rollout and training log-probs are bitwise equal, checked every step (needs fp32, "
         "tp <= 2, cp = pp = 1). The fast fp32 engine is timed on the same prompts for the cost.",
     )
-    temperature: float = doc(1.0, "Sampling temperature (the trainer's log-probs use the same).")
+    temperature: float = doc(1.0, "Sampling temperature (the trainer's log-probs use the same unless trainer_temperature is set).")
+    trainer_temperature: float | None = doc(
+        None,
+        "The temperature of the trainer's log-probs (pi_old, pi_theta); null: the rollout's. Set it apart from "
+        "temperature to reproduce the bug class where the rollout engine applies a temperature the trainer does "
+        "not (the dose-response mechanism 'temperature').",
+    )
+    top_p: float = doc(1.0, "Rollout nucleus sampling (1: off); the trainer does not truncate (a support mismatch).")
+    top_k: int = doc(0, "Rollout top-k sampling (0: off); the trainer does not truncate.")
+    rollout_logprobs: Literal["raw", "processed"] = doc(
+        "raw",
+        "With top_p / top_k: the rollout records the raw log-probs of softmax(logits / T) (SGLang's default) or "
+        "the processed ones of the truncated, renormalised distribution it sampled from.",
+    )
+    staleness: int = doc(
+        0,
+        "Policy staleness as in asynchronous RL: each rollout uses the weights of this many optimizer steps "
+        "earlier (a ring buffer of weight snapshots; the first steps use the initial weights). 0: fresh weights.",
+    )
     # ---- task ----------------------------------------------------------------------------
     task: Literal["copy", "reverse", "sort"] = doc("copy", "The synthetic task: copy, reverse or sort the prompt digits.")
     min_digits: int = doc(3, "Fewest digits per prompt.")
@@ -76,6 +94,16 @@ class DemoConfig(ConfigBase):
     vocab_size: int = doc(
         16, "Model vocabulary: 4 special ids, the digits 0-9 and unused ids (>= 14; an untrained policy emits them too)."
     )
+    scratchpad: int = doc(
+        0,
+        "Long-tail task: free, unscored response tokens before the answer (responses scratchpad + max_digits "
+        "tokens; with a large vocab_size they sample the policy's low-probability tail). 0: the answer at once.",
+    )
+    scratchpad_position: Literal["before", "after"] = doc(
+        "before", "Long-tail task: the scratchpad before the answer, or after it (the answer first; learns faster)."
+    )
+    digit_credit: float = doc(0.0, "Long-tail task: reward credit for a wrong digit at an answer position (0: none).")
+    distractors: int = doc(0, "Long-tail task: random unused-vocabulary ids in the prompt after the digits.")
     eos: bool = doc(
         False,
         "Answers must end with <eos>: response lengths vary (what --lr-schedule length-decay watches); "
@@ -147,6 +175,11 @@ class DemoConfig(ConfigBase):
         return "fp32" if self.true_on_policy else "bf16"
 
     @property
+    def resolved_trainer_temperature(self) -> float:
+        """The temperature of the trainer's log-probs."""
+        return self.temperature if self.trainer_temperature is None else self.trainer_temperature
+
+    @property
     def num_sequences(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
 
@@ -175,6 +208,20 @@ class DemoConfig(ConfigBase):
             out.append(f"max_digits={self.max_digits!r} must be <= 16 (a small demo)")
         if not self.temperature > 0:
             out.append(f"temperature={self.temperature!r} must be > 0")
+        if self.trainer_temperature is not None and not self.trainer_temperature > 0:
+            out.append(f"trainer_temperature={self.trainer_temperature!r} must be > 0 or null")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p={self.top_p!r} must lie in (0, 1]")
+        if self.top_k < 0:
+            out.append(f"top_k={self.top_k!r} must be >= 0 (0: off)")
+        if self.rollout_logprobs not in ("raw", "processed"):
+            out.append(f"rollout_logprobs={self.rollout_logprobs!r} must be 'raw' or 'processed'")
+        if self.staleness < 0:
+            out.append(f"staleness={self.staleness!r} must be >= 0")
+        if self.true_on_policy and (self.staleness or self.top_k or self.top_p < 1 or (
+                self.trainer_temperature is not None and self.trainer_temperature != self.temperature)):
+            out.append("true_on_policy with staleness / top_k / top_p / trainer_temperature: a true on-policy rollout "
+                       "has none of these mismatches (set them only with the fast engine)")
         if not self.lr > 0:
             out.append(f"lr={self.lr!r} must be > 0")
         if self.clip_grad < 0:
@@ -215,6 +262,16 @@ class DemoConfig(ConfigBase):
             out.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size!r} must be >= 1 or null")
         if self.routing_replay and self.num_moe_experts is None:
             out.append("routing_replay=True needs an MoE model (set num_moe_experts)")
+        if not 0.0 <= self.digit_credit < 1.0:
+            out.append(f"digit_credit={self.digit_credit!r} must lie in [0, 1)")
+        if self.scratchpad < 0 or self.scratchpad > 1024:
+            out.append(f"scratchpad={self.scratchpad!r} must lie in [0, 1024]")
+        if self.distractors < 0 or self.distractors > 64:
+            out.append(f"distractors={self.distractors!r} must lie in [0, 64]")
+        if self.scratchpad and self.eos:
+            out.append("scratchpad with eos=True: the answer's position is fixed by the scratchpad (no <eos>)")
+        if self.distractors and self.vocab_size <= 14:
+            out.append(f"distractors={self.distractors} need unused ids: vocab_size={self.vocab_size} must exceed 14")
         if self.vocab_size < 14:
             out.append(f"vocab_size={self.vocab_size!r} must be >= 14 (4 special ids and 10 digits)")
         # layout: the vocabulary and the heads split over TP; whole micro-batches per DP rank
@@ -261,6 +318,8 @@ class DemoConfig(ConfigBase):
         out = []
         if self.lr_surge_step is not None and self.lr_schedule != "length-decay":
             out.append("lr_surge_step has no effect without lr_schedule='length-decay'")
+        if self.rollout_logprobs == "processed" and not (self.top_k or self.top_p < 1):
+            out.append("rollout_logprobs='processed' has no effect without top_k or top_p")
         if self.num_moe_experts is None and (self.moe_router_topk != 2 or self.moe_ffn_hidden_size is not None):
             out.append("moe_router_topk / moe_ffn_hidden_size have no effect without num_moe_experts (a dense GPT)")
         return out

@@ -17,6 +17,14 @@ With ``stop_with_eos`` the answer must also end with ``<eos>``: the answer is th
 first ``<eos>`` and the score is ``matches / max(length, answer length)``, so running on
 costs reward. This makes response lengths vary (what the length-decay LR scheduler watches) but
 learns more slowly.
+
+With ``scratchpad = S`` (the long-tail task of the dose-response sweeps) the response is ``S`` free,
+unscored tokens followed by the answer; with ``distractors = m`` the prompt carries ``m`` random
+ids of the unused vocabulary after the digits. With a large vocabulary (>= 512) the free tokens
+sample the policy's low-probability tail, where a numeric mismatch concentrates::
+
+    prompt    <bos> 3 1 4 <417> <88> <sep>            (distractors 2)
+    response  <301> <12> ... <77> 3 1 4             (scratchpad S, then the answer)
 """
 
 from __future__ import annotations
@@ -62,6 +70,24 @@ class TaskConfig(ConfigBase):
     num_symbols: int = doc(10, "Digits used: 0 .. num_symbols-1.")
     vocab_size: int = doc(32, "Model vocabulary (4 special ids + the digits + unused ids).")
     stop_with_eos: bool = doc(False, "The answer must end with <eos>; a longer answer is penalised.")
+    scratchpad: int = doc(
+        0,
+        "Free (unscored) response tokens before the answer: responses of scratchpad + max_length tokens whose "
+        "low-probability tail over a large vocabulary is where a mismatch concentrates (0: the answer at once).",
+    )
+    scratchpad_position: Literal["before", "after"] = doc(
+        "before",
+        "before: the scratchpad precedes the answer (the answer's position moves with it); after: the answer "
+        "comes first and the scratchpad follows it (unscored, as the tokens past the answer always are).",
+    )
+    digit_credit: float = doc(
+        0.0,
+        "Partial credit for a wrong digit at an answer position (0: none). With a large vocabulary an untrained "
+        "policy rarely emits a digit; this credit gives GRPO a signal from the first steps.",
+    )
+    distractors: int = doc(
+        0, "Random ids from the unused part of the vocabulary written into the prompt after the digits (before <sep>)."
+    )
 
     def _check(self) -> list[str]:
         out = []
@@ -71,6 +97,21 @@ class TaskConfig(ConfigBase):
             out.append(f"max_length={self.max_length!r} must be >= min_length={self.min_length!r}")
         if self.num_symbols < 2:
             out.append(f"num_symbols={self.num_symbols!r} must be >= 2")
+        if self.scratchpad_position not in ("before", "after"):
+            out.append(f"scratchpad_position={self.scratchpad_position!r} must be 'before' or 'after'")
+        if not 0.0 <= self.digit_credit < 1.0:
+            out.append(f"digit_credit={self.digit_credit!r} must lie in [0, 1)")
+        if self.scratchpad < 0:
+            out.append(f"scratchpad={self.scratchpad!r} must be >= 0")
+        if self.distractors < 0:
+            out.append(f"distractors={self.distractors!r} must be >= 0")
+        if self.scratchpad and self.stop_with_eos:
+            out.append("scratchpad with stop_with_eos: the answer's position is fixed by the scratchpad (no <eos>)")
+        if self.distractors and self.vocab_size <= DIGIT0 + self.num_symbols:
+            out.append(
+                f"distractors={self.distractors} need unused ids: vocab_size={self.vocab_size} must exceed "
+                f"{DIGIT0 + self.num_symbols}"
+            )
         if self.vocab_size < DIGIT0 + self.num_symbols:
             out.append(
                 f"vocab_size={self.vocab_size!r} must hold the 4 special ids and num_symbols={self.num_symbols} "
@@ -101,6 +142,11 @@ class DigitTask:
         self.config = config or TaskConfig()
         self._target = TASK_KINDS.get(self.config.kind)
 
+    @property
+    def _offset(self) -> int:
+        """Where the answer starts in a response."""
+        return self.config.scratchpad if self.config.scratchpad_position == "before" else 0
+
     # ----------------------------------------------------------------------- vocabulary
     @property
     def vocab_size(self) -> int:
@@ -117,8 +163,8 @@ class DigitTask:
 
     @property
     def max_new_tokens(self) -> int:
-        """Response budget: the longest answer (+1 for ``<eos>``)."""
-        return self.config.max_length + int(self.config.stop_with_eos)
+        """Response budget: the scratchpad and the longest answer (+1 for ``<eos>``)."""
+        return self.config.scratchpad + self.config.max_length + int(self.config.stop_with_eos)
 
     def decode(self, tokens: Sequence[int] | torch.Tensor) -> str:
         """Readable text: digits as characters, specials as ``<bos>`` etc., unused ids as
@@ -136,8 +182,9 @@ class DigitTask:
                 out.append(f"<{t}>")
         return "".join(out)
 
-    def make_problem(self, digits: Sequence[int]) -> Problem:
-        """The problem for given prompt digits."""
+    def make_problem(self, digits: Sequence[int], distractors: Sequence[int] = ()) -> Problem:
+        """The problem for given prompt digits (and, with ``distractors > 0``, that many unused
+        ids written after them)."""
         d = [int(x) for x in digits]
         if not self.config.min_length <= len(d) <= self.config.max_length:
             raise ValueError(
@@ -145,7 +192,14 @@ class DigitTask:
             )
         if any(not 0 <= x < self.config.num_symbols for x in d):
             raise ValueError(f"digits must lie in [0, {self.config.num_symbols}), got {d}")
-        prompt = torch.tensor([BOS] + [DIGIT0 + x for x in d] + [SEP], dtype=torch.long)
+        extra = [int(x) for x in distractors]
+        if len(extra) != self.config.distractors:
+            raise ValueError(f"got {len(extra)} distractors; this task uses {self.config.distractors}")
+        if any(not DIGIT0 + self.config.num_symbols <= x < self.config.vocab_size for x in extra):
+            raise ValueError(
+                f"distractors must lie in [{DIGIT0 + self.config.num_symbols}, {self.config.vocab_size}), got {extra}"
+            )
+        prompt = torch.tensor([BOS] + [DIGIT0 + x for x in d] + extra + [SEP], dtype=torch.long)
         answer = torch.tensor([DIGIT0 + x for x in self._target(d)], dtype=torch.long)
         return Problem(digits=tuple(d), prompt=prompt, answer=answer)
 
@@ -155,20 +209,27 @@ class DigitTask:
             raise ValueError(f"num_problems={num_problems!r} must be >= 1")
         cfg = self.config
         lengths = torch.randint(cfg.min_length, cfg.max_length + 1, (num_problems,), generator=generator)
-        return [
-            self.make_problem(torch.randint(0, cfg.num_symbols, (int(n),), generator=generator).tolist())
-            for n in lengths
-        ]
+        out = []
+        for n in lengths:
+            digits = torch.randint(0, cfg.num_symbols, (int(n),), generator=generator).tolist()
+            extra = (
+                torch.randint(DIGIT0 + cfg.num_symbols, cfg.vocab_size, (cfg.distractors,), generator=generator).tolist()
+                if cfg.distractors
+                else []
+            )
+            out.append(self.make_problem(digits, extra))
+        return out
 
     # --------------------------------------------------------------------------- reward
     def _answer_part(self, response: torch.Tensor) -> list[int]:
-        ids = [int(t) for t in response.tolist()]
+        ids = [int(t) for t in response.tolist()][self._offset :]
         if self.config.stop_with_eos and EOS in ids:
             return ids[: ids.index(EOS)]
         return ids
 
     def reward(self, problem: Problem, response: Sequence[int] | torch.Tensor) -> float:
-        """Score in ``[0, 1]``: answer positions right / ``len(answer)`` (with
+        """Score in ``[0, 1]``: answer positions right (after the ``scratchpad`` free tokens; a wrong
+        digit counts ``digit_credit``) / ``len(answer)`` (with
         ``stop_with_eos``: / ``max(len(answer), tokens before <eos>)``, the whole response when
         it has no ``<eos>``). Without ``stop_with_eos`` tokens past the answer length are
         ignored."""
@@ -176,13 +237,16 @@ class DigitTask:
         got = self._answer_part(resp)
         want = problem.answer.tolist()
         matches = sum(1 for a, b in zip(got, want) if a == b)
+        if self.config.digit_credit:
+            digits = range(DIGIT0, DIGIT0 + self.config.num_symbols)
+            matches += self.config.digit_credit * sum(1 for a, b in zip(got, want) if a != b and a in digits)
         if self.config.stop_with_eos:
             return matches / max(len(want), len(got))
         return matches / len(want)
 
     def is_correct(self, problem: Problem, response: Sequence[int] | torch.Tensor) -> bool:
         """Exactly the answer (and, with ``stop_with_eos``, an ``<eos>`` right after it)."""
-        resp = torch.as_tensor(response, dtype=torch.long).tolist()
+        resp = torch.as_tensor(response, dtype=torch.long).tolist()[self._offset :]
         want = problem.answer.tolist()
         if self.config.stop_with_eos:
             return resp[: len(want) + 1] == want + [EOS]

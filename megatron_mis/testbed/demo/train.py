@@ -26,6 +26,7 @@ of its explicit groups. One RL step:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -77,7 +78,7 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
         eps_clip=cfg.eps_clip,
         advantage_estimator=cfg.advantage_estimator,
         loss_aggregation="seq_mean_token_mean",
-        rollout_temperature=cfg.temperature,
+        rollout_temperature=cfg.resolved_trainer_temperature,  # the trainer's (the rollout's unless set apart)
     )
     off = MISConfig(use_tis=False, use_rs=False)  # the engine only measures the mismatch
     if correction == "none":
@@ -201,14 +202,16 @@ class GRPOTrainer:
         self.reporter = self.last_stage and self.tp_rank == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
         self.task = DigitTask(
-            TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos, vocab_size=cfg.vocab_size)
+            TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos,
+                       vocab_size=cfg.vocab_size, scratchpad=cfg.scratchpad, distractors=cfg.distractors,
+                       scratchpad_position=cfg.scratchpad_position, digit_credit=cfg.digit_credit)
         )
         spec = GPTSpec(
             vocab_size=self.task.vocab_size,
             hidden_size=cfg.hidden_size,
             num_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads,
-            max_sequence_length=max(64, 2 * (cfg.max_digits + 3)),
+            max_sequence_length=max(64, 2 * (cfg.max_digits + 3) + cfg.scratchpad + cfg.distractors),
             num_moe_experts=cfg.num_moe_experts,
             moe_router_topk=cfg.moe_router_topk,
         )
@@ -254,12 +257,20 @@ class GRPOTrainer:
             precision=cfg.precision,
             max_new_tokens=self.task.max_new_tokens,
             temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            logprobs=cfg.rollout_logprobs,
             eos_token_id=self.task.eos_token_id,
             pad_token_id=PAD,
             true_on_policy=cfg.true_on_policy,
             micro_batch_size=cfg.micro_batch_size if cfg.true_on_policy else None,
         )
         self.engine = RolloutEngine(self._weights(), self.rollout_config)
+        # staleness: a ring buffer of (optimizer step, weights); the oldest entry is the rollout's policy
+        self.optimizer_steps = 0
+        self.snapshots: collections.deque = collections.deque(maxlen=cfg.staleness + 1)
+        if cfg.staleness:
+            self.snapshots.append((0, self.engine.weights))
         self.fast_fp32 = (
             RolloutEngine(self.engine.weights, RolloutConfig(**{**self.rollout_config.to_dict(), "true_on_policy": False, "micro_batch_size": None}))
             if cfg.true_on_policy
@@ -342,11 +353,16 @@ class GRPOTrainer:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        self.engine.load_weights(self._weights())
+        if cfg.staleness:  # the weights of `staleness` optimizer steps earlier (or the initial ones)
+            version, weights = self.snapshots[0]
+            self.engine.load_weights(weights)
+        else:
+            version = self.optimizer_steps
+            self.engine.load_weights(self._weights())
         problems = self.task.sample(cfg.prompts_per_step, generator=self.g_task)
         expanded = [p for p in problems for _ in range(cfg.samples_per_prompt)]
         prompts = [p.prompt for p in expanded]
-        record: dict[str, Any] = {"step": step, "run": self.arm.label}
+        record: dict[str, Any] = {"step": step, "run": self.arm.label, "policy_lag": self.optimizer_steps - version}
         if self.fast_fp32 is not None and self.reporter:
             # the cost of true on-policy: the fast fp32 engine on the same prompts, same draws
             self.fast_fp32.load_weights(self.engine.weights)
@@ -424,6 +440,9 @@ class GRPOTrainer:
             norm = clip_grad_norm(self.params, cfg.clip_grad, model_parallel_group=self.mp_group, tp_rank=self.tp_rank)
             self.optimizer.step()
             self.scheduler.step(1)
+            self.optimizer_steps += 1
+            if cfg.staleness:  # every rank: the weight sync is collective
+                self.snapshots.append((self.optimizer_steps, self._weights()))
             agg.add(metrics, norm)
         record["time_train_s"] = time.perf_counter() - t_tr
         record.update(agg.result(uses_weights=self.rl.policy.uses_is_weights))

@@ -10,7 +10,7 @@ from typing import Any
 from megatron_mis.config.base import ConfigBase, doc
 from megatron_mis.testbed.demo.config import DemoConfig, available_cpus
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "Arm", "Setting", "StudyConfig", "run_config"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig", "run_config"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,140 @@ SETTINGS: dict[str, Setting] = {
 DEFAULT_SETTING = "int4"
 
 
+# ------------------------------------------------------------------------ dose-response sweeps
+@dataclass(frozen=True)
+class Sweep:
+    """A mechanism with a dose: one setting per dose (named ``NAME-LABEL``), the same arms at
+    every dose. ``values`` sets the dose's :class:`DemoConfig` fields; ``measure`` names the
+    dose on the report's axis."""
+
+    name: str
+    description: str
+    measure: str
+    doses: tuple[tuple[str, dict[str, Any]], ...]  # (label, DemoConfig fields at this dose)
+    base: dict[str, Any]
+    arms: tuple[str, ...]
+    #: the correction ``megatron-mis demo --compare --preset NAME-DOSE`` sets against none
+    demo_correction: str = "token_tis"
+
+    def setting_name(self, label: str) -> str:
+        return f"{self.name}-{label}"
+
+    @property
+    def labels(self) -> list[str]:
+        return [label for label, _ in self.doses]
+
+    def dose_value(self, label: str) -> Any:
+        return dict(self.doses)[label][self.measure]
+
+
+#: The full sweeps' run length: long enough to reach the plateau and see late collapses.
+SWEEP_STEPS = 300
+_SWEEP_BASE: dict[str, Any] = {"rollout_precision": "fp32", "steps": SWEEP_STEPS}
+_CORRECTIONS: tuple[str, ...] = ("none", "ref_fp32", "token_tis", "token_mis", "sequence_mis")
+
+#: The long-tail task (issue 29): a vocabulary of 512 ids, distractors, a free scratchpad before the
+#: answer; a small batch (8 prompts x 8 samples in micro-batches of 4: the packed attention costs
+#: grow with the micro-batch's length) so a step stays about a second at 64-token responses.
+_LONG_TAIL: dict[str, Any] = {
+    "vocab_size": 512, "distractors": 4, "digit_credit": 0.3, "scratchpad_position": "before",
+    "prompts_per_step": 8, "samples_per_prompt": 8, "micro_batch_size": 4, "lr": 5e-3,
+}
+
+SWEEPS: dict[str, Sweep] = {
+    w.name: w
+    for w in (
+        Sweep(
+            "staleness",
+            "asynchronous RL: rollouts from the weights of k optimizer steps earlier (fp32 rollouts, so the "
+            "staleness is the only mismatch besides reduction order); 1 update per rollout batch",
+            "staleness",
+            tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2, 4, 8, 16)),
+            _SWEEP_BASE,
+            _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
+            demo_correction="decoupled_ppo",
+        ),
+        Sweep(
+            "staleness-multi",
+            "asynchronous RL with 4 optimizer updates per rollout batch (PPO's clip acts): rollouts from the "
+            "weights of k optimizer steps earlier",
+            "staleness",
+            tuple((f"k{k}", {"staleness": k}) for k in (0, 4, 8, 16)),
+            {**_SWEEP_BASE, "updates_per_step": 4, "micro_batch_size": 32},
+            _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
+            demo_correction="decoupled_ppo",
+        ),
+        Sweep(
+            "temperature",
+            "the rollout engine samples at temperature T and records log_softmax(logits / T); the trainer "
+            "computes its log-probs at T = 1 (a configuration bug class)",
+            "temperature",
+            tuple((f"t{t:g}", {"temperature": t, "trainer_temperature": 1.0}) for t in (1.0, 0.9, 0.75, 0.5, 1.25, 1.5)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+        Sweep(
+            "top-p-raw",
+            "nucleus sampling in the rollout, raw (untruncated) log-probs recorded, no truncation in the trainer: "
+            "a support mismatch the recorded log-probs do not show",
+            "top_p",
+            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+        Sweep(
+            "top-p-processed",
+            "nucleus sampling in the rollout, the truncated distribution's log-probs recorded, no truncation in "
+            "the trainer: every sampled token has pi_train / pi_rollout = the kept mass < 1",
+            "top_p",
+            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed" if p < 1 else "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+        Sweep(
+            "long-tail",
+            "the long-tail task: vocabulary 512, 4 distractor ids in the prompt, a free scratchpad of S tokens "
+            "(responses of S + 3 = 64, 128, 256 tokens) and 3 digits to copy; int4 rollouts",
+            "scratchpad",
+            tuple((f"s{n}", {"scratchpad": n}) for n in (61, 125, 253)),
+            {**_SWEEP_BASE, **_LONG_TAIL, "rollout_precision": "int4"},
+            _CORRECTIONS + ("sequence_tis", "geo_rs_token_tis"),
+        ),
+        Sweep(
+            "long-tail-precision",
+            "the long-tail task with 128-token responses (vocabulary 512, scratchpad 125): bf16, int8 and int4 rollouts",
+            "rollout_precision",
+            tuple((p, {"rollout_precision": p}) for p in ("bf16", "int8", "int4")),
+            {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 125},
+            _CORRECTIONS + ("sequence_tis", "geo_rs_token_tis"),
+        ),
+        Sweep(
+            "moe-ties",
+            "the MoE GPT (top-2, every layer MoE, experts of width 64) with int4 rollouts; more experts per layer put "
+            "more router choices near ties, so more of them flip against the fp32 trainer (a 3-step probe: 4-9% of "
+            "the rollout's experts, 9-18% of (token, layer) choices at 32-64 experts); R3 among the arms",
+            "num_moe_experts",
+            tuple((f"e{e}", {"num_moe_experts": e}) for e in (16, 32, 64)),
+            {**_SWEEP_BASE, "rollout_precision": "int4", "moe_router_topk": 2, "moe_ffn_hidden_size": 64},
+            MOE_ARMS,
+        ),
+    )
+}
+for _w in SWEEPS.values():
+    for _label, _values in _w.doses:
+        _name = _w.setting_name(_label)
+        if _name in SETTINGS:  # pragma: no cover - a definition error
+            raise RuntimeError(f"sweep setting {_name!r} clashes with a setting")
+        SETTINGS[_name] = _setting(
+            _name, f"{_w.name} sweep, {_w.measure} = {_w.dose_value(_label)!r}: {_w.description}",
+            arms=_w.arms, demo_correction=_w.demo_correction, **{**_w.base, **_values},
+        )
+#: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
+#: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
+_NO_MECHANISM: dict[str, Any] = {"staleness": 0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
+                                 "rollout_logprobs": "raw"}
+
+
 def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:
     return Arm(name, description, overrides, reference)
 
@@ -137,10 +271,11 @@ ARMS: dict[str, Arm] = {
              correction="none", routing_replay=True),
         _arm("r3_token_tis", "rollout routing replay (MoE only) + decoupled PPO with token IS weight truncated at 2",
              correction="token_tis", routing_replay=True),
-        _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), none", True,
-             correction="none", rollout_precision="fp32"),
+        _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), fresh weights, "
+             "the rollout's temperature in the trainer, no truncation; none", True,
+             correction="none", rollout_precision="fp32", **_NO_MECHANISM),
         _arm("ref_true_on_policy", "no-mismatch reference: true on-policy rollouts (bitwise equal log-probs), none", True,
-             correction="none", rollout_precision="fp32", true_on_policy=True),
+             correction="none", rollout_precision="fp32", true_on_policy=True, **_NO_MECHANISM),
     )
 }
 #: The arms of a dense setting (the routing-replay arms need an MoE model).
@@ -156,6 +291,10 @@ class StudyConfig(ConfigBase):
     """Arms x seeds of the demo's GRPO run in one setting, with statistics (``docs/study.md``)."""
 
     setting: str = doc(DEFAULT_SETTING, "The task and mismatch source (see SETTINGS / --list).")
+    sweep: str | None = doc(
+        None, "A dose-response sweep (see SWEEPS / --list): every dose's setting with the sweep's arms; 'setting' is then ignored."
+    )
+    doses: list[str] | None = doc(None, "sweep only: the dose labels to run (null: all; with quick: the first and the last).")
     arms: list[str] | None = doc(
         None, "Arms to run (the first 'none' is the paired baseline); null: the setting's arms (DEFAULT_ARMS for a dense setting)."
     )
@@ -184,6 +323,15 @@ class StudyConfig(ConfigBase):
         out: list[str] = []
         if self.setting not in SETTINGS:
             out.append(f"setting={self.setting!r} is not one of {sorted(SETTINGS)}")
+        if self.sweep is not None:
+            if self.sweep not in SWEEPS:
+                out.append(f"sweep={self.sweep!r} is not one of {sorted(SWEEPS)}")
+            elif self.doses is not None:
+                bad_doses = [d for d in self.doses if d not in SWEEPS[self.sweep].labels]
+                if bad_doses or not self.doses:
+                    out.append(f"doses={self.doses!r}: each must be one of {SWEEPS[self.sweep].labels}")
+        elif self.doses is not None:
+            out.append("doses needs a sweep")
         if self.arms is not None:
             unknown = [a for a in self.arms if a not in ARMS]
             if unknown:
@@ -214,9 +362,10 @@ class StudyConfig(ConfigBase):
         if bad:
             out.append(f"extra keys {bad} are not DemoConfig fields")
         if not out:
+            probe = self.for_dose(self.dose_labels[0]) if self.sweep is not None else self
             for arm in self.arm_names:  # every run's DemoConfig validates (e.g. a batch that does not split)
                 try:
-                    run_config(self, arm, self.first_seed)
+                    run_config(probe, arm, self.first_seed)
                 except ValueError as exc:
                     out.append(f"arm {arm!r}: {exc}")
                     break
@@ -227,7 +376,23 @@ class StudyConfig(ConfigBase):
         """The arms run: ``arms``, or the setting's default arms."""
         if self.arms is not None:
             return list(self.arms)
+        if self.sweep is not None and self.sweep in SWEEPS:
+            return list(SWEEPS[self.sweep].arms)
         return list(SETTINGS[self.setting].arms or DEFAULT_ARMS)
+
+    @property
+    def dose_labels(self) -> list[str]:
+        """sweep only: the doses run (``doses``; with ``quick`` the first and the last; else all)."""
+        labels = SWEEPS[self.sweep].labels
+        if self.doses is not None:
+            return [d for d in labels if d in self.doses]
+        return [labels[0], labels[-1]] if self.quick else labels
+
+    def for_dose(self, label: str) -> "StudyConfig":
+        """sweep only: the study of one dose (its setting, the same arms, seeds and flags)."""
+        values = self.to_dict()
+        values.update(setting=SWEEPS[self.sweep].setting_name(label), sweep=None, doses=None)
+        return StudyConfig(**values)
 
     @property
     def num_jobs(self) -> int:
@@ -241,7 +406,11 @@ class StudyConfig(ConfigBase):
     def resolved_steps(self) -> int:
         if self.steps is not None:
             return self.steps
-        return int(QUICK["steps"]) if self.quick else int(SETTINGS[self.setting].overrides["steps"])
+        if self.quick:
+            return int(QUICK["steps"])
+        if self.sweep is not None:
+            return SWEEP_STEPS
+        return int(SETTINGS[self.setting].overrides["steps"])
 
 
 def run_config(study: StudyConfig, arm: str, seed: int, *, out_dir: str = "runs/study/.scratch") -> DemoConfig:

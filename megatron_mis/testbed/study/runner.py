@@ -26,7 +26,7 @@ from typing import Any
 from megatron_mis.testbed.demo.launch import stop_processes
 from megatron_mis.testbed.study.config import StudyConfig, run_config
 
-__all__ = ["RunJob", "StudyError", "load_run", "run_path", "run_study"]
+__all__ = ["RunJob", "StudyError", "load_run", "plan_sweep", "run_jobs", "run_path", "run_study", "run_sweep"]
 
 
 class StudyError(RuntimeError):
@@ -184,13 +184,35 @@ def run_study(study: StudyConfig) -> dict[str, Any]:
     Raises:
         StudyError: a run raised (its traceback) or a worker died; finished runs stay on disk.
     """
+    return run_jobs(study, plan(study), f"study {study.setting}")
+
+
+def plan_sweep(study: StudyConfig) -> list[RunJob]:
+    """Every run of a sweep: each dose's :func:`plan`, seed-major within a dose, the doses in order."""
+    return [job for label in study.dose_labels for job in plan(study.for_dose(label))]
+
+
+def run_sweep(study: StudyConfig) -> dict[str, Any]:
+    """Run (or reuse: finished run files on disk are skipped) every run of a dose-response sweep
+    in up to ``study.num_jobs`` worker processes; returns ``{"ran", "reused", "wall_s"}``."""
+    if study.sweep is None:
+        raise ValueError("run_sweep needs a StudyConfig with a sweep")
+    return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}")
+
+
+def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str) -> dict[str, Any]:
+    """Run the jobs not yet finished on disk (``study.num_jobs`` workers of ``study.threads``
+    threads); returns ``{"ran", "reused", "wall_s"}``.
+
+    Raises:
+        StudyError: a run raised (its traceback) or a worker died; finished runs stay on disk.
+    """
     from tqdm.auto import tqdm
 
-    jobs = plan(study)
     todo = [j for j in jobs if not _finished(j)]
     reused = len(jobs) - len(todo)
     t0 = time.perf_counter()
-    bar = tqdm(total=len(jobs), initial=reused, desc=f"study {study.setting}", unit="run",
+    bar = tqdm(total=len(jobs), initial=reused, desc=desc, unit="run",
                disable=not study.progress, dynamic_ncols=True)
     try:
         if todo and study.num_jobs == 1:

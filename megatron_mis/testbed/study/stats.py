@@ -146,3 +146,25 @@ def wilson_interval(successes: int, n: int, *, confidence: float = 0.95) -> tupl
     centre = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+#: z quantiles of the seed-count rule (two-sided alpha 0.05, power 0.8)
+Z_ALPHA_2 = 1.959963984540054
+Z_POWER_80 = 0.8416212335729143
+
+
+def seeds_for_effect(paired_sd: float, effect: float, *, z_alpha: float = Z_ALPHA_2, z_power: float = Z_POWER_80) -> int:
+    """Seeds (pairs) for a paired difference of ``effect`` to be detected with a two-sided test at
+    the ``z_alpha`` level and ``z_power`` power (normal approximation):
+    ``ceil(((z_alpha + z_power) * paired_sd / effect) ** 2)``, at least 2."""
+    if not paired_sd >= 0 or not effect > 0:
+        raise ValueError(f"need paired_sd >= 0 and effect > 0, got paired_sd={paired_sd!r}, effect={effect!r}")
+    return max(2, math.ceil(((z_alpha + z_power) * paired_sd / effect) ** 2))
+
+
+def minimal_detectable_effect(paired_sd: float, n: int, *, z_alpha: float = Z_ALPHA_2, z_power: float = Z_POWER_80) -> float:
+    """The smallest paired difference ``n`` seeds detect (two-sided, same rule as
+    :func:`seeds_for_effect`): ``(z_alpha + z_power) * paired_sd / sqrt(n)``."""
+    if n < 1:
+        raise ValueError(f"n={n!r} must be >= 1")
+    return (z_alpha + z_power) * paired_sd / math.sqrt(n)

@@ -29,6 +29,12 @@ class RolloutConfig(ConfigBase):
     temperature: float = doc(1.0, "Sampling temperature (> 0); log-probs are those of logits / temperature.")
     top_k: int = doc(0, "Sample among the k most likely tokens (0: off).")
     top_p: float = doc(1.0, "Nucleus sampling: smallest set with probability >= top_p (1: off).")
+    logprobs: Literal["raw", "processed"] = doc(
+        "raw",
+        "Which log-probs are recorded with top_k / top_p: raw, those of softmax(logits / temperature) before "
+        "truncation (SGLang's default); processed, those of the truncated, renormalised distribution the "
+        "tokens were drawn from.",
+    )
     eos_token_id: int | None = doc(None, "Token that ends a response (kept in it); null: always max_new_tokens.")
     pad_token_id: int = doc(0, "Token written into padding and not-yet-generated positions.")
     true_on_policy: bool = doc(
@@ -52,6 +58,10 @@ class RolloutConfig(ConfigBase):
             out.append(f"top_k={self.top_k!r} must be >= 0 (0: off)")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p={self.top_p!r} must lie in (0, 1]")
+        if self.logprobs not in ("raw", "processed"):
+            out.append(f"logprobs={self.logprobs!r} must be 'raw' or 'processed'")
+        if self.true_on_policy and self.logprobs == "processed" and (self.top_k or self.top_p < 1):
+            out.append("logprobs='processed' with true_on_policy: the aligned path records the trainer's (raw) log-probs")
         if self.true_on_policy and self.precision != "fp32":
             out.append(
                 f"true_on_policy=True needs precision='fp32' (the trainer's dtype), got {self.precision!r}"

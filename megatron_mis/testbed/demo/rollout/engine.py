@@ -13,7 +13,7 @@ from megatron_mis.testbed.demo.rollout.aligned import _AlignedModel
 from megatron_mis.testbed.demo.rollout.batch import RolloutBatch
 from megatron_mis.testbed.demo.rollout.config import RolloutConfig
 from megatron_mis.testbed.demo.rollout.fast import _FastModel
-from megatron_mis.testbed.demo.rollout.sampling import _as_prompt, _sample
+from megatron_mis.testbed.demo.rollout.sampling import _as_prompt, _sample, processed_log_probs
 from megatron_mis.testbed.demo.rollout.weights import ModelArch, RolloutWeights, weights_from_megatron
 
 __all__ = ["RolloutEngine"]
@@ -114,6 +114,8 @@ class RolloutEngine:
         for step in range(cfg.max_new_tokens):
             logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)  # SGLang: fp32 log-softmax
             tok = _sample(logp, cfg, generator)
+            if cfg.logprobs == "processed" and (cfg.top_k or cfg.top_p < 1):
+                logp = processed_log_probs(logp, cfg.top_k, cfg.top_p)  # what was sampled from
             logp_tok = logp.gather(-1, tok[:, None]).squeeze(-1)
             self._step_bookkeeping(tok, logp_tok, alive, out_tokens, out_logps, finished)
             if not bool(alive.any()) or step == cfg.max_new_tokens - 1:
@@ -223,6 +225,9 @@ class RolloutEngine:
         cache = model.new_cache(n, s_max)
         logits = model.forward(tokens, positions, cache, 0, mask)
         logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
+        if cfg.logprobs == "processed" and (cfg.top_k or cfg.top_p < 1):
+            n_, s_, v_ = logp.shape
+            logp = processed_log_probs(logp.reshape(-1, v_), cfg.top_k, cfg.top_p).view(n_, s_, v_)
         out = []
         for i, (s, r) in enumerate(zip(seqs, resp)):
             t = s.numel()

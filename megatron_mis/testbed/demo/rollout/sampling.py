@@ -9,7 +9,7 @@ import torch
 
 from megatron_mis.testbed.demo.rollout.config import RolloutConfig
 
-__all__ = ["_filter", "_sample", "_as_prompt"]
+__all__ = ["_filter", "_sample", "_as_prompt", "processed_log_probs"]
 
 
 def _filter(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -26,6 +26,12 @@ def _filter(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logp = logp.masked_fill(drop, float("-inf"))
     return logp
+
+
+def processed_log_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logp [B, V]`` -> the log-probs of the distribution top-k / top-p sampling draws from:
+    the kept tokens renormalised (``log_softmax`` of the filtered row), ``-inf`` elsewhere."""
+    return torch.log_softmax(_filter(logp, top_k, top_p), dim=-1)
 
 
 def _sample(logp: torch.Tensor, config: RolloutConfig, generator: torch.Generator | None) -> torch.Tensor:

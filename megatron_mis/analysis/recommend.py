@@ -1,0 +1,125 @@
+"""Which correction fits a measured mismatch: a pure rule from the mean per-token K3 KL and the
+mean response length (``megatron-mis analyze`` prints it; ``docs/study.md`` states the rule and
+its basis).
+
+The rule's one derived quantity: for a small per-token log-ratio ``d = log(pi_train / pi_rollout)``,
+``K3 = E[e^d - 1 - d] ~ E[d^2] / 2``, so a sequence of ``L`` tokens whose log-ratios are
+independent has a log sequence weight with standard deviation about
+
+    s = sqrt(2 * L * K3)
+
+and (log-normal weights of mean 1) an effective sample share of sequence-level weights of about
+``exp(-s^2)``. The per-token geometric mean of the ratio has standard deviation
+``sqrt(2 * K3 / L)``; a band of three of them is the length-scaled geometric band offered here.
+
+Regimes (first match wins):
+
+1. ``K3 > 1e-2``: more than numerics. The study's precision settings (bf16, fp16, int8, int4,
+   dense and MoE) measured K3 up to about 2e-3; a temperature, top-p / top-k or stale-weight
+   mismatch (the dose-response sweeps' mechanisms) reaches far higher. Check the rollout's
+   sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
+2. ``s <= 0.15``: the regime the study measured as harmless (no correction not measurably worse
+   than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
+   0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.
+3. ``0.15 < s <= 1``: sequence weights stay informative (share >= exp(-1) = 0.37) and are the
+   unbiased correction: ``sequence_mis`` (When Speed Kills Stability; the Qwen / Ling reports).
+   Not yet measured in the testbed.
+4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level masking ``token_mis`` plus a
+   geometric rejection band scaled to the length. From the literature; not yet measured here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Recommendation", "recommend", "sequence_log_weight_sd", "geometric_band"]
+
+#: Above this mean per-token K3 the mismatch is more than numerics (see the module docstring).
+K3_CONFIG_BUG = 1e-2
+#: Up to this sequence log-weight SD the study measured no harm from an uncorrected run.
+S_MEASURED_HARMLESS = 0.15
+#: Above this sequence log-weight SD the sequence weights' effective share drops below exp(-1).
+S_SEQUENCE_DEGENERATE = 1.0
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """A correction for a measured mismatch.
+
+    ``correction``: a preset name of ``configs/presets/``; ``geometric_band``: the length-scaled
+    band for the per-token geometric mean of the ratio (``None`` where none is advised);
+    ``sequence_log_weight_sd``: ``s``; ``effective_sequence_share``: ``exp(-s^2)``; ``regime``:
+    ``config-bug`` / ``measured-harmless`` / ``sequence-level`` / ``token-level``; ``reason`` and
+    ``basis``: why, and whether the study measured it or the literature argues it."""
+
+    correction: str
+    geometric_band: tuple[float, float] | None
+    sequence_log_weight_sd: float
+    effective_sequence_share: float
+    regime: str
+    reason: str
+    basis: str
+
+
+def _check(name: str, value: float, low: float) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v < low:
+        raise ValueError(f"{name}={value!r} must be a finite number >= {low}")
+    return v
+
+
+def sequence_log_weight_sd(k3_mean: float, response_length: float) -> float:
+    """``sqrt(2 * L * K3)``: the standard deviation of a sequence's log IS weight (see the module
+    docstring)."""
+    k3 = _check("k3_mean", k3_mean, 0.0)
+    length = _check("response_length", response_length, 1.0)
+    return math.sqrt(2.0 * length * k3)
+
+
+def geometric_band(k3_mean: float, response_length: float, *, width: float = 3.0) -> tuple[float, float]:
+    """``[exp(-h), exp(h)]`` with ``h = width * sqrt(2 * K3 / L)``: ``width`` standard deviations of
+    the per-token geometric mean of the ratio, narrowing as responses grow."""
+    k3 = _check("k3_mean", k3_mean, 0.0)
+    length = _check("response_length", response_length, 1.0)
+    _check("width", width, 0.0)
+    h = width * math.sqrt(2.0 * k3 / length)
+    return (math.exp(-h), math.exp(h))
+
+
+def recommend(k3_mean: float, response_length: float) -> Recommendation:
+    """The correction for a mean per-token K3 KL ``k3_mean`` (>= 0) and a mean response length
+    ``response_length`` (tokens, >= 1); see the module docstring for the rule."""
+    s = sequence_log_weight_sd(k3_mean, response_length)
+    share = math.exp(-s * s)
+    k3, length = float(k3_mean), float(response_length)
+    if k3 > K3_CONFIG_BUG:
+        return Recommendation(
+            "token_mis", None, s, share, "config-bug",
+            f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g}, more than bf16 / fp16 / int8 / int4 numerics gave in the "
+            "study (<= 2e-3): check the rollout's temperature, top-p / top-k and weight sync (staleness); meanwhile "
+            "mask tokens outside [0.5, 5]",
+            "study: K3 of the precision settings; the temperature / top-p / staleness sweeps' mechanisms",
+        )
+    if s <= S_MEASURED_HARMLESS:
+        return Recommendation(
+            "token_tis", None, s, share, "measured-harmless",
+            f"sequence log-weight SD s = sqrt(2 x {length:g} x {k3:.2e}) = {s:.3f} <= {S_MEASURED_HARMLESS}: in the "
+            "range where the study found no correction not measurably worse than the no-mismatch reference; a "
+            "token weight truncated at 2 is cheap insurance",
+            "study (docs/study.md): K3 <= 2e-3 with 3-6-token responses (s <= 0.155)",
+        )
+    if s <= S_SEQUENCE_DEGENERATE:
+        return Recommendation(
+            "sequence_mis", None, s, share, "sequence-level",
+            f"s = {s:.3f}: sequence weights keep an effective share exp(-s^2) = {share:.2f}, so the unbiased "
+            "sequence-level correction is usable",
+            "literature (When Speed Kills Stability; the Qwen / Ling mismatch reports); not yet measured in the testbed",
+        )
+    band = geometric_band(k3, length)
+    return Recommendation(
+        "token_mis", band, s, share, "token-level",
+        f"s = {s:.3f}: sequence weights degenerate (effective share {share:.2g}); mask tokens outside [0.5, 5] and "
+        f"reject sequences whose geometric-mean ratio leaves [{band[0]:.4f}, {band[1]:.4f}] (3 SD at this length)",
+        "literature (When Speed Kills Stability; Let Speed Be With Stability); not yet measured in the testbed",
+    )

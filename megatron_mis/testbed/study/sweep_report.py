@@ -1,0 +1,191 @@
+"""The report of a dose-response sweep (``megatron-mis study --sweep NAME``): per dose and arm the
+measured K3 KL, final reward, the paired differences against the no-mismatch reference and
+against ``none``, collapse rate, steps to threshold, mean gradient norm and the fraction of runs the
+mismatch monitor flagged; the paired SD of ``none - reference``, the seeds a 0.05 difference needs
+and the minimal detectable effect at the seeds run; the first dose where ``none`` falls measurably
+behind the reference. Written to ``OUT_DIR/sweep-NAME/`` (``report.md``, ``summary.json``,
+``report.png``); each dose keeps its own study report in ``OUT_DIR/NAME-LABEL/``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_mis.testbed.study.config import SWEEPS, StudyConfig
+from megatron_mis.testbed.study.report import BASELINE, REFERENCES, _fmt_ci, _fmt_diff, _machine, collect, summarize_study
+from megatron_mis.testbed.study.stats import minimal_detectable_effect, seeds_for_effect
+
+__all__ = ["TARGET_EFFECT", "summarize_sweep", "format_sweep_markdown", "plot_sweep", "write_sweep_report", "sweep_dir"]
+
+#: The reward difference the seed count is chosen to detect (issue 29).
+TARGET_EFFECT = 0.05
+
+
+def sweep_dir(study: StudyConfig) -> Path:
+    return Path(study.out_dir) / f"sweep-{study.sweep}"
+
+
+def _run_extras(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Mean gradient norm over steps and seeds; the runs the mismatch monitor flagged on a
+    mismatch metric (K3 KL, log-ppl gap: warnings whose message starts with ``mis_``) and on any
+    metric (gradient norm included)."""
+    norms = [r["grad_norm"] for run in runs.values() for r in run["records"] if r.get("grad_norm") is not None]
+    warned = [[w for r in run["records"] for w in (r.get("monitor_warnings") or [])] for run in runs.values()]
+    return {
+        "grad_norm_mean": float(np.mean(norms)) if norms else None,
+        "monitor_flagged": {"k": sum(any(w.startswith("mis_") for w in ws) for ws in warned), "n": len(warned)},
+        "monitor_any": {"k": sum(bool(ws) for ws in warned), "n": len(warned)},
+    }
+
+
+def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> dict[str, Any]:
+    """Per dose the study summary's rows (plus gradient norm and monitor flags), the paired SD
+    and the seed rule; also writes each dose's own report when ``write_dose_reports``."""
+    from megatron_mis.testbed.study.report import write_report
+
+    sweep = SWEEPS[study.sweep]
+    doses = []
+    for label in study.dose_labels:
+        sub = study.for_dose(label)
+        runs = collect(sub)
+        if not runs:
+            continue
+        summary = write_report(sub) if write_dose_reports else summarize_study(sub, runs)
+        for arm, row in summary["arms"].items():
+            row.update(_run_extras(runs.get(arm, {})))
+            row.pop("per_seed", None)
+        ref = next((r for r in REFERENCES if r in summary["arms"]), None)
+        diff = summary["arms"].get(BASELINE, {}).get("vs_reference", {}).get("final_reward") if ref else None
+        doses.append({"label": label, "dose": sweep.dose_value(label), "setting": sub.setting, "reference": ref,
+                      "arms": summary["arms"], "none_vs_reference": diff})
+    diffs = [v for d in doses if d["none_vs_reference"] for v in d["none_vs_reference"]["diffs"].values()]
+    # paired SD of none - reference, pooled over doses (each dose's differences centred on its mean)
+    centred = [v - d["none_vs_reference"]["mean"] for d in doses if d["none_vs_reference"]
+               for v in d["none_vs_reference"]["diffs"].values()]
+    dof = len(centred) - sum(1 for d in doses if d["none_vs_reference"])
+    paired_sd = math.sqrt(sum(c * c for c in centred) / dof) if dof > 0 else None
+    n_seeds = min((d["none_vs_reference"]["n"] for d in doses if d["none_vs_reference"]), default=0)
+    first_hurt = next((d["label"] for d in doses if d["none_vs_reference"] and d["none_vs_reference"]["excludes_zero"]
+                       and d["none_vs_reference"]["high"] < 0), None)
+    return {
+        "sweep": sweep.name,
+        "description": sweep.description,
+        "measure": sweep.measure,
+        "study": study.to_dict(),
+        "steps": study.resolved_steps,
+        "machine": _machine(),
+        "threads_per_run": study.threads,
+        "parallel_runs": study.num_jobs,
+        "doses": doses,
+        "paired_sd": paired_sd,
+        "paired_differences": len(diffs),
+        "seeds_run": n_seeds,
+        "target_effect": TARGET_EFFECT,
+        "seeds_for_target": seeds_for_effect(paired_sd, TARGET_EFFECT) if paired_sd is not None else None,
+        "minimal_detectable_effect": minimal_detectable_effect(paired_sd, n_seeds) if paired_sd is not None and n_seeds else None,
+        "first_dose_none_behind_reference": first_hurt,
+    }
+
+
+def format_sweep_markdown(summary: dict[str, Any]) -> str:
+    m = summary["machine"]
+    lines = [
+        f"# Dose-response sweep `{summary['sweep']}`",
+        "",
+        f"{summary['description']}.",
+        "",
+        f"Dose: `{summary['measure']}`; {summary['steps']} steps per run; {summary['threads_per_run']} thread(s) per run, "
+        f"{summary['parallel_runs']} run(s) in parallel on {m['cores']} core(s) ({m['cpu']}).",
+        "",
+        "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | reached threshold "
+        "| grad norm | monitor: mismatch / any |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in summary["doses"]:
+        for arm, row in d["arms"].items():
+            k3 = row["k3_mean"]
+            gn = row.get("grad_norm_mean")
+            mon = row.get("monitor_flagged", {"k": 0, "n": 0})
+            anyw = row.get("monitor_any", {"k": 0, "n": 0})
+            flip = row.get("route_flip_mean")
+            lines.append(
+                f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'}"
+                f"{'' if not flip else f' (flips {flip[0]:.1%})'} | {_fmt_ci(row['final_reward'])} "
+                f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
+                f"| {row['collapse']['k']}/{row['collapse']['n']} | {row['steps_to_threshold']['reached']}/{row['n']} "
+                f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
+            )
+    sd = summary["paired_sd"]
+    lines += ["", "`*`: the paired bootstrap interval excludes 0. Monitor: runs with a warning on K3 KL or the log-ppl "
+              "gap / runs with any warning (the gradient norm's included).", ""]
+    if sd is None:
+        lines.append("Paired SD of none - reference: not measured (needs >= 2 seeds of none and the reference at a dose).")
+    else:
+        lines.append(
+            f"Paired SD of the final reward, none - reference (pooled over doses, {summary['paired_differences']} pairs): "
+            f"{sd:.3f}. Seeds per dose for a {summary['target_effect']} difference (two-sided 5%, power 80%): "
+            f"{summary['seeds_for_target']}. Minimal detectable effect with the {summary['seeds_run']} seeds run: "
+            f"{summary['minimal_detectable_effect']:.3f}."
+        )
+    first = summary["first_dose_none_behind_reference"]
+    lines.append("")
+    lines.append(
+        f"First dose where none falls measurably behind the reference: {first}." if first
+        else "At no dose run does none fall measurably behind the reference (paired CI excludes 0 below)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
+    """Two panels over the doses (in the sweep's order): final reward per arm (mean and bootstrap
+    interval) and K3 KL per arm (log axis)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    doses = summary["doses"]
+    arms = list(dict.fromkeys(a for d in doses for a in d["arms"]))
+    x = np.arange(len(doses))
+    fig = Figure(figsize=(13, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax_r, ax_k = fig.subplots(1, 2)
+    for j, arm in enumerate(arms):
+        shift = (j - (len(arms) - 1) / 2) * 0.04
+        pts = [(i, d["arms"][arm]) for i, d in enumerate(doses) if arm in d["arms"]]
+        fr = [(i, r["final_reward"]) for i, r in pts if r["final_reward"]]
+        if fr:
+            xs = np.array([i for i, _ in fr]) + shift
+            mean = np.array([c[0] for _, c in fr])
+            err = np.array([[c[0] - c[1], c[2] - c[0]] for _, c in fr]).T
+            ax_r.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=arm)
+        k3 = [(i, r["k3_mean"][0]) for i, r in pts if r["k3_mean"] and r["k3_mean"][0] > 0]
+        if k3:
+            ax_k.plot([i + shift for i, _ in k3], [v for _, v in k3], marker="o", label=arm)
+    labels = [str(d["dose"]) for d in doses]
+    for ax, title in ((ax_r, "final reward (mean, bootstrap CI)"), (ax_k, "K3 KL, mean over steps and seeds")):
+        ax.set_xticks(x, labels)
+        ax.set_xlabel(summary["measure"])
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    if ax_k.lines:
+        ax_k.set_yscale("log")
+    ax_r.legend(fontsize=8)
+    fig.suptitle(f"sweep {summary['sweep']}: {summary['steps']} steps per run")
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+def write_sweep_report(study: StudyConfig) -> dict[str, Any]:
+    """Write ``summary.json``, ``report.md`` (and ``report.png``) into ``OUT_DIR/sweep-NAME/``;
+    returns the summary."""
+    summary = summarize_sweep(study)
+    out = sweep_dir(study)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(format_sweep_markdown(summary), encoding="utf-8")
+    if study.plot and summary["doses"]:
+        plot_sweep(summary, out / "report.png")
+    return summary

@@ -1,0 +1,182 @@
+"""The dose-response mechanisms of the testbed do what they say (issue 29):
+
+- staleness k: the rollout engine samples with the weights of exactly k optimizer steps earlier
+  (the first steps with the initial weights), also with several optimizer steps per batch;
+- temperature mismatch: the rollout records log_softmax(logits / T) while the trainer's pi_old
+  is computed at T = 1;
+- top-p / top-k: the processed log-probs are those of the truncated, renormalised distribution
+  (hand-derived), the raw ones those of the full softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_mis.testbed.demo.config import DemoConfig
+from megatron_mis.testbed.demo.rollout.sampling import processed_log_probs
+from megatron_mis.testing.distributed import ProcessGroupPool
+
+_SMALL = dict(prompts_per_step=4, samples_per_prompt=4, micro_batch_size=8, rollout_precision="fp32",
+              progress=False, plot=False, threads=1)
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    with ProcessGroupPool(1) as pool:
+        yield pool
+
+
+# ------------------------------------------------------------------------- hand-derived
+def test_processed_log_probs_hand_derived():
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    lp = p.log()
+    # top_p 0.7: mass strictly before 0.5 is 0 and before 0.3 is 0.5 (< 0.7): kept; before 0.15 is 0.8: dropped
+    out = processed_log_probs(lp, 0, 0.7)
+    torch.testing.assert_close(out[0, :2], torch.tensor([math.log(0.5 / 0.8), math.log(0.3 / 0.8)]))
+    assert torch.isinf(out[0, 2:]).all() and (out[0, 2:] < 0).all()
+    # top_k 3: the three largest renormalised over 0.95
+    out = processed_log_probs(lp, 3, 1.0)
+    torch.testing.assert_close(out[0, :3], (p[0, :3] / 0.95).log())
+    assert out[0, 3] == float("-inf")
+    # neither: the row unchanged
+    torch.testing.assert_close(processed_log_probs(lp, 0, 1.0), lp)
+
+
+def test_mechanism_fields_are_validated_together():
+    from megatron_mis.config.base import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        DemoConfig(staleness=-1, top_p=0.0, top_k=-2, trainer_temperature=0.0, rollout_logprobs="sorted")
+    msg = str(err.value)
+    for part in ("staleness=-1", "top_p=0.0", "top_k=-2", "trainer_temperature=0.0", "rollout_logprobs='sorted'"):
+        assert part in msg
+    with pytest.raises(ConfigError, match="true_on_policy with staleness"):
+        DemoConfig(true_on_policy=True, staleness=2)
+
+
+# ------------------------------------------------------------------------------ staleness
+def _staleness_run(k: int, updates: int, steps: int):
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(staleness=k, updates_per_step=updates, steps=steps, correction="none", **_SMALL)
+    out = []
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec("none", cfg))
+        history = [trainer._weights().tensors]  # history[n]: the weights after n optimizer steps
+        for step in range(1, steps + 1):
+            record = trainer.step(step)
+            used = trainer.engine.weights.tensors
+            match = [n for n, h in enumerate(history) if h is not None and all(torch.equal(h[key], used[key]) for key in h)]
+            out.append({"n_before": len(history) - 1, "match": match, "lag": record["policy_lag"]})
+            for _ in range(updates):  # the trainer made `updates` optimizer steps; only the last is observable
+                history.append(None)
+            history[-1] = trainer._weights().tensors
+        trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("k,updates", [(0, 1), (2, 1), (3, 1), (4, 2), (3, 2)])
+def test_staleness_samples_with_the_weights_of_k_optimizer_steps_earlier(pool1, k, updates):
+    (rows,) = pool1.run(_staleness_run, k, updates, 6)
+    for step, row in enumerate(rows, start=1):
+        n = row["n_before"]  # optimizer steps done before this step's rollout
+        assert n == (step - 1) * updates
+        want = max(0, n - k)
+        if updates > 1 and want % updates:  # an intermediate version: not in the history, but not the others either
+            assert row["match"] == [], row
+        else:
+            # exactly that version (versions are distinct once the model moved)
+            assert row["match"] == [want], (step, row)
+        assert row["lag"] == n - want
+
+
+# ------------------------------------------------------------------------- temperature
+def _temperature_run(t_rollout: float):
+    from megatron_mis.parallel.packing import pack_sequences
+    from megatron_mis.testbed.demo.scoring import trainer_log_probs
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(temperature=t_rollout, trainer_temperature=1.0, steps=1, correction="token_tis", **_SMALL)
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec("token_tis", cfg))
+        prompts = [p.prompt for p in trainer.task.sample(8, generator=torch.Generator().manual_seed(3))]
+        batch = trainer.engine.generate(prompts, generator=torch.Generator().manual_seed(4))
+        packed = pack_sequences(batch.sequences)
+        with torch.no_grad():
+            at_t = trainer_log_probs(trainer.model, packed, batch.response_lengths, temperature=t_rollout)
+            at_1 = trainer_log_probs(trainer.model, packed, batch.response_lengths, temperature=1.0)
+        # the trainer's own pi_old recompute (the loss's temperature) on one step's batch
+        from megatron_mis.integrations.megatron_loss import RLMicroBatch
+
+        lengths = torch.tensor([s.numel() for s in batch.sequences])
+        mb = RLMicroBatch(
+            tokens=torch.cat(batch.sequences),
+            cu_seqlens=torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).int(),
+            response_lengths=batch.response_lengths, loss_mask=torch.ones(int(batch.response_lengths.sum())),
+            advantages=torch.zeros(int(batch.response_lengths.sum())),
+            rollout_log_probs=torch.cat(batch.rollout_log_probs), pad_token_id=trainer.pad,
+        )
+        (old,) = trainer.rl.recompute_log_probs([trainer.ddp], [mb])
+        trainer.close()
+    return torch.cat(batch.rollout_log_probs), torch.cat(at_t), torch.cat(at_1), old.cpu()
+
+
+@pytest.mark.parametrize("t", [0.5, 1.5])
+def test_temperature_arm_records_rollout_T_while_the_trainer_uses_1(pool1, t):
+    ((rollout, at_t, at_1, old),) = pool1.run(_temperature_run, t)
+    torch.testing.assert_close(rollout, at_t, atol=1e-4, rtol=0)  # log_softmax(logits / T), fp32 rounding
+    torch.testing.assert_close(old, at_1, atol=1e-5, rtol=0)  # the trainer's pi_old at T = 1
+    assert float((at_t - at_1).abs().max()) > 0.05  # the dose is a real mismatch
+
+
+# ------------------------------------------------------------------------------- top-p
+def _top_p_run(logprobs: str, top_p: float, top_k: int):
+    from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(steps=1, correction="none", **_SMALL)
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec("none", cfg))
+        rc = RolloutConfig(precision="fp32", max_new_tokens=4, top_p=top_p, top_k=top_k, logprobs=logprobs)
+        engine = RolloutEngine(trainer.engine.weights, rc)
+        prompts = [p.prompt for p in trainer.task.sample(16, generator=torch.Generator().manual_seed(3))]
+        batch = engine.generate(prompts, generator=torch.Generator().manual_seed(4))
+        # independent reference: the full fp32 distribution at every response position, sorted by hand
+        full = RolloutEngine(trainer.engine.weights, RolloutConfig(precision="fp32", max_new_tokens=4))
+        seqs = batch.sequences
+        expected = []
+        for s, r in zip(seqs, batch.response_lengths.tolist()):
+            t = s.numel()
+            with torch.no_grad():
+                logits = full._model.forward(
+                    s[None], torch.arange(t)[None], full._model.new_cache(1, t), 0,
+                    (torch.arange(t)[None, :] <= torch.arange(t)[:, None])[None, None],
+                )[0]
+            probs = torch.softmax(logits.float(), -1)[t - r - 1 : t - 1].double()
+            for row, tok in zip(probs, s[t - r :].tolist()):
+                order = torch.argsort(row, descending=True)
+                keep = torch.zeros_like(row, dtype=torch.bool)
+                mass = 0.0
+                for rank, i in enumerate(order.tolist()):
+                    if (top_k and rank >= top_k) or (rank > 0 and mass >= top_p):
+                        break
+                    keep[i] = True
+                    mass += float(row[i])
+                assert keep[tok], "a token outside the truncated support was sampled"
+                kept = float(row[keep].sum())
+                expected.append((math.log(float(row[tok])), math.log(float(row[tok]) / kept)))
+        trainer.close()
+    return torch.cat(batch.rollout_log_probs), torch.tensor(expected, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.7, 0), (1.0, 3), (0.9, 5)])
+def test_top_p_records_raw_or_processed_log_probs(pool1, top_p, top_k):
+    ((raw, exp_raw),) = pool1.run(_top_p_run, "raw", top_p, top_k)
+    ((proc, exp_proc),) = pool1.run(_top_p_run, "processed", top_p, top_k)
+    torch.testing.assert_close(raw.double(), exp_raw[:, 0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(proc.double(), exp_proc[:, 1], atol=1e-4, rtol=0)
+    # the processed log-probs sit above the raw ones by -log(kept mass) >= 0; somewhere strictly
+    assert float((exp_proc[:, 1] - exp_proc[:, 0]).max()) > 1e-3

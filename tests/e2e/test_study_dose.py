@@ -1,0 +1,98 @@
+"""Dose-response sweeps (issue 29): the sweeps' settings and arms, the seed rule, and
+``megatron-mis study --sweep`` end to end on a tiny budget (runs, resume, report)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_mis.cli import main
+from megatron_mis.config import ConfigError
+from megatron_mis.testbed.study.config import SETTINGS, SWEEPS, StudyConfig, run_config
+from megatron_mis.testbed.study.stats import minimal_detectable_effect, seeds_for_effect
+
+
+def test_seed_rule_hand_derived():
+    # (1.959964 + 0.841621) = 2.801585; SD 0.11, effect 0.05: (2.801585 * 2.2)^2 = 37.99 -> 38 seeds
+    assert seeds_for_effect(0.11, 0.05) == 38
+    assert seeds_for_effect(0.0, 0.05) == 2  # never fewer than a pair
+    assert minimal_detectable_effect(0.11, 8) == pytest.approx(2.801585 * 0.11 / math.sqrt(8), rel=1e-6)
+    with pytest.raises(ValueError, match="effect=0"):
+        seeds_for_effect(0.1, 0)
+    with pytest.raises(ValueError, match="n=0"):
+        minimal_detectable_effect(0.1, 0)
+
+
+def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
+    assert set(SWEEPS) >= {"staleness", "temperature", "top-p-raw", "top-p-processed"}
+    assert SWEEPS["staleness"].labels == ["k0", "k1", "k2", "k4", "k8", "k16"]
+    study = StudyConfig(sweep="staleness")
+    assert study.resolved_steps == 300 and study.dose_labels == SWEEPS["staleness"].labels
+    assert {"decoupled_ppo", "bypass_ppo", "none", "ref_fp32"} <= set(study.arm_names)
+    k8 = study.for_dose("k8")
+    assert run_config(k8, "none", 0).staleness == 8 and run_config(k8, "decoupled_ppo", 0).correction == "decoupled_ppo"
+    assert run_config(k8, "ref_fp32", 0).staleness == 0  # the reference is fresh
+    t = StudyConfig(sweep="temperature").for_dose("t0.5")
+    cfg = run_config(t, "none", 1)
+    assert cfg.temperature == 0.5 and cfg.resolved_trainer_temperature == 1.0
+    assert run_config(t, "ref_fp32", 1).resolved_trainer_temperature == 0.5  # the trainer uses the rollout's T
+    p = run_config(StudyConfig(sweep="top-p-processed").for_dose("p0.9"), "none", 0)
+    assert p.top_p == 0.9 and p.rollout_logprobs == "processed"
+    # the staleness / sampling sweeps isolate their mechanism: fp32 rollouts
+    assert all(SETTINGS[w.setting_name(lab)].overrides["rollout_precision"] == "fp32"
+               for w in SWEEPS.values() if not w.name.startswith(("long-tail", "moe")) for lab in w.labels)
+    lt = run_config(StudyConfig(sweep="long-tail").for_dose("s253"), "none", 0)
+    assert (lt.vocab_size, lt.scratchpad, lt.precision, lt.distractors) == (512, 253, "int4", 4)
+    assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
+            for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]
+    moe = StudyConfig(sweep="moe-ties")
+    assert "r3" in moe.arm_names and run_config(moe.for_dose("e64"), "r3", 0).routing_replay
+    assert [run_config(moe.for_dose(e), "none", 0).num_moe_experts for e in ("e16", "e32", "e64")] == [16, 32, 64]
+    # megatron-mis demo --compare --preset staleness-k4 sets decoupled PPO against none
+    assert SETTINGS["staleness-k4"].demo_values()["correction"] == "decoupled_ppo"
+    assert SETTINGS["staleness-k4"].demo_values()["staleness"] == 4
+    quick = StudyConfig(sweep="temperature", quick=True)
+    assert quick.dose_labels == ["t1", "t1.5"] and quick.resolved_steps == 4
+    with pytest.raises(ConfigError) as e:
+        StudyConfig(sweep="temperature", doses=["t7"])
+    assert "doses=['t7']" in str(e.value)
+    with pytest.raises(ConfigError, match="doses needs a sweep"):
+        StudyConfig(doses=["t1"])
+
+
+def test_list_names_the_sweeps(capsys):
+    assert main(["study", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in SWEEPS:
+        assert f"  {name} " in out
+    assert "dose staleness: k0, k1, k2, k4, k8, k16" in out
+    assert "temperature-t0.5 " not in out  # the dose settings are listed under their sweep
+
+
+def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
+    argv = ["study", "--sweep", "temperature", "--doses", "t1,t1.5", "--arms", "none,ref_fp32", "--seeds", "2",
+            "--steps", "2", "--jobs", "1", "--quick", "--out-dir", str(tmp_path), "--no-progress", "--bootstrap", "200"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "2 doses x 2 arms x 2 seeds = 8 runs" in captured.err
+    for label in ("t1", "t1.5"):
+        for arm in ("none", "ref_fp32"):
+            for seed in (0, 1):
+                assert (tmp_path / f"temperature-{label}" / arm / f"seed-{seed}.jsonl").is_file()
+    header = json.loads((tmp_path / "temperature-t1.5" / "none" / "seed-0.jsonl").read_text().splitlines()[0])
+    assert header["config"]["temperature"] == 1.5 and header["config"]["trainer_temperature"] == 1.0
+    summary = json.loads((tmp_path / "sweep-temperature" / "summary.json").read_text())
+    assert [d["dose"] for d in summary["doses"]] == [1.0, 1.5]
+    hot = summary["doses"][1]["arms"]
+    # the temperature dose is a real mismatch: none's K3 at T=1.5 is far above the reference's
+    assert hot["none"]["k3_mean"][0] > 100 * max(hot["ref_fp32"]["k3_mean"][0], 1e-12)
+    assert summary["paired_sd"] is not None and summary["seeds_for_target"] >= 2
+    assert "grad_norm_mean" in hot["none"] and hot["none"]["monitor_flagged"]["n"] == 2 == hot["none"]["monitor_any"]["n"]
+    report = (tmp_path / "sweep-temperature" / "report.md").read_text()
+    assert "| 1.5 | none | 2 |" in report and "Minimal detectable effect" in report
+    assert (tmp_path / "sweep-temperature" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # run again: every run is reused
+    assert main(argv) == 0
+    assert "ran 0 runs, reused 8" in capsys.readouterr().err

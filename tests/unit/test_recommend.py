@@ -1,0 +1,61 @@
+"""megatron_mis.analysis.recommend: the correction rule on hand-derived cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_mis.analysis.recommend import geometric_band, recommend, sequence_log_weight_sd
+
+
+def test_sequence_sd_and_band_hand_derived():
+    assert sequence_log_weight_sd(1e-3, 200) == pytest.approx(math.sqrt(0.4))
+    lo, hi = geometric_band(1e-3, 2000)  # h = 3 sqrt(2e-3 / 2000) = 3e-3
+    assert lo == pytest.approx(math.exp(-3e-3)) and hi == pytest.approx(math.exp(3e-3))
+    assert geometric_band(0.0, 10) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "k3,length,correction,regime",
+    [
+        (1e-3, 5, "token_tis", "measured-harmless"),  # s = sqrt(0.01) = 0.1
+        (1e-3, 200, "sequence_mis", "sequence-level"),  # s = 0.632
+        (5e-3, 100, "sequence_mis", "sequence-level"),  # s = 1.0 exactly: still sequence-level
+        (1e-3, 2000, "token_mis", "token-level"),  # s = 2
+        (2e-2, 5, "token_mis", "config-bug"),  # K3 above numerics
+        (0.0, 4096, "token_tis", "measured-harmless"),
+    ],
+)
+def test_regimes(k3, length, correction, regime):
+    r = recommend(k3, length)
+    assert (r.correction, r.regime) == (correction, regime)
+    assert r.effective_sequence_share == pytest.approx(math.exp(-2 * length * k3))
+    assert r.basis and r.reason
+
+
+def test_token_level_carries_the_length_scaled_band():
+    r = recommend(1e-3, 2000)
+    assert r.sequence_log_weight_sd == pytest.approx(2.0)
+    assert r.geometric_band == pytest.approx((math.exp(-3e-3), math.exp(3e-3)))
+    assert "not yet measured" in r.basis
+    assert recommend(1e-3, 200).geometric_band is None
+
+
+@pytest.mark.parametrize("k3,length,msg", [(-1e-3, 10, "k3_mean=-0.001"), (float("nan"), 10, "k3_mean=nan"),
+                                           (1e-3, 0, "response_length=0"), (1e-3, float("inf"), "response_length=inf")])
+def test_bad_input_named(k3, length, msg):
+    with pytest.raises(ValueError, match=msg):
+        recommend(k3, length)
+
+
+def test_analyze_report_hook():
+    import json
+
+    from megatron_mis.analysis.report import recommendation, to_json
+
+    assert recommendation({"overall": {"k3_mean": 1e-3, "response_length": 200.0}})["correction"] == "sequence_mis"
+    assert recommendation({"overall": {"k3_mean": None, "response_length": 200.0}}) is None
+    assert recommendation({"overall": {"k3_mean": float("nan"), "response_length": 5.0}}) is None
+    out = json.loads(to_json({"overall": {"k3_mean": 1e-3, "response_length": 2000.0}}))
+    assert out["recommendation"]["regime"] == "token-level"
