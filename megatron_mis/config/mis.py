@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from megatron_mis.config.base import ConfigBase, ConfigError, Interval, _check_namespace, doc, load_yaml_mapping
 
-__all__ = ["MISConfig", "Level", "ISMode", "MAX_LOG_RATIO_BOUND", "HOST_KEYS"]
+__all__ = ["MISConfig", "Level", "ISMode", "MAX_LOG_RATIO_BOUND", "HOST_KEYS", "HOST_BOUND_FLAGS", "resolve_host_bound_flags"]
 
 Level = Literal["token", "sequence", "geometric"]
 ISMode = Literal["truncate", "clip", "mask"]
@@ -37,6 +37,11 @@ HOST_KEYS = (
     "rs_veto_threshold",
     "tis_batch_normalize",
 )
+
+#: slime's / Miles' own IS bound flags (``--tis-clip``, ``--tis-clip-low``; the same names in the
+#: YAML): ``{flag: (the hosts' default, the MIS key it sets)}``. Their built-in TIS function is
+#: ``clamp(r, tis_clip_low, tis_clip)`` (slime loss.py:897, Miles loss_hub/corrections.py:24).
+HOST_BOUND_FLAGS = {"tis_clip": (2.0, "tis_upper_bound"), "tis_clip_low": (0.0, "tis_lower_bound")}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,8 +86,8 @@ class MISConfig(ConfigBase):
     )
     tis_batch_normalize: bool = doc(
         False,
-        "Self-normalise the IS weights so their mean over kept tokens (token level) or kept "
-        "sequences (sequence/geometric level) is 1. Needs use_tis.",
+        "Self-normalise the IS weights to mean 1 over the tokens (token level) or sequences "
+        "(sequence/geometric level) named by tis_batch_normalize_over. Needs use_tis.",
     )
 
     # ---- added by megatron-mis -----------------------------------------------------------------
@@ -91,6 +96,24 @@ class MISConfig(ConfigBase):
         "Where the self-normalisation mean is taken: micro_batch (this call's sequences, exact under "
         "context parallelism) or global (the whole step's batch across data-parallel ranks; needs the "
         "per-step statistics entry point, see README).",
+    )
+    tis_batch_normalize_over: Literal["loss_mask", "kept"] = doc(
+        "loss_mask",
+        "Which weights the self-normalisation mean is taken over. loss_mask: every loss-mask token "
+        "(token level) or every sequence with one (sequence/geometric level), rejected ones included "
+        "with their bounded weight: slime's and Miles' mis.py. kept: only the tokens / sequences that "
+        "survive rejection (megatron-mis' earlier meaning). Read by the host drop-ins and "
+        "compute_global_normalizer; the engine called directly (compute_mis, MegatronRLLoss) uses kept.",
+    )
+    rs_veto_without_rs: bool = doc(
+        False,
+        "Host drop-ins: false (the hosts' meaning): rs_veto_threshold acts only with use_rs: true, and "
+        "is inert (with a warning) without it. true: the ratio veto acts without rejection sampling too.",
+    )
+    apply_is_weights: bool = doc(
+        True,
+        "Host drop-ins: false keeps use_tis: true (so slime / Miles call the function) but every IS "
+        "weight is 1: only rejection sampling and the vetoes act (e.g. geometric RS alone).",
     )
     log_ratio_bound: float = doc(
         20.0,
@@ -222,6 +245,11 @@ class MISConfig(ConfigBase):
                 "tis_batch_normalize=true has nothing to normalise: use_tis is false, so every weight is 1 "
                 "(set use_tis: true or tis_batch_normalize: false)"
             )
+        if self.tis_batch_normalize and not self.apply_is_weights:
+            problems.append(
+                "tis_batch_normalize=true has nothing to normalise: apply_is_weights is false, so every weight is 1 "
+                "(set tis_batch_normalize: false)"
+            )
         if self.tis_batch_normalize_scope == "global" and not self.tis_batch_normalize:
             problems.append(
                 "tis_batch_normalize_scope='global' needs tis_batch_normalize: true"
@@ -254,26 +282,126 @@ class MISConfig(ConfigBase):
         """Build from a slime / Miles ``args`` namespace.
 
         The host sets every key of ``--custom-config-path`` on ``args`` without checking it, so the
-        YAML file (when ``args.custom_config_path`` names one) is read again and any key that looks
-        like a misspelt MIS key is reported, together with every other problem.
+        YAML file (when ``args.custom_config_path`` names one, or holds Miles' inline
+        ``base64:`` payload) is read again and any key that looks like a misspelt MIS key is
+        reported, together with every other problem. The hosts' own bound flags ``tis_clip`` /
+        ``tis_clip_low`` are honoured (:func:`resolve_host_bound_flags`).
         """
+        import types
+
         _check_namespace(args)
         problems: list[str] = []
         path = getattr(args, "custom_config_path", None)
         if path:
             try:
-                data = load_yaml_mapping(path)
-            except (FileNotFoundError, ConfigError) as exc:
+                data = _load_host_yaml(path)
+            except (FileNotFoundError, ConfigError, ValueError) as exc:
                 data = {}
                 problems.append(str(exc))
             problems += unknown_mis_like_keys(data)
+        values = {n: getattr(args, n) for n in cls.field_names() if getattr(args, n, None) is not None}
+        flags = {
+            flag: getattr(args, flag) for flag, (default, _) in HOST_BOUND_FLAGS.items()
+            if getattr(args, flag, None) is not None and not _same_number(getattr(args, flag), default)
+        }
+        changes, flag_problems = resolve_host_bound_flags(values, flags)
+        problems += flag_problems
+        values.update(changes)
+        source = f"args{f' from {_short_path(path)}' if path else ''}"
         try:
-            cfg = cls.from_namespace(args, source=f"args{f' from {path}' if path else ''}")
+            cfg = cls.from_namespace(types.SimpleNamespace(**values), source=source)
         except ConfigError as exc:
             raise ConfigError(exc.config_name, problems + exc.problems) from None
         if problems:
-            raise ConfigError(cls._label(f"args from {path}"), problems)
+            raise ConfigError(cls._label(source), problems)
         return cfg
+
+
+def _same_number(value: Any, default: float) -> bool:
+    try:
+        return float(value) == default
+    except (TypeError, ValueError):
+        return False
+
+
+def _short_path(path: str) -> str:
+    return "an inline base64 YAML" if str(path).startswith("base64:") else str(path)
+
+
+def _load_host_yaml(path: str) -> dict[str, Any]:
+    """The mapping of a host's ``--custom-config-path``: a file, or Miles' ``base64:<payload>``."""
+    if str(path).startswith("base64:"):
+        import base64
+        import binascii
+        import os
+        import tempfile
+
+        try:
+            text = base64.b64decode(str(path)[len("base64:"):], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError) as exc:
+            raise ValueError(f"custom_config_path: the inline base64 YAML does not decode ({exc})") from None
+        fd, tmp = tempfile.mkstemp(suffix=".yaml")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            return load_yaml_mapping(tmp, allow_empty=True)
+        finally:
+            os.unlink(tmp)
+    return load_yaml_mapping(path)
+
+
+def resolve_host_bound_flags(values: dict[str, Any], flags: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The MIS keys the hosts' own bound flags set, with the hosts' meaning.
+
+    slime's and Miles' built-in TIS is ``clamp(r, tis_clip_low, tis_clip)``: ``tis_clip`` is the
+    upper bound U, ``tis_clip_low`` the lower bound L (0, their default, means none). A user who
+    switches to megatron-mis keeps those bounds:
+
+    - ``tis_clip`` sets ``tis_upper_bound``; ``tis_clip_low`` sets ``tis_lower_bound`` and, when
+      the YAML gives no ``tis_mode``, ``tis_mode: clip`` (the hosts' clamp);
+    - a flag that disagrees with the MIS key set beside it is an error naming both, and
+      ``tis_clip_low`` with ``tis_mode: truncate`` (which has no lower bound) is an error.
+
+    Args:
+        values: the MIS keys that are set (from the YAML on ``args``, or a mapping).
+        flags: the host flags that are set (on ``args``: differing from the hosts' default; in a
+            mapping: present).
+
+    Returns:
+        ``(changes to the MIS keys, problems)``.
+    """
+    changes: dict[str, Any] = {}
+    problems: list[str] = []
+    for flag, value in flags.items():
+        if flag not in HOST_BOUND_FLAGS:
+            continue
+        default, key = HOST_BOUND_FLAGS[flag]
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            problems.append(f"{flag}={value!r} must be a number (the hosts' --{flag.replace('_', '-')}, default {default})")
+            continue
+        if flag == "tis_clip_low" and number == 0.0:
+            continue  # the hosts' "no lower bound"
+        mine = values.get(key)
+        if mine is not None and not _same_number(mine, number):
+            problems.append(
+                f"{flag}={value!r} (the host's --{flag.replace('_', '-')}) and {key}={mine!r} disagree: both set "
+                f"the IS {'upper' if key == 'tis_upper_bound' else 'lower'} bound; keep one of them"
+            )
+            continue
+        changes[key] = number
+        if flag == "tis_clip_low":
+            mode = values.get("tis_mode")
+            if mode is None:
+                changes["tis_mode"] = "clip"
+            elif mode == "truncate":
+                problems.append(
+                    f"tis_clip_low={value!r} (the host's --tis-clip-low) has no effect with tis_mode='truncate', which "
+                    "only caps at the upper bound: set tis_mode: clip for the hosts' clamp(r, tis_clip_low, tis_clip), "
+                    "or drop --tis-clip-low"
+                )
+    return changes, problems
 
 
 _DEFAULTS = {"tis_level": "token", "tis_mode": "truncate", "tis_lower_bound": None}
@@ -287,7 +415,7 @@ def unknown_mis_like_keys(data: dict[str, Any]) -> list[str]:
     """Problems for keys of a shared host YAML that look like MIS keys but are not valid ones."""
     import difflib
 
-    valid = MISConfig.field_names()
+    valid = MISConfig.field_names() + list(HOST_BOUND_FLAGS)
     problems = []
     for key in data:
         if key in valid or not isinstance(key, str):

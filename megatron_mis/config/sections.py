@@ -41,15 +41,27 @@ CONFIG_SECTIONS: Registry[ConfigSection] = Registry("config section")
 
 
 def _mis_keys() -> list[str]:
-    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.config.mis import HOST_BOUND_FLAGS, MISConfig
 
-    return MISConfig.field_names()
+    return MISConfig.field_names() + list(HOST_BOUND_FLAGS)
 
 
 def _mis_build(data: dict[str, Any], source: str | None) -> Any:
-    from megatron_mis.config.mis import MISConfig
+    """The MIS keys, with the hosts' bound flags ``tis_clip`` / ``tis_clip_low`` (present in the
+    mapping = set) mapped as the host drop-ins map them."""
+    from megatron_mis.config.base import ConfigError
+    from megatron_mis.config.mis import HOST_BOUND_FLAGS, MISConfig, resolve_host_bound_flags
 
-    return MISConfig.from_dict(data, source=source)
+    flags = {k: v for k, v in data.items() if k in HOST_BOUND_FLAGS}
+    values = {k: v for k, v in data.items() if k not in HOST_BOUND_FLAGS}
+    changes, problems = resolve_host_bound_flags({k: v for k, v in values.items() if v is not None}, flags)
+    try:
+        cfg = MISConfig.from_dict({**values, **changes}, source=source)
+    except ConfigError as exc:
+        raise ConfigError(exc.config_name, problems + exc.problems) from None
+    if problems:
+        raise ConfigError(MISConfig._label(source), problems)
+    return cfg
 
 
 def _mis_describe(cfg: Any) -> dict[str, Any]:

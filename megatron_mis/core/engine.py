@@ -662,7 +662,16 @@ def check_normalizer(value: Any, device: torch.device) -> torch.Tensor:
             raise TypeError(f"global_normalizer must be a real number, got dtype {value.dtype}")
         if value.device.type != "cpu":  # device data: trusted, checking would synchronise
             return value.detach().to(dtype=torch.float64).reshape(())
-    number = float(value)  # host data: checking costs no device sync
+    if isinstance(value, torch.Tensor):
+        # host data: checked by a CPU op (no Python read of the value, which would be a device
+        # read were the tensor on a GPU); the value is read only to word the error
+        mean = value.detach().to(dtype=torch.float64).reshape(())
+        try:
+            torch._assert_async(torch.isfinite(mean) & (mean > 0), "global_normalizer")
+        except RuntimeError:
+            raise ValueError(f"global_normalizer must be a positive finite mean, got {float(mean)}") from None
+        return mean.to(device, non_blocking=True)
+    number = float(value)  # a Python number: no tensor is read
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"global_normalizer must be a positive finite mean, got {number}")
     return torch.tensor(number, dtype=torch.float64).to(device, non_blocking=True)

@@ -177,7 +177,7 @@ class Plan(NamedTuple):
     @staticmethod
     def of(cfg: MISConfig) -> "Plan":
         return Plan(
-            bound=float(cfg.log_ratio_bound), use_tis=bool(cfg.use_tis), tis_level=cfg.tis_level, tis_mode=cfg.tis_mode,
+            bound=float(cfg.log_ratio_bound), use_tis=bool(cfg.use_tis and cfg.apply_is_weights), tis_level=cfg.tis_level, tis_mode=cfg.tis_mode,
             tis_lo=float(cfg.tis_lower), tis_hi=float(cfg.tis_upper_bound), use_rs=bool(cfg.use_rs),
             rs_level=cfg.rs_level, rs_lo=float(cfg.rs_lower), rs_hi=float(cfg.rs_upper),
             log_ratio_veto=None if cfg.rs_veto_threshold is None else math.log(cfg.rs_veto_threshold),

@@ -37,8 +37,9 @@ Patched (slime or Miles; ``patches/*.patch``)
     also feeds the response lengths (:func:`observe_rollout`), and for both it feeds the monitor
     (:func:`monitor_train_step`) when ``monitor_enabled`` is set.
 
-All state lives on ``args`` (attribute :data:`HOST_STATE_ATTR`), the object the host passes to
-every hook; nothing is global.
+The hooks' state (:class:`HostState`) lives in the drop-ins' per-process registry
+(:mod:`megatron_mis.integrations.state`), keyed by the ``args`` object the host passes to every
+hook; nothing is stored on ``args``, which Megatron pickles into every checkpoint.
 
 Users point their flags at the host's entry module (:mod:`megatron_mis.integrations.slime`,
 :mod:`megatron_mis.integrations.miles`), which re-exports these hooks; this module implements them.
@@ -52,9 +53,10 @@ from typing import Any
 
 from megatron_mis.monitor.config import LengthDecayConfig, MonitorConfig, ScheduleConfigs, SurgeConfig
 from megatron_mis.lr_schedule import LengthDecayParamScheduler, build_lr_schedule
+from megatron_mis.integrations.state import state_of
 
 __all__ = [
-    "HOST_STATE_ATTR",
+    "HostState",
     "before_train_step",
     "configs_from_args",
     "host_state",
@@ -63,13 +65,9 @@ __all__ = [
     "wrap_opt_param_scheduler",
 ]
 
-#: Attribute of the host's ``args`` holding the :class:`HostState`.
-HOST_STATE_ATTR = "_megatron_mis_lr_state"
-
-
 @dataclass
 class HostState:
-    """What the hooks share between calls (kept on ``args``).
+    """What the hooks share between calls (kept in the drop-in registry, never on ``args``).
 
     Attributes:
         configs: the three configs read from ``args``.
@@ -86,16 +84,6 @@ class HostState:
     pending: tuple[int, float | None] | None = None
     last_response_length: float | None = None
     monitor: Any = None
-
-    def __reduce__(self) -> tuple:
-        # Megatron pickles `args` into every checkpoint, and hosts send it to other processes:
-        # the live scheduler / optimizer / open monitor files must not travel with it. A pickled
-        # or deep-copied args carries None here, and host_state() starts afresh from the keys.
-        return (_no_state, ())
-
-
-def _no_state() -> None:
-    return None
 
 
 def configs_from_args(args: Any) -> ScheduleConfigs:
@@ -115,12 +103,12 @@ def configs_from_args(args: Any) -> ScheduleConfigs:
 
 
 def host_state(args: Any) -> HostState:
-    """The :class:`HostState` on ``args``, created on first use."""
-    state = getattr(args, HOST_STATE_ATTR, None)
-    if state is None:
-        state = HostState(configs=configs_from_args(args))
-        setattr(args, HOST_STATE_ATTR, state)
-    return state
+    """The :class:`HostState` of ``args`` (in :mod:`megatron_mis.integrations.state`), created on
+    first use."""
+    holder = state_of(args)
+    if holder.lr is None:
+        holder.lr = HostState(configs=configs_from_args(args))
+    return holder.lr
 
 
 def wrap_opt_param_scheduler(args: Any, opt_param_scheduler: Any) -> LengthDecayParamScheduler:
@@ -267,6 +255,3 @@ def monitor_train_step(args: Any, step: int, log_dict: dict[str, Any], *, strip_
             metrics["lr"] = float(groups[0]["lr"])
             metrics["length_decay_factor"] = state.scheduler.factor
     return state.monitor.update(step, metrics)
-
-
-# Deprecated for one release: the slime hook now lives in (and does everything from) one place.

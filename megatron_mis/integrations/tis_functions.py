@@ -16,9 +16,20 @@ response_lengths`` (Miles adds ``parallel_state`` and ``max_seq_lens``) and expe
 - ``metrics``: ``mis_*`` per-token tensors aligned with ``pg_loss``; hosts reduce them over the
   ORIGINAL loss mask.
 
-The configuration is read from the keys the host set on ``args`` (from the YAML), validated once
-per ``args`` object (re-validated only if those keys change), with every error raised on the
-first call.
+The configuration is read from the keys the host set on ``args`` (from the YAML; the hosts'
+``--tis-clip`` / ``--tis-clip-low`` included), validated once per ``args`` object (re-validated
+only if those keys change), with every error raised on the first call. Nothing is stored on
+``args`` (Megatron pickles it into every checkpoint): what the functions remember between calls
+lives in :mod:`megatron_mis.integrations.state`.
+
+What the host's flags do to the call (docs/hosts.md):
+
+- ``--use-rollout-logprobs`` (bypass, both hosts): the PPO ratio is already
+  pi_theta / pi_rollout, so the IS weights are 1 (never applied a second time); rejection
+  sampling and the vetoes act on the ratio of the ``train_log_probs`` the host passes;
+- ``use_tis`` false (only ``--get-mismatch-metrics``): metrics only, unless ``rs_without_tis``;
+- ``apply_is_weights: false``: as bypass, for rejection without IS weights;
+- ``rs_veto_threshold`` acts only with ``use_rs`` (as in the hosts) unless ``rs_veto_without_rs``.
 
 ``tis_batch_normalize_scope: global`` needs the mean over the step's whole batch, computed once
 per step by :func:`prepare_global_normalizer` (slime: ``--rollout-data-postprocess-path
@@ -38,8 +49,9 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core.engine import DeferredCount, nonfinite_message
-from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp, lengths_1d
-from megatron_mis.parallel.global_norm import compute_global_normalizer
+from megatron_mis.integrations.state import GlobalMean, state_of
+from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp, cp_normalization_statistics, lengths_1d
+from megatron_mis.parallel.global_norm import compute_global_normalizer, normalization_config, usable_mean
 from megatron_mis.parallel.state import GroupView, HostGroups, host_groups
 
 __all__ = [
@@ -49,24 +61,21 @@ __all__ = [
     "config_from_args",
 ]
 
-_CACHE_ATTR = "_megatron_mis_config_cache"
-_NORM_ATTR = "_megatron_mis_global_normalizer"
-_BYPASS_WARNED_ATTR = "_megatron_mis_bypass_warned"
+_SNAPSHOT_KEYS = ("custom_config_path", "tis_clip", "tis_clip_low")
 
 
 def config_from_args(args: Any) -> MISConfig:
-    """The validated :class:`MISConfig` for a host's ``args`` (cached on the object; validated
-    again only when one of the MIS keys or ``custom_config_path`` changes)."""
+    """The validated :class:`MISConfig` for a host's ``args`` (cached in the drop-in state of
+    ``args``, never on it; validated again only when one of the MIS keys, the hosts' bound flags
+    or ``custom_config_path`` changes)."""
     names = MISConfig.field_names()
-    snapshot = tuple(getattr(args, n, None) for n in names) + (getattr(args, "custom_config_path", None),)
-    cached = getattr(args, _CACHE_ATTR, None)
-    if cached is not None and cached[0] == snapshot:
-        return cached[1]
+    snapshot = tuple(getattr(args, n, None) for n in names) + tuple(getattr(args, n, None) for n in _SNAPSHOT_KEYS)
+    _check_args(args)
+    state = state_of(args)
+    if state.config is not None and state.config[0] == snapshot:
+        return state.config[1]
     cfg = MISConfig.from_host_args(args)
-    try:
-        setattr(args, _CACHE_ATTR, (snapshot, cfg))
-    except AttributeError:  # an immutable args object: validate every call instead
-        pass
+    state.config = (snapshot, cfg)
     return cfg
 
 
@@ -87,10 +96,6 @@ def _layout_of(args: Any, max_seq_lens: Sequence[int] | None, cp_layout: str | N
     # slime / Miles redistribute allgather-CP log-probs into the zigzag layout before the loss,
     # so the function always sees thd / bshd pieces.
     return "thd", None
-
-
-_NONFINITE_ATTR = "_megatron_mis_pending_nonfinite"
-_METRICS_ONLY_WARNED_ATTR = "_megatron_mis_metrics_only_warned"
 
 
 def _check_args(args: Any) -> None:
@@ -117,27 +122,23 @@ def _check_pg_loss(pg_loss: Any) -> torch.Tensor:
 def _warn_deferred_nonfinite(args: Any, res: Any, cfg: MISConfig) -> None:
     """Warn about non-finite log-probs without a host synchronisation: the count of the
     PREVIOUS call is read once its device copy has landed (at once on the CPU)."""
-    pending = getattr(args, _NONFINITE_ATTR, None)
+    state = state_of(args)
+    pending = state.pending_nonfinite
     if pending is not None:
         count = pending.poll()
         if count:
             warnings.warn(nonfinite_message(count, cfg), RuntimeWarning, stacklevel=4)
-    try:
-        setattr(args, _NONFINITE_ATTR, DeferredCount(res.num_nonfinite))
-    except AttributeError:
-        pass
+    state.pending_nonfinite = DeferredCount(res.num_nonfinite)
 
 
-def _warn_once(args: Any, attr: str, message: str, stacklevel: int) -> None:
-    """A RuntimeWarning the first time per ``args`` object (remembered in ``attr`` on it; every
-    time where ``args`` takes no attributes). ``stacklevel`` as seen from the caller."""
-    if getattr(args, attr, False):
+def _warn_once(args: Any, key: str, message: str, stacklevel: int) -> None:
+    """A RuntimeWarning the first time per ``args`` object and ``key`` (remembered in the drop-in
+    state of ``args``). ``stacklevel`` as seen from the caller."""
+    warned = state_of(args).warned
+    if key in warned:
         return
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
-    try:
-        setattr(args, attr, True)
-    except AttributeError:
-        pass
+    warned.add(key)
 
 
 def _check_loss_length(pg_loss: torch.Tensor, num_tokens: int) -> None:
@@ -157,7 +158,7 @@ def _metrics_only_config(args: Any, cfg: MISConfig) -> MISConfig:
         return cfg
     if acts:
         _warn_once(
-            args, _METRICS_ONLY_WARNED_ATTR,
+            args, "metrics_only",
             f"megatron-mis: {', '.join(acts)} has no effect without use_tis: slime / Miles call the TIS function with "
             "use_tis false only for --get-mismatch-metrics, so megatron-mis reports metrics and leaves the loss and "
             "masks unchanged (set rs_without_tis: true to reject anyway)",
@@ -169,6 +170,101 @@ def _metrics_only_config(args: Any, cfg: MISConfig) -> MISConfig:
         return cfg.replace(use_rs=False, rs_veto_threshold=None, prob_veto_threshold=None, nonfinite_policy=policy)
 
 
+def _quiet_replace(cfg: MISConfig, **changes: Any) -> MISConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cfg.replace(**changes)
+
+
+def _bypass(args: Any) -> bool:
+    return bool(getattr(args, "use_rollout_logprobs", False))
+
+
+def _rejection_only_config(args: Any, cfg: MISConfig) -> MISConfig:
+    """``use_tis`` with ``--use-rollout-logprobs`` or ``apply_is_weights: false``: IS weights 1,
+    rejection sampling and the vetoes act (docs/hosts.md, "bypass")."""
+    bypass = _bypass(args)
+    inert = [n for n, on in (
+        ("tis_batch_normalize", cfg.tis_batch_normalize),
+        ("tis_mode='mask'", cfg.tis_mode == "mask"),
+    ) if on]
+    why = (
+        "--use-rollout-logprobs is set, so the PPO ratio is already pi_theta / pi_rollout and an IS weight "
+        "would apply the correction twice" if bypass else "apply_is_weights is false"
+    )
+    _warn_once(
+        args, "rejection_only",
+        f"megatron-mis: {why}: every IS weight is 1; rejection sampling and the vetoes act"
+        + (f" ({', '.join(inert)} then has no effect)" if inert else "") + " (docs/hosts.md)",
+        stacklevel=5,
+    )
+    return _quiet_replace(
+        cfg, use_tis=False, tis_batch_normalize=False, tis_batch_normalize_scope="micro_batch", rs_without_tis=True
+    )
+
+
+def _host_veto(args: Any, cfg: MISConfig) -> MISConfig:
+    """slime's and Miles' ``rs_veto_threshold`` acts only inside rejection sampling."""
+    if cfg.rs_veto_threshold is None or cfg.use_rs or cfg.rs_veto_without_rs:
+        return cfg
+    _warn_once(
+        args, "veto_without_rs",
+        f"megatron-mis: rs_veto_threshold={cfg.rs_veto_threshold!r} has no effect because use_rs is false (as in "
+        "slime's and Miles' mis.py, the ratio veto is part of rejection sampling); set use_rs: true, or "
+        "rs_veto_without_rs: true to veto without rejection sampling",
+        stacklevel=5,
+    )
+    return _quiet_replace(cfg, rs_veto_threshold=None)
+
+
+def _check_train_present(args: Any, cfg: MISConfig, run_cfg: MISConfig, inputs: CPInputs) -> None:
+    """``train_log_probs is None`` (Miles with --use-rollout-logprobs and no pi_old recompute):
+    refuse what needs the train policy's ratio, warn where only metrics lose it."""
+    if inputs.train_log_probs is not None:
+        return
+    needs = [n for n, on in (
+        ("IS weights (use_tis)", run_cfg.use_tis),
+        ("use_rs", run_cfg.use_rs),
+        ("rs_veto_threshold", run_cfg.rs_veto_threshold is not None),
+        ("prob_veto_source='train'", run_cfg.prob_veto_threshold is not None and run_cfg.prob_veto_source == "train"),
+    ) if on]
+    if needs and (cfg.use_tis or cfg.rs_without_tis):
+        raise ValueError(
+            f"megatron-mis: train_log_probs is None (the host recomputed no pi_old: Miles with "
+            f"--use-rollout-logprobs), but {', '.join(needs)} need(s) the ratio pi_old / pi_rollout. Add "
+            "--get-mismatch-metrics (the host then recomputes pi_old), or drop --use-rollout-logprobs"
+        )
+    _warn_once(
+        args, "no_train_log_probs",
+        "megatron-mis: train_log_probs is None (the host recomputed no pi_old), so the mismatch metrics see "
+        "ratio 1 everywhere; add --get-mismatch-metrics to recompute pi_old",
+        stacklevel=5,
+    )
+
+
+def _global_mean(args: Any, num_samples: int) -> Any:
+    """The current rollout's global mean, checked to belong to the samples being trained."""
+    entry = state_of(args).global_mean
+    if entry is None:
+        raise RuntimeError(
+            "megatron-mis: tis_batch_normalize_scope='global' needs the step's global mean, computed once per "
+            "step before the micro-batches: slime: --rollout-data-postprocess-path "
+            "megatron_mis.integrations.slime.rollout_data_postprocess; Miles: apply "
+            "patches/miles-31f1ca96-global-mis-normalizer.patch; plain Megatron-Core: "
+            "megatron_mis.parallel.global_norm.compute_global_normalizer"
+        )
+    if entry.consumed + num_samples > entry.num_samples:
+        raise RuntimeError(
+            f"megatron-mis: the stored global self-normalisation mean is stale: it belongs to rollout "
+            f"{entry.rollout_id}, whose {entry.num_samples} sample(s) on this rank were already trained "
+            f"({entry.consumed} consumed, this call brings {num_samples}). The per-rollout hook did not run for "
+            "the rollout now training: check --rollout-data-postprocess-path (slime) or the global-normaliser "
+            "patch (Miles), which must call prepare_global_normalizer for every rollout"
+        )
+    entry.consumed += num_samples
+    return entry.mean
+
+
 def _apply(
     args: Any,
     pg_loss: torch.Tensor,
@@ -177,28 +273,34 @@ def _apply(
 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
     cfg = config_from_args(args)
     pg_loss = _check_pg_loss(pg_loss)
-    if inputs.train_log_probs is None and cfg.use_tis:
-        _warn_once(
-            args, _BYPASS_WARNED_ATTR,
-            "megatron-mis: train_log_probs is None (rollout log-probs used as the old policy and nothing "
-            "recomputed), so every IS ratio is 1 and the mismatch metrics are 0; only the probability veto "
-            "can act. Recompute pi_old (drop --use-rollout-logprobs or set --get-mismatch-metrics) to correct.",
-            stacklevel=3,
-        )
     metrics_only = not cfg.use_tis
-    run_cfg = _metrics_only_config(args, cfg) if metrics_only else cfg
+    if metrics_only:
+        run_cfg = _metrics_only_config(args, cfg)
+    elif _bypass(args) or not cfg.apply_is_weights:
+        run_cfg = _rejection_only_config(args, cfg)
+    else:
+        run_cfg = cfg
+    run_cfg = _host_veto(args, run_cfg)
+    _check_train_present(args, cfg, run_cfg, inputs)
     normalizer = None
-    if cfg.normalizes and cfg.tis_batch_normalize_scope == "global":
-        normalizer = getattr(args, _NORM_ATTR, None)
-        if normalizer is None:
-            raise RuntimeError(
-                "megatron-mis: tis_batch_normalize_scope='global' needs the step's global mean, computed once per "
-                "step before the micro-batches: slime: --rollout-data-postprocess-path "
-                "megatron_mis.integrations.slime.rollout_data_postprocess; Miles: apply "
-                "patches/miles-31f1ca96-global-mis-normalizer.patch; plain Megatron-Core: "
-                "megatron_mis.parallel.global_norm.compute_global_normalizer"
-            )
-        normalizer = normalizer[1]
+    if run_cfg.normalizes:
+        num_samples = len(inputs.response_lengths)
+        if run_cfg.tis_batch_normalize_scope == "global":
+            normalizer = _global_mean(args, num_samples)
+        else:
+            if num_samples == 1 and run_cfg.tis_level != "token":
+                _warn_once(
+                    args, "single_sequence_normalize",
+                    f"megatron-mis: tis_batch_normalize at tis_level={run_cfg.tis_level!r} over a micro-batch of one "
+                    "sequence divides its weight by itself (every weight becomes 1, the IS correction is lost); "
+                    "use tis_batch_normalize_scope: global (docs/hosts.md)",
+                    stacklevel=4,
+                )
+            if run_cfg.tis_batch_normalize_over == "loss_mask":
+                stats = cp_normalization_statistics(inputs, normalization_config(run_cfg), groups.cp)
+                normalizer = usable_mean(stats)
+        if normalizer is not None:
+            run_cfg = _quiet_replace(run_cfg, tis_batch_normalize_scope="global")
     out = compute_mis_cp(inputs, run_cfg, groups.cp, global_normalizer=normalizer)
     res = out.result
     _check_loss_length(pg_loss, res.weights.numel())
@@ -302,27 +404,48 @@ def compute_mis_weights_fsdp(
 
 
 def prepare_global_normalizer(args: Any, rollout_id: int, rollout_data: dict, *, parallel_state: Any | None = None) -> None:
-    """Compute the global self-normalisation mean once per step and keep it on ``args`` for the
-    micro-batch calls. Signature of slime's ``--rollout-data-postprocess-path`` hook (called on
-    every training rank after log-probs are recomputed, before training).
+    """Compute the global self-normalisation mean once per rollout and keep it (in the drop-in
+    state of ``args``, never on it) for the micro-batch calls. Signature of slime's
+    ``--rollout-data-postprocess-path`` hook (called on every training rank after log-probs are
+    recomputed, before training).
 
     Uses ``rollout_data["log_probs"]`` (this rank's CP pieces of pi_old; absent on pipeline
     stages other than the last, which do nothing), ``rollout_log_probs``, ``loss_masks``,
     ``total_lengths``, ``response_lengths`` and optionally ``max_seq_lens``. The mean covers every
     sample this rollout trains on across all data-parallel ranks; with several optimizer steps
     per rollout it is the rollout's mean (the weights do not depend on the parameters trained).
-    Does nothing unless ``tis_batch_normalize_scope: global``.
+    The micro-batch calls check that they train no more samples than it covers (a skipped hook
+    is an error, not a silently reused mean). Does nothing unless ``tis_batch_normalize_scope:
+    global``, or where IS weights are 1 (``--use-rollout-logprobs``, ``apply_is_weights: false``).
+
+    Raises:
+        RuntimeError: ``rollout_data`` has no ``log_probs`` (slime reused the training forward's
+            log-probs, Miles ``--skip-actor-forward-only``): pi_old does not exist before training.
     """
     cfg = config_from_args(args)
-    if not (cfg.normalizes and cfg.tis_batch_normalize_scope == "global"):
+    if not (cfg.normalizes and cfg.tis_batch_normalize_scope == "global") or _bypass(args) or not cfg.apply_is_weights:
         return
     groups = host_groups(parallel_state)
     if not groups.is_last_pp_stage or "rollout_log_probs" not in rollout_data:
         return
-    layout, msl = _layout_of(args, rollout_data.get("max_seq_lens"), None)
     train = rollout_data.get("log_probs")
+    if train is None or not len(train):
+        if getattr(args, "skip_actor_forward_only", False):
+            cause, fix = "--skip-actor-forward-only skips the pi_old forward pass", "drop --skip-actor-forward-only"
+        else:
+            cause = (
+                "slime reuses the training forward's log-probs as pi_old (one optimizer step per rollout, kl_coef 0, "
+                "no --get-mismatch-metrics: can_reuse_log_probs_in_loss in slime/backends/megatron_utils/actor.py)"
+            )
+            fix = "add --get-mismatch-metrics (slime then recomputes pi_old before training)"
+        raise RuntimeError(
+            f"megatron-mis: tis_batch_normalize_scope='global' needs pi_old for the whole rollout before training, "
+            f"but rollout_data has no 'log_probs': {cause}. Fix: {fix}, or use tis_batch_normalize_scope: "
+            "micro_batch (exact here: pi_old is the training forward's own log-probs)"
+        )
+    layout, msl = _layout_of(args, rollout_data.get("max_seq_lens"), None)
     inputs = CPInputs(
-        train_log_probs=list(train) if train is not None and len(train) else None,
+        train_log_probs=list(train),
         rollout_log_probs=list(rollout_data["rollout_log_probs"]),
         loss_masks=list(rollout_data["loss_masks"]),
         total_lengths=list(rollout_data["total_lengths"]),
@@ -331,4 +454,4 @@ def prepare_global_normalizer(args: Any, rollout_id: int, rollout_data: dict, *,
         max_seq_lens=msl,
     )
     mean = compute_global_normalizer([inputs], cfg, cp=groups.cp, dp=groups.dp)
-    setattr(args, _NORM_ATTR, (rollout_id, mean))
+    state_of(args).global_mean = GlobalMean(int(rollout_id), mean, num_samples=len(inputs.response_lengths))

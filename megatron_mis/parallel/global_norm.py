@@ -9,6 +9,12 @@ rank together, then one all-reduce of two float64 numbers over the data-parallel
 context parallelism (CP ranks already hold identical statistics after the all-gather; summing
 over them would count every sequence ``cp`` times). With the allgather-CP layout the statistics
 are gathered once per micro-batch (its packing defines the split).
+
+Which weights the mean is taken over is ``tis_batch_normalize_over``: ``loss_mask`` (the default,
+slime's and Miles' ``mis.py``: every loss-mask token at token level, every sequence with one at
+sequence / geometric level, rejected ones included with their bounded weight) or ``kept`` (only
+what survives rejection). :func:`normalization_config` gives the engine configuration whose
+normalisation statistics are the ``loss_mask`` ones.
 """
 
 from __future__ import annotations
@@ -23,7 +29,39 @@ from megatron_mis.core.engine import NormalizationStatistics
 from megatron_mis.parallel.cp_mis import CPInputs, cp_normalization_statistics
 from megatron_mis.parallel.state import GroupView
 
-__all__ = ["compute_global_normalizer", "merge_inputs"]
+__all__ = ["HOST_MIN_MEAN", "compute_global_normalizer", "merge_inputs", "normalization_config", "usable_mean"]
+
+#: slime's and Miles' ``mis.py`` divide by the mean only when it exceeds this (else by 1).
+HOST_MIN_MEAN = 1e-8
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def normalization_config(config: MISConfig) -> MISConfig:
+    """The configuration whose engine normalisation statistics are the ones
+    ``config.tis_batch_normalize_over`` asks for: ``config`` itself for ``kept``; for
+    ``loss_mask`` the same weights with nothing rejected (no RS, no veto, mask mode replaced by an
+    upper bound no weight reaches, so an out-of-band weight counts with its value as in the hosts'
+    ``mis.py``; a non-finite token counts with ratio 1)."""
+    import warnings
+
+    if config.tis_batch_normalize_over == "kept":
+        return config
+    changes: dict = dict(use_rs=False, rs_veto_threshold=None, prob_veto_threshold=None, mis_metrics="none")
+    if config.nonfinite_policy == "reject":
+        changes["nonfinite_policy"] = "neutralize"
+    if config.tis_mode == "mask":
+        changes.update(tis_mode="truncate", tis_upper_bound=_F32_MAX, tis_lower_bound=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return config.replace(**changes)
+
+
+def usable_mean(stats: NormalizationStatistics) -> torch.Tensor:
+    """The mean of ``stats`` as the hosts use it: 1 where nothing counts or where the mean is not
+    above :data:`HOST_MIN_MEAN` (0-dim float64, no host synchronisation)."""
+    mean = stats.mean()
+    return torch.where(mean > HOST_MIN_MEAN, mean, torch.ones_like(mean))
 
 
 def merge_inputs(batches: Sequence[CPInputs]) -> list[CPInputs]:
@@ -70,12 +108,14 @@ def compute_global_normalizer(
 ) -> torch.Tensor:
     """The global self-normalisation mean (0-dim float64) of the step's micro-batches on every
     data-parallel rank. Call it on every rank of the DP x CP groups (a rank with no micro-batch
-    passes ``[]`` and still takes part). Returns 1 where nothing is kept anywhere.
+    passes ``[]`` and still takes part). The mean is over the weights
+    ``config.tis_batch_normalize_over`` names; 1 where nothing counts anywhere.
     """
     merged = merge_inputs(batches)
+    stats_config = normalization_config(config)
     total: NormalizationStatistics | None = None
     for inputs in merged:
-        part = cp_normalization_statistics(inputs, config, cp)
+        part = cp_normalization_statistics(inputs, stats_config, cp)
         total = part if total is None else total + part
     device = _device_of(batches)
     packed = torch.zeros(2, dtype=torch.float64, device=device)
@@ -83,7 +123,7 @@ def compute_global_normalizer(
         packed = torch.stack([total.weight_sum, total.count]).to(device=device, dtype=torch.float64)
     if dp.size > 1:
         dist.all_reduce(packed, group=dp.group)
-    return NormalizationStatistics(packed[0], packed[1]).mean()
+    return usable_mean(NormalizationStatistics(packed[0], packed[1]))
 
 
 def _device_of(batches: Sequence[CPInputs]) -> torch.device:

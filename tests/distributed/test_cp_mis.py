@@ -298,7 +298,7 @@ def test_slime_style_call_with_real_megatron_state(pool4, tmp_path):
     path.write_text(
         "use_tis: true\nuse_rs: true\ntis_level: token\nrs_level: geometric\ntis_mode: truncate\n"
         "tis_upper_bound: 1.5\nrs_lower_bound: 0.8\nrs_upper_bound: 1.25\nrs_veto_threshold: 1.0e-4\n"
-        "tis_batch_normalize: true\n"
+        "tis_batch_normalize: true\ntis_batch_normalize_over: kept\n"  # the engine's meaning (the reference below)
     )
     out = pool4.run(slime_style_call, str(path), 5)
     totals, resps, train, rollout, masks = make_batch(5, 2)

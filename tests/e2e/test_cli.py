@@ -114,23 +114,31 @@ def test_validate_directory_and_missing_file(tmp_path, capsys):
 # ---- validate --host (issue 27) ---------------------------------------------------------------------
 @pytest.mark.parametrize("host, source", [("slime", "slime/backends/megatron_utils/loss.py:1050"),
                                           ("miles", "miles/backends/training_utils/loss_hub/losses.py:230")])
-def test_validate_host_reports_an_inert_preset_with_status_0(capsys, host, source):
-    """configs/presets/geometric_rs.yaml sets use_tis: false: valid, but on the host it overrides
+def test_validate_host_reports_an_inert_preset_with_status_0(capsys, host, source, tmp_path):
+    """The geometric_rs preset as it was (use_tis: false): valid, but on the host it overrides
     --use-tis and the function is never called without --get-mismatch-metrics."""
-    assert main(["validate", "--host", host, "configs/presets/geometric_rs.yaml"]) == 0
+    old = tmp_path / "geometric_rs_old.yaml"
+    old.write_text(OLD_GEOMETRIC_RS)
+    assert main(["validate", "--host", host, str(old)]) == 0
     out = capsys.readouterr().out
     assert "valid" in out and "0 error(s)" in out
     assert "overrides_flag: use_tis:" in out and f"inert: use_tis:" in out and source in out
 
 
-def test_validate_host_with_flags_exits_2_on_errors(capsys):
+OLD_GEOMETRIC_RS = "use_tis: false\nuse_rs: true\nrs_level: geometric\nrs_lower_bound: 0.999\nrs_upper_bound: 1.001\n"
+
+
+def test_validate_host_with_flags_exits_2_on_errors(capsys, tmp_path):
     flags = "--use-tis --custom-tis-function-path megatron_mis.compute_mis_weights_with_cp"
-    assert main(["validate", "--host", "slime", "--host-flags", flags, "configs/presets/geometric_rs.yaml"]) == 2
+    old = tmp_path / "geometric_rs_old.yaml"
+    old.write_text(OLD_GEOMETRIC_RS)
+    assert main(["validate", "--host", "slime", "--host-flags", flags, "configs/presets/geometric_rs.yaml"]) == 0
+    capsys.readouterr()  # the shipped preset acts on the host (use_tis: true, apply_is_weights: false)
+    assert main(["validate", "--host", "slime", "--host-flags", flags, str(old)]) == 2
     captured = capsys.readouterr()
     assert "1 error(s)" in captured.out
     assert "error: use_tis: use_tis: false in the YAML overrides --use-tis" in captured.err and "never called" in captured.err
-    assert main(["validate", "--host", "slime", "--host-flags", flags + " --get-mismatch-metrics",
-                 "configs/presets/geometric_rs.yaml"]) == 0
+    assert main(["validate", "--host", "slime", "--host-flags", flags + " --get-mismatch-metrics", str(old)]) == 0
     assert "metrics only" in capsys.readouterr().out
 
 

@@ -202,7 +202,7 @@ def test_tests_live_in_their_tiers():
 
     tests = REPO / "tests"
     assert not sorted(p.name for p in tests.glob("test_*.py")), "test files belong in tests/unit, distributed or e2e"
-    tiers = ["tests/unit", "tests/distributed", "tests/e2e", "tests/fakecuda"]
+    tiers = ["tests/unit", "tests/distributed", "tests/e2e", "tests/fakecuda", "tests/host"]
     for tier in tiers:
         assert sorted((REPO / tier).glob("test_*.py")), tier
     ini = configparser.ConfigParser()

@@ -1,0 +1,282 @@
+"""Host conformance: the drop-in called as slime 624b824a and Miles 31f1ca96 call it, in the flag
+combinations their users run. Each test names the host file:line it models (read at those
+commits; full hashes in docs/hosts.md). Single process, CP = 1: the CP layouts are covered by
+tests/distributed/test_cp_mis.py.
+
+The hosts call ``fn(args=..., pg_loss=..., train_log_probs=..., rollout_log_probs=...,
+loss_masks=..., total_lengths=..., response_lengths=...)`` once per micro-batch, after setting
+every key of ``--custom-config-path`` on ``args`` (slime arguments.py:2013-2019, Miles
+arguments.py:3475-3480), and Megatron pickles that same ``args`` into every checkpoint
+(``state_dict['args'] = args``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import threading
+import warnings
+from argparse import Namespace
+
+import pytest
+import torch
+
+from megatron_mis.config.base import ConfigError
+from megatron_mis.integrations import slime, tis_functions
+from megatron_mis.integrations.state import REGISTRY
+
+
+def _args(**keys) -> Namespace:
+    """``args`` as the hosts leave it: their flags plus the YAML keys set on it."""
+    base = dict(custom_config_path=None, qkv_format="thd", use_rollout_logprobs=False, calculate_per_token_loss=False)
+    base.update(keys)
+    return Namespace(**base)
+
+
+def _call(args, train, rollout, masks=None, pg=None):
+    """One micro-batch at CP = 1: every sample is one response of len(train[i]) tokens after a
+    3-token prompt."""
+    resp = [len(r) for r in rollout]
+    masks = masks if masks is not None else [torch.ones(n) for n in resp]
+    pg = pg if pg is not None else torch.ones(sum(resp))
+    return slime.compute_mis_weights_with_cp(
+        args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
+        total_lengths=[n + 3 for n in resp], response_lengths=resp,
+    )
+
+
+def _lp(*log_ratios):
+    """(train, rollout) pieces of one sample whose token log-ratios are ``log_ratios``."""
+    rollout = torch.full((len(log_ratios),), -1.0)
+    return rollout + torch.tensor(log_ratios, dtype=torch.float32), rollout
+
+
+class _UnpicklableEvent:
+    """Stands in for the ``torch.cuda.Event`` a DeferredCount holds on a GPU (engine.py:218):
+    like it, it cannot be pickled. This CPU build cannot make a real one."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def query(self):
+        return True
+
+
+def test_checkpoint_save_of_args_after_every_kind_of_drop_in_state(monkeypatch):
+    """Megatron's checkpoint save (``state_dict['args'] = args``, pickled by torch.save) after the
+    calls a slime job makes: the per-rollout hook with global normalisation (slime
+    actor.py:~447, --rollout-data-postprocess-path), micro-batch calls with a non-finite
+    rollout log-prob (the deferred count, whose GPU form holds a CUDA event), warn-once messages,
+    and the LR hooks. Before the fix all of it lived on ``args`` and the event made
+    ``pickle.dumps(args)`` raise TypeError."""
+    import megatron_mis.core.engine as engine
+
+    real_init = engine.DeferredCount.__init__
+
+    def cuda_like(self, count):
+        real_init(self, count)
+        self._event = _UnpicklableEvent()
+
+    monkeypatch.setattr(engine.DeferredCount, "__init__", cuda_like)
+    args = _args(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.5, rs_upper_bound=2.0,
+                 tis_upper_bound=2.0, tis_batch_normalize=True, tis_batch_normalize_scope="global",
+                 rs_veto_threshold=1e-4, length_decay_enabled=True)
+    from megatron_mis.integrations import scheduler_hooks
+
+    scheduler_hooks.host_state(args)  # the LR / monitor hooks' state (slime before-train-step hook)
+    t0, r0 = _lp(0.1, -0.2, 0.3)
+    t1, r1 = _lp(0.0, float("nan"))
+    r1 = torch.tensor([-1.0, float("nan")])
+    data = {"log_probs": [t0, t1], "rollout_log_probs": [r0, r1], "loss_masks": [torch.ones(3), torch.ones(2)],
+            "total_lengths": [6, 5], "response_lengths": [3, 2]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tis_functions.prepare_global_normalizer(args, 0, data)  # what slime.rollout_data_postprocess runs first
+        args.use_rollout_logprobs = True  # one bypass call: its warn-once is remembered
+        _call(args, [t0], [r0])
+        args.use_rollout_logprobs = False
+        _call(args, [t0], [r0])
+        _call(args, [t1], [r1])
+    state = REGISTRY.peek(args)
+    assert state is not None and state.pending_nonfinite is not None and state.lr is not None and state.warned
+    assert isinstance(state.pending_nonfinite._event, _UnpicklableEvent)
+    assert [k for k in vars(args) if k.startswith("_megatron_mis")] == []
+    restored = pickle.loads(pickle.dumps(args))
+    assert vars(restored) == vars(args)
+    buf = io.BytesIO()
+    torch.save({"args": args}, buf)
+    buf.seek(0)
+    assert vars(torch.load(buf, weights_only=False)["args"]) == vars(args)
+
+
+def test_log_prob_reuse_with_global_normalisation_is_refused_naming_the_flag():
+    """slime skips the pi_old recompute when it can reuse the training forward's log-probs
+    (``can_reuse_log_probs_in_loss``, slime/backends/megatron_utils/actor.py:461-475): the
+    rollout data then has no ``log_probs`` when the per-rollout hook runs. Before, every ratio was
+    taken as 1 and the 'global mean' was 1.0 (weights 1.6487 after 'normalisation' in the issue's
+    repro); now the hook refuses and names the fix."""
+    args = _args(use_tis=True, tis_upper_bound=5.0, tis_batch_normalize=True, tis_batch_normalize_scope="global")
+    t, r = _lp(0.5, 0.5, 0.5)
+    data = {"rollout_log_probs": [r], "loss_masks": [torch.ones(3)], "total_lengths": [6], "response_lengths": [3]}
+    with pytest.raises(RuntimeError, match=r"no 'log_probs'.*--get-mismatch-metrics.*tis_batch_normalize_scope: micro_batch"):
+        slime.rollout_data_postprocess(args, 0, data)
+    # Miles --skip-actor-forward-only (miles/backends/megatron_utils/actor.py) names its own flag
+    miles_args = _args(use_tis=True, tis_upper_bound=5.0, tis_batch_normalize=True, tis_batch_normalize_scope="global",
+                       skip_actor_forward_only=True)
+    with pytest.raises(RuntimeError, match=r"--skip-actor-forward-only"):
+        tis_functions.prepare_global_normalizer(miles_args, 0, data)
+    # micro-batch scope stays exact under reuse: pi_old is the training forward's own log-probs
+    ok = _args(use_tis=True, tis_upper_bound=5.0, tis_batch_normalize=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, _, _ = _call(ok, [t], [r])
+    assert torch.allclose(loss, torch.ones(3))  # three equal weights e^0.5, normalised to mean 1
+
+
+def test_a_stale_global_mean_is_refused():
+    """The per-rollout hook must run for every rollout (slime actor.py, rollout_data_postprocess
+    before train): the micro-batches of rollout 1 trained with rollout 0's mean were silently
+    accepted before."""
+    args = _args(use_tis=True, tis_upper_bound=5.0, tis_batch_normalize=True, tis_batch_normalize_scope="global")
+    t, r = _lp(0.5, 0.0)
+    data = {"log_probs": [t], "rollout_log_probs": [r], "loss_masks": [torch.ones(2)], "total_lengths": [5],
+            "response_lengths": [2]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        slime.rollout_data_postprocess(args, 0, data)
+        loss, _, _ = _call(args, [t], [r])
+    mean = (math.exp(0.5) + 1.0) / 2
+    assert loss.tolist() == pytest.approx([math.exp(0.5) / mean, 1.0 / mean], rel=1e-6)
+    with pytest.raises(RuntimeError, match=r"stale.*rollout 0"):
+        _call(args, [t], [r])  # rollout 1's micro-batch, no hook call in between
+
+
+def test_slime_bypass_does_not_apply_the_ratio_twice():
+    """slime --use-rollout-logprobs: the PPO ratio is already pi_theta / pi_rollout and slime passes
+    pi_theta.detach() as train_log_probs (slime/backends/megatron_utils/loss.py:985-989). Before,
+    the drop-in multiplied by min(pi_theta / pi_rollout, U) again (effective -r^2 A). Now the IS
+    weight is 1 and only rejection acts (docs/hosts.md, bypass)."""
+    args = _args(use_tis=True, tis_upper_bound=2.0, use_rollout_logprobs=True, use_rs=True, rs_level="token",
+                 rs_lower_bound=0.5, rs_upper_bound=1.5)
+    t, r = _lp(0.3, 1.0, -0.1)  # ratios 1.35 (kept, weight would be 1.35), e (rejected by RS), 0.905
+    pg = torch.tensor([2.0, 3.0, 5.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, masks, _ = _call(args, [t], [r], pg=pg)
+    assert loss.tolist() == [2.0, 0.0, 5.0]
+    assert masks[0].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_miles_bypass_without_pi_old_refuses_rejection_naming_the_fix():
+    """Miles passes train_log_probs=None with --use-rollout-logprobs unless pi_old is recomputed
+    (miles/backends/megatron_utils/loss_hub/losses.py:127-132): a ratio-based rejection cannot be
+    computed, and says so instead of rejecting nothing."""
+    args = _args(use_tis=True, use_rollout_logprobs=True, use_rs=True, rs_level="token", rs_lower_bound=0.5,
+                 rs_upper_bound=1.5)
+    _, r = _lp(0.3, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"train_log_probs is None.*--get-mismatch-metrics"):
+            _call(args, None, [r])
+
+
+def test_miles_tis_clip_flags_keep_their_meaning():
+    """Miles' scripts set --tis-clip-low 0.5 --tis-clip 2.0 (its built-in TIS is
+    clamp(r, tis_clip_low, tis_clip), miles/backends/megatron_utils/loss_hub/corrections.py:24;
+    defaults 0.0 / 2.0 in its arguments.py). Before, megatron-mis read only tis_*_bound: ratio e
+    with tis_clip=1.5 gave weight 2.0, and the same keys in the YAML raised 'unknown MIS key'."""
+    args = _args(use_tis=True, tis_clip=1.5, tis_clip_low=0.5)
+    t, r = _lp(1.0, -2.0, 0.0)  # ratios e, e^-2, 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, _, _ = _call(args, [t], [r])
+    assert loss.tolist() == pytest.approx([1.5, 0.5, 1.0])
+    clash = _args(use_tis=True, tis_clip=1.5, tis_upper_bound=3.0)
+    with pytest.raises(ConfigError, match=r"tis_clip=1.5.*tis_upper_bound=3.0 disagree"):
+        _call(clash, [t], [r])
+
+
+def test_miles_yaml_may_carry_its_own_bound_keys(tmp_path):
+    """The same two keys in the YAML given to --custom-config-path (set on args by Miles) are
+    read with Miles' meaning, not refused as unknown MIS keys."""
+    path = tmp_path / "mis.yaml"
+    path.write_text("use_tis: true\ntis_clip: 1.5\n")
+    args = _args(custom_config_path=str(path), use_tis=True, tis_clip=1.5)
+    t, r = _lp(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, _, _ = _call(args, [t], [r])
+    assert loss.tolist() == pytest.approx([1.5])
+
+
+def test_tis_batch_normalize_keeps_the_hosts_meaning():
+    """The hosts' mis.py divide by the mean over every loss-mask sequence (rejected ones
+    included with their bounded weight). Sequence TIS, RS rejecting 3 of 4 sequences: the
+    survivor (ratio 1) gets 1 / mean(1, 2, 3, 4) = 0.4; megatron-mis' kept-only mean (1.0) is
+    still there under tis_batch_normalize_over: kept."""
+    keys = dict(use_tis=True, tis_level="sequence", tis_upper_bound=10.0, use_rs=True, rs_level="sequence",
+                rs_lower_bound=0.5, rs_upper_bound=1.5, tis_batch_normalize=True)
+    samples = [_lp(math.log(k)) for k in (1, 2, 3, 4)]
+    train, rollout = [s[0] for s in samples], [s[1] for s in samples]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        host, _, _ = _call(_args(**keys), train, rollout)
+        kept, _, _ = _call(_args(**keys, tis_batch_normalize_over="kept"), train, rollout)
+    assert host.tolist() == pytest.approx([0.4, 0.0, 0.0, 0.0], rel=1e-6)
+    assert kept.tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0], rel=1e-6)
+
+
+def test_rs_veto_threshold_acts_only_inside_rs_as_in_the_hosts():
+    """slime's and Miles' mis.py apply rs_veto_threshold inside rejection sampling only; without
+    use_rs it is inert there (and here, with a warning), unless rs_veto_without_rs."""
+    t, r = _lp(0.0, -12.0)  # second token's ratio e^-12 < 1e-4: a veto would reject the sequence
+    keys = dict(use_tis=True, tis_upper_bound=2.0, rs_veto_threshold=1e-4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, _, _ = _call(_args(**keys), [t], [r])
+    assert loss.tolist() == pytest.approx([1.0, math.exp(-12.0)], rel=1e-5)
+    assert any("rs_veto_threshold" in str(w.message) and "use_rs is false" in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vetoed, _, _ = _call(_args(**keys, rs_veto_without_rs=True), [t], [r])
+    assert vetoed.tolist() == [0.0, 0.0]
+
+
+def test_one_sequence_micro_batch_normalisation_warns():
+    """Dynamic batch size with long answers puts one sequence in a micro-batch; sequence-level
+    self-normalisation per micro-batch then divides the weight by itself (the issue's
+    [1.196, 1.196, 1.196, 0.412] -> [1, 1, 1, 1]): said, once."""
+    args = _args(use_tis=True, tis_level="sequence", tis_upper_bound=5.0, tis_batch_normalize=True)
+    t, r = _lp(0.2, -0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _call(args, [t], [r])
+        _call(args, [t], [r])
+    hits = [w for w in caught if "one sequence" in str(w.message)]
+    assert len(hits) == 1 and "tis_batch_normalize_scope: global" in str(hits[0].message)
+
+
+def test_the_geometric_rs_preset_acts_on_the_hosts_and_in_the_engine():
+    """configs/presets/geometric_rs.yaml used to set use_tis: false, which slime sets on args over
+    --use-tis and then never calls the function (slime/backends/megatron_utils/loss.py:1050). It
+    now keeps use_tis: true with apply_is_weights: false: the host calls it, RS rejects, every
+    weight is 1 — in the drop-in and in the engine called directly (analyze, the testbed)."""
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_mis import MISConfig, compute_mis_from_lists
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "presets" / "geometric_rs.yaml"
+    keys = yaml.safe_load(path.read_text())
+    assert keys["use_tis"] is True
+    inside, outside = _lp(0.0005, 0.0005), _lp(0.01, 0.01)  # geometric ratios e^0.0005 (kept), e^0.01 (rejected)
+    train, rollout = [inside[0], outside[0]], [inside[1], outside[1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, masks, _ = _call(_args(custom_config_path=str(path), **keys), train, rollout)
+        direct = compute_mis_from_lists(train, rollout, [torch.ones(2), torch.ones(2)], MISConfig.from_yaml(path))
+    assert loss.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert [m.tolist() for m in masks] == [[1.0, 1.0], [0.0, 0.0]]
+    assert direct.weights.tolist() == [1.0, 1.0, 0.0, 0.0] and direct.keep_mask.tolist() == [True, True, False, False]
