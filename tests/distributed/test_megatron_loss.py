@@ -400,6 +400,7 @@ def _decoupled_mis_step_and_direct(batches, loss_cfg, mis_cfg):
 
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.config.mis import MISConfig
+    from megatron_mis.core.aggregation import Denominators
     from megatron_mis.core.engine import compute_mis
     from megatron_mis.core.losses import compute_rl_loss
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss
@@ -449,8 +450,12 @@ def _decoupled_mis_step_and_direct(batches, loss_cfg, mis_cfg):
         full = {k: torch.cat(v) for k, v in cat.items() if k != "cu"}
         cu = torch.cat([torch.zeros(1, dtype=torch.long)] + cat["cu"])
         res = compute_mis(full["old"], full["rollout"], full["mask"], cu, mis)
+        # the step's denominators by hand: loss tokens (kept ones only when rejected tokens leave them)
+        in_den = full["mask"].bool() & (True if cfg.rejected_in_denominator else res.keep_mask)
+        per_seq = torch.stack([in_den[a:b].sum() for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+        den_direct = Denominators(float(in_den.sum()), float((per_seq > 0).sum()))
         out = compute_rl_loss(
-            full["lp"], full["adv"], full["mask"], cu, cfg, den,
+            full["lp"], full["adv"], full["mask"], cu, cfg, den_direct,
             old_log_probs=full["old"], rollout_log_probs=full["rollout"],
             is_weights=res.weights, keep_mask=res.keep_mask,
         )
@@ -459,18 +464,23 @@ def _decoupled_mis_step_and_direct(batches, loss_cfg, mis_cfg):
         kept = res.keep_mask & full["mask"].bool()
         return {
             "schedule": metrics["loss"], "direct": float(out.loss.detach()),
+            "den": (den.num_tokens, den.num_sequences), "den_direct": (den_direct.num_tokens, den_direct.num_sequences),
             "grads_schedule": grads_schedule, "grads_direct": grads_direct,
             "weights_kept": res.weights[kept], "num_rejected": int((full["mask"].bool() & ~res.keep_mask).sum()),
             "num_loss_tokens": int(full["mask"].sum()),
         }
 
 
-def test_decoupled_ppo_with_mis_at_temperature_equals_the_parts(pool1):
+@pytest.mark.parametrize("rejected_in_denominator", [True, False])
+def test_decoupled_ppo_with_mis_at_temperature_equals_the_parts(pool1, rejected_in_denominator):
     """Issue 33: MegatronRLLoss with all-ones IS weights, or ignoring rollout_temperature, passed
     every test that compared it with itself under another layout. Here the expectation is built
-    from the parts (torch's log_softmax at T, compute_mis, compute_rl_loss): loss and every
-    gradient entry agree to float32 rounding of the packed vs one-sequence-at-a-time forward."""
-    got = pool1.run(_decoupled_mis_step_and_direct, make_micro_batches(4), DIRECT_LOSS, DIRECT_MIS)[0]
+    from the parts (torch's log_softmax at T, compute_mis, compute_rl_loss, the denominators
+    counted by hand): loss and every gradient entry agree to float32 rounding of the packed vs
+    one-sequence-at-a-time forward."""
+    loss_cfg = {**DIRECT_LOSS, "rejected_in_denominator": rejected_in_denominator}
+    got = pool1.run(_decoupled_mis_step_and_direct, make_micro_batches(4), loss_cfg, DIRECT_MIS)[0]
+    assert got["den"] == got["den_direct"]
     w = got["weights_kept"]
     # the IS weights really vary (all-ones weights would change the loss), truncation and RS act
     assert float(w.min()) < 0.8 and float(w.max()) == pytest.approx(1.5) and 0 < got["num_rejected"] < got["num_loss_tokens"]
