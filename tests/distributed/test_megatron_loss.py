@@ -465,6 +465,16 @@ def _decoupled_mis_step_and_direct(batches, loss_cfg, mis_cfg):
         return {
             "schedule": metrics["loss"], "direct": float(out.loss.detach()),
             "den": (den.num_tokens, den.num_sequences), "den_direct": (den_direct.num_tokens, den_direct.num_sequences),
+            "metrics": metrics,
+            # the reduced metrics by hand: loss-token means of the engine's token metrics, extremes
+            # of the raw ratio pi_old / pi_rollout over loss tokens and of the applied weights over
+            # the tokens in the loss
+            "metrics_direct": {
+                "mis_k3_kl": float(res.summary["mis_k3_kl"]), "mis_tv": float(res.summary["mis_tv"]),
+                "mis_ratio_min": float((full["old"] - full["rollout"])[full["mask"].bool()].exp().min()),
+                "mis_ratio_max": float((full["old"] - full["rollout"])[full["mask"].bool()].exp().max()),
+                "is_weight_min": float(res.weights[kept].min()), "is_weight_max": float(res.weights[kept].max()),
+            },
             "grads_schedule": grads_schedule, "grads_direct": grads_direct,
             "weights_kept": res.weights[kept], "num_rejected": int((full["mask"].bool() & ~res.keep_mask).sum()),
             "num_loss_tokens": int(full["mask"].sum()),
@@ -485,6 +495,9 @@ def test_decoupled_ppo_with_mis_at_temperature_equals_the_parts(pool1, rejected_
     # the IS weights really vary (all-ones weights would change the loss), truncation and RS act
     assert float(w.min()) < 0.8 and float(w.max()) == pytest.approx(1.5) and 0 < got["num_rejected"] < got["num_loss_tokens"]
     assert got["schedule"] == pytest.approx(got["direct"], rel=1e-5, abs=1e-7)
+    for key, value in got["metrics_direct"].items():
+        # per-micro-batch sums / extremes reduced over the step: float32 values, float64 sums
+        assert got["metrics"][key] == pytest.approx(value, rel=1e-5), key
     for name, g_ref in got["grads_direct"].items():
         assert float(g_ref.abs().max()) > 0, f"{name} has no gradient"
         # packed thd forward vs one sequence at a time: float32 rounding (~1e-6 of the largest entry)
