@@ -13,7 +13,8 @@ runs ``python -m pytest -x`` on the listed tests with a timeout, restores the fi
 - ``error``: the mutant does not apply, or pytest could not run (usage / collection error): a
   defect of the list, never counted in the score.
 
-Score = (killed + timeout) / (killed + timeout + survived).
+Score = (killed + timeout) / (killed + timeout + survived); mutants reviewed as equivalent
+(``equivalent=True``: no test can tell them from the original) are also reported apart.
 
 Usage (one thread; the whole list takes tens of minutes on 2 cores, see docs/testing.md)::
 
@@ -68,6 +69,7 @@ class Mutant:
     replacement: str
     tests: list[str]
     why: str = ""  # what the mutant breaks
+    equivalent: bool = False  # reviewed: no test can tell it from the original (docs/testing.md)
     status: str = ""
     seconds: float = 0.0
     detail: str = field(default="", repr=False)
@@ -178,7 +180,8 @@ MUTANTS: list[Mutant] = [
       "nucleus keeps one token too many at an exact boundary"),
     M("report-better-side", "megatron_mis/testbed/study/report.py",
       'and v["vs_none"]["final_reward"]["low"] > 0]', 'and v["vs_none"]["final_reward"]["high"] > 0]', T_REPORT,
-      "'measurably better' lists arms whose CI holds 0"),
+      "'measurably better' tested on the high end (equivalent: the arms are already filtered on excludes_zero)",
+      equivalent=True),
     M("report-collapse-majority", "megatron_mis/testbed/study/report.py",
       'majority = c["k"] > c["n"] / 2', 'majority = c["k"] >= c["n"]', T_REPORT,
       "a collapse majority needs every seed"),
@@ -364,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     scored = killed + len(survived)
     score = killed / scored if scored else float("nan")
     print(f"\nkilled {killed}, survived {len(survived)}, errors {len(errors)}; score {killed}/{scored} = {score:.1%}")
+    equivalent = [m for m in survived if m.equivalent]
+    if equivalent:
+        rest = scored - len(equivalent)
+        print(f"without the {len(equivalent)} known equivalent mutant(s): {killed}/{rest} = {killed / rest if rest else float('nan'):.1%}")
     for m in survived:
-        print(f"  survived: {m.id} ({m.file}: {m.why})")
+        print(f"  survived{' (equivalent)' if m.equivalent else ''}: {m.id} ({m.file}: {m.why})")
     if args.json:
         Path(args.json).write_text(json.dumps({"score": score, "mutants": [asdict(m) for m in chosen]}, indent=1) + "\n")
     return 0 if not errors else 1
