@@ -464,3 +464,45 @@ def test_host_state_is_dropped_from_pickled_or_copied_args():
     assert hooks.host_state(copied).scheduler is None
     with pytest.raises(ConfigError, match="length_decay_factor=2.0"):
         hooks.host_state(argparse.Namespace(length_decay_factor=2.0, length_surge_ratio=0.5))
+
+
+def _split_surge_lengths(num_rollouts):
+    """8 samples per rollout, rank r holding samples r, r+2, ... (as _slime_host_case splits
+    them): rank 0's samples grow 2.5x at rollout 15, rank 1's stay at 1000 until rollout 30 and
+    then grow 5x. The global mean (1000 -> 1750 -> 3750) surges only at rollout 30; rank 0's
+    local mean (1000 -> 2500) already at rollout 15."""
+    out = []
+    for r in range(num_rollouts):
+        even = 2500 if r >= 15 else 1000
+        odd = 5000 if r >= 30 else 1000
+        out.append([(even if i % 2 == 0 else odd) + d for i, d in enumerate((-40, 40, 20, -20, 0, 0, 20, -20))])
+    return out
+
+
+def _trigger_and_lrs(means, steps_per_rollout=1):
+    schedule = build_lr_schedule(LengthDecayConfig(length_decay_enabled=True), SurgeConfig(length_surge_min_steps=5))
+    opt, sched = megatron_scheduler(warmup=24)
+    lrs = []
+    for r, mean in enumerate(means):
+        schedule.observe(r + 1, mean)
+        for _ in range(steps_per_rollout):
+            lrs.append(sched.optimizer.param_groups[0]["lr"] * schedule.factor(r + 1))
+            sched.step(increment=8)
+    return schedule.trigger_step, lrs
+
+
+def test_hooks_use_the_global_mean_when_local_means_surge_elsewhere(pool2):
+    """Issue 33: with both ranks' halves surging on the same step, a hook that fed the rank-local
+    mean passed. Here rank 0's local mean surges 15 rollouts before the global one: every rank
+    must follow the global mean's schedule."""
+    lengths = _split_surge_lengths(70)
+    global_trigger, expected = _trigger_and_lrs([sum(x) / len(x) for x in lengths])
+    local0_trigger, local0 = _trigger_and_lrs([sum(x[0::2]) / 4 for x in lengths])
+    # the data really separate the two: the global mean triggers after rollout 30, rank 0's
+    # local mean near rollout 15, and their learning rates differ
+    assert global_trigger is not None and local0_trigger is not None
+    assert global_trigger > 30 and local0_trigger < 20 and local0 != expected
+    for mode in ("hooks", "patched"):
+        results = pool2.run(_slime_host_case, mode, lengths, 1)
+        assert results[0][0] == results[1][0], mode  # every rank applies the same rate
+        assert results[0][0] == expected, mode

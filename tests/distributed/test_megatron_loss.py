@@ -6,6 +6,7 @@ runs give the same losses and parameter updates as the single-process run."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -358,6 +359,152 @@ def _first_step_loss_direct(batches, loss_cfg):
             entropy=torch.cat(cat["ent"]),
         )
         return {"schedule": schedule, "direct": float(out.loss)}
+
+
+# ------------------------------------------------- decoupled PPO + MIS at T != 1, independently
+DIRECT_T = 0.7
+DIRECT_LOSS = dict(policy_loss="decoupled_ppo", loss_aggregation="seq_mean_token_mean", rollout_temperature=DIRECT_T)
+DIRECT_MIS = dict(use_tis=True, tis_upper_bound=1.5, use_rs=True, rs_lower_bound=0.6, rs_upper_bound=1.6)
+
+
+def _sequence_logits(model, mb):
+    """``[R, V]`` logits of ``mb``'s response positions, every sequence run alone (no packing:
+    an independent check of the thd path)."""
+    from megatron_mis.integrations.megatron_loss import response_positions
+
+    cu = mb.cu_seqlens.long()
+    pos = torch.cat([torch.arange(int(n)) for n in cu[1:] - cu[:-1]])
+    logits = torch.cat(
+        [model(mb.tokens[a:b][None], pos[a:b][None], None)[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    )
+    rows, targets = response_positions(mb.cu_seqlens, mb.response_lengths)
+    return logits[rows], mb.tokens[targets]
+
+
+def _log_probs_at(logits, targets, temperature):
+    """log softmax(logits / T) at the targets, by torch directly (not the package's function)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _decoupled_mis_step_and_direct(batches, loss_cfg, mis_cfg):
+    """One forward-backward of MegatronRLLoss in Megatron's schedule (no DDP: gradients in
+    ``p.grad``) against the same loss assembled from the parts: log pi_theta by torch's
+    log_softmax(logits / T) of each sequence run alone, ``compute_mis`` on the whole batch,
+    ``compute_rl_loss`` with its IS weights and keep mask; loss values and gradients of both.
+
+    pi_old is the model's own log-probs at T (detached) plus a small offset, so the PPO ratio
+    pi_theta / pi_old is near 1 and most tokens carry a gradient; pi_rollout is pi_old plus noise
+    of 0.3, so the IS weights pi_old / pi_rollout vary widely (and some are truncated at 1.5 and
+    some tokens rejected by RS)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.core.aggregation import Denominators
+    from megatron_mis.core.engine import compute_mis
+    from megatron_mis.core.losses import compute_rl_loss
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+    from megatron_mis.testbed.models.gpt import build_gpt
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    cfg, mis = LossConfig.from_dict(loss_cfg), MISConfig.from_dict(mis_cfg)
+    g = torch.Generator().manual_seed(4)
+    with megatron_parallel(tp=1, seed=21):
+        model = build_gpt(SPEC)
+        with torch.no_grad():
+            # spread the untrained model's near-uniform logits (std ~0.1) so the temperature matters
+            model.output_layer.weight.mul_(20.0)
+            lp_t = [_log_probs_at(*_sequence_logits(model, mb), cfg.rollout_temperature) for mb in batches]
+        staged = []
+        for mb, lp in zip(batches, lp_t):
+            old = lp + 0.05 * torch.randn(lp.shape, generator=g)
+            rollout = old + 0.3 * torch.randn(lp.shape, generator=g)
+            staged.append(dataclasses.replace(mb, old_log_probs=old, rollout_log_probs=rollout))
+        batches = staged
+
+        rl = MegatronRLLoss(cfg, mis)
+        den = rl.count_denominators(batches)
+        model.zero_grad()
+        store = get_forward_backward_func()(
+            forward_step_func=rl.forward_step(den, num_microbatches=len(batches)),
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=0,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        metrics = rl.reduce_metrics(store, den)
+        grads_schedule = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+        model.zero_grad()
+        cat = {k: [] for k in ("lp", "adv", "mask", "old", "rollout", "cu")}
+        offset = 0
+        for mb in batches:
+            cat["lp"].append(_log_probs_at(*_sequence_logits(model, mb), cfg.rollout_temperature))
+            for key, value in (("adv", mb.advantages), ("mask", mb.loss_mask), ("old", mb.old_log_probs),
+                               ("rollout", mb.rollout_log_probs)):
+                cat[key].append(value)
+            cat["cu"].append(mb.response_cu_seqlens[1:] + offset)
+            offset += int(mb.response_lengths.sum())
+        full = {k: torch.cat(v) for k, v in cat.items() if k != "cu"}
+        cu = torch.cat([torch.zeros(1, dtype=torch.long)] + cat["cu"])
+        res = compute_mis(full["old"], full["rollout"], full["mask"], cu, mis)
+        # the step's denominators by hand: loss tokens (kept ones only when rejected tokens leave them)
+        in_den = full["mask"].bool() & (True if cfg.rejected_in_denominator else res.keep_mask)
+        per_seq = torch.stack([in_den[a:b].sum() for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+        den_direct = Denominators(float(in_den.sum()), float((per_seq > 0).sum()))
+        out = compute_rl_loss(
+            full["lp"], full["adv"], full["mask"], cu, cfg, den_direct,
+            old_log_probs=full["old"], rollout_log_probs=full["rollout"],
+            is_weights=res.weights, keep_mask=res.keep_mask,
+        )
+        out.loss.backward()
+        grads_direct = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        kept = res.keep_mask & full["mask"].bool()
+        return {
+            "schedule": metrics["loss"], "direct": float(out.loss.detach()),
+            "den": (den.num_tokens, den.num_sequences), "den_direct": (den_direct.num_tokens, den_direct.num_sequences),
+            "metrics": metrics,
+            # the reduced metrics by hand: loss-token means of the engine's token metrics, extremes
+            # of the raw ratio pi_old / pi_rollout over loss tokens and of the applied weights over
+            # the tokens in the loss
+            "metrics_direct": {
+                "mis_k3_kl": float(res.summary["mis_k3_kl"]), "mis_tv": float(res.summary["mis_tv"]),
+                "mis_ratio_min": float((full["old"] - full["rollout"])[full["mask"].bool()].exp().min()),
+                "mis_ratio_max": float((full["old"] - full["rollout"])[full["mask"].bool()].exp().max()),
+                "is_weight_min": float(res.weights[kept].min()), "is_weight_max": float(res.weights[kept].max()),
+            },
+            "grads_schedule": grads_schedule, "grads_direct": grads_direct,
+            "weights_kept": res.weights[kept], "num_rejected": int((full["mask"].bool() & ~res.keep_mask).sum()),
+            "num_loss_tokens": int(full["mask"].sum()),
+        }
+
+
+@pytest.mark.parametrize("rejected_in_denominator", [True, False])
+def test_decoupled_ppo_with_mis_at_temperature_equals_the_parts(pool1, rejected_in_denominator):
+    """Issue 33: MegatronRLLoss with all-ones IS weights, or ignoring rollout_temperature, passed
+    every test that compared it with itself under another layout. Here the expectation is built
+    from the parts (torch's log_softmax at T, compute_mis, compute_rl_loss, the denominators
+    counted by hand): loss and every gradient entry agree to float32 rounding of the packed vs
+    one-sequence-at-a-time forward."""
+    loss_cfg = {**DIRECT_LOSS, "rejected_in_denominator": rejected_in_denominator}
+    got = pool1.run(_decoupled_mis_step_and_direct, make_micro_batches(4), loss_cfg, DIRECT_MIS)[0]
+    assert got["den"] == got["den_direct"]
+    w = got["weights_kept"]
+    # the IS weights really vary (all-ones weights would change the loss), truncation and RS act
+    assert float(w.min()) < 0.8 and float(w.max()) == pytest.approx(1.5) and 0 < got["num_rejected"] < got["num_loss_tokens"]
+    assert got["schedule"] == pytest.approx(got["direct"], rel=1e-5, abs=1e-7)
+    for key, value in got["metrics_direct"].items():
+        # per-micro-batch sums / extremes reduced over the step: float32 values, float64 sums
+        assert got["metrics"][key] == pytest.approx(value, rel=1e-5), key
+    for name, g_ref in got["grads_direct"].items():
+        assert float(g_ref.abs().max()) > 0, f"{name} has no gradient"
+        # packed thd forward vs one sequence at a time: float32 rounding (~1e-6 of the largest entry)
+        torch.testing.assert_close(
+            got["grads_schedule"][name], g_ref, rtol=0, atol=1e-5 * float(g_ref.abs().max()) + 1e-12,
+            msg=lambda m: f"gradient of {name}: {m}",
+        )
 
 
 # ------------------------------------------------------------------------------ errors

@@ -205,6 +205,11 @@ def test_top_k_top_p_filtering():
     assert torch.isfinite(_filter(logp, 0, 0.79)).tolist() == [[True, True, False, False]]
     assert torch.isfinite(_filter(logp, 0, 0.81)).tolist() == [[True, True, True, False]]
     assert torch.isfinite(_filter(logp, 0, 0.1)).tolist() == [[True, False, False, False]]
+    # exactly at the boundary: the two most likely tokens hold exactly top_p (the same float32
+    # arithmetic as the filter), the smallest set reaching top_p is those two
+    probs = logp.softmax(-1)
+    exact = float((probs.cumsum(-1) - probs)[0, 2])
+    assert torch.isfinite(_filter(logp, 0, exact)).tolist() == [[True, True, False, False]]
 
 
 def test_shard_log_probs_single_rank_equal_the_trainer_function_bitwise():

@@ -164,12 +164,107 @@ def reference_mis(train, rollout, masks, cfg):
     metrics["mis_ess_seq"] = (sum(sw) ** 2 / (len(sw) * sum(x * x for x in sw))) if sw else 1.0
     if cfg.use_tis and cfg.tis_batch_normalize:
         metrics["mis_batch_norm_factor"] = mean
-    if cfg.use_tis:
-        if cfg.tis_level == "token":
-            hi = tok_mean(lambda t: float(t["valid"] and t["r"] > U))
+
+    # ---- every further summary metric, each from its definition (docs/metrics.md) -------------
+    cap = lambda x: max(-80.0, min(80.0, x))  # noqa: E731 - ppl-like exponents are capped at +-80
+
+    def mean_log_r(toks, info):
+        return info["s"] / info["n_valid"] if info["n_valid"] else 0.0
+
+    metrics["mis_training_ppl"] = seq_mean(lambda toks, info: math.exp(cap(-mean_lp(toks, "a"))))
+    metrics["mis_rollout_ppl"] = seq_mean(lambda toks, info: math.exp(cap(-mean_lp(toks, "b"))))
+    metrics["mis_log_ppl_diff"] = seq_mean(lambda toks, info: -mean_log_r(toks, info))
+    metrics["mis_ppl_ratio"] = seq_mean(lambda toks, info: math.exp(cap(-mean_log_r(toks, info))))
+    metrics["num_sequences"] = float(len(seqs))
+    metrics["num_loss_tokens"] = float(n_mask)
+    metrics["num_kept_tokens"] = float(sum(t["keep"] for t in all_t))
+    metrics["num_kept_sequences"] = float(sum(info["kept"] for info in seq_info))
+    full = getattr(cfg, "mis_metrics", "standard") == "full"
+
+    if cfg.use_rs:
+        if cfg.rs_level == "token":
+            metrics["mis_rs_mask_fraction_low"] = tok_mean(lambda t: float(t["r"] < rl))
+            metrics["mis_rs_mask_fraction_high"] = tok_mean(lambda t: float(t["r"] > ru))
         else:
-            hi = seq_mean(lambda toks, info: float(info["n_valid"] > 0 and info["w_seq_unb"] > U))
-        key = {"truncate": "mis_tis_truncate_fraction", "clip": "mis_tis_clip_fraction_high",
-               "mask": "mis_tis_mask_fraction_high"}[cfg.tis_mode]
-        metrics[key] = hi
+            def rs_ratio(info):
+                return math.exp(info["seq_log"] if cfg.rs_level == "sequence" else info["geo_log"])
+
+            metrics["mis_rs_mask_fraction_low"] = seq_mean(lambda toks, info: float(info["n_valid"] > 0 and rs_ratio(info) < rl))
+            metrics["mis_rs_mask_fraction_high"] = seq_mean(lambda toks, info: float(info["n_valid"] > 0 and rs_ratio(info) > ru))
+    if cfg.rs_veto_threshold is not None:
+        thr = math.log(cfg.rs_veto_threshold)
+        metrics["mis_rs_catastrophic_token_fraction"] = tok_mean(lambda t: float(t["valid"] and t["raw"] < thr))
+        metrics["mis_rs_catastrophic_seq_fraction"] = seq_mean(
+            lambda toks, info: float(any(t["valid"] and t["raw"] < thr for t in toks)))
+    if cfg.prob_veto_threshold is not None:
+        key = "b" if cfg.prob_veto_source == "rollout" else "a"
+        thr = math.log(cfg.prob_veto_threshold)
+        metrics["mis_prob_veto_token_fraction"] = tok_mean(lambda t: float(t[key] < thr))
+        metrics["mis_prob_veto_seq_fraction"] = seq_mean(lambda toks, info: float(any(t["m"] and t[key] < thr for t in toks)))
+
+    if cfg.use_tis:
+        def bound(w):
+            if cfg.tis_mode == "truncate":
+                return min(w, U)
+            if cfg.tis_mode == "clip":
+                return min(max(w, L), U)
+            return w if L <= w <= U else 0.0
+
+        low_name, high_name = {"truncate": (None, "mis_tis_truncate_fraction"),
+                               "clip": ("mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"),
+                               "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high")}[cfg.tis_mode]
+        if cfg.tis_level == "token":
+            # a loss-mask token with a non-finite log-prob counts with ratio 1 (t["r"] is 1 there)
+            host = lambda t: t["r"] if cfg.tis_mode == "mask" else bound(t["r"])  # noqa: E731
+            metrics["mis_tis_weight_before_bound"] = tok_mean(lambda t: t["r"] if t["valid"] else 0.0)
+            metrics["mis_tis_weight_after_bound"] = tok_mean(host)
+            metrics["mis_is_ratio_mean_after_tis_rs"] = metrics["mis_tis_weight_after_bound"]
+            if full:
+                metrics["mis_weight_after_bound_kept"] = tok_mean(lambda t: bound(t["r"]))
+            if low_name:
+                metrics[low_name] = tok_mean(lambda t: float(t["r"] < L))
+            metrics[high_name] = tok_mean(lambda t: float(t["r"] > U))
+
+            def final(toks, info, f):
+                vals = [host(t) / mean for t in toks if t["m"]]
+                return f(vals) if vals else 0.0
+
+            metrics["mis_is_ratio_mean_final"] = seq_mean(lambda toks, info: final(toks, info, lambda v: sum(v) / len(v)))
+            metrics["mis_is_ratio_min_final"] = seq_mean(lambda toks, info: final(toks, info, min))
+            metrics["mis_is_ratio_max_final"] = seq_mean(lambda toks, info: final(toks, info, max))
+            if full:
+                def kept_final(toks, info, f):
+                    vals = [t["w"] / mean for t in toks if t["tok_kept"]]
+                    return f(vals) if info["kept"] else 0.0
+
+                metrics["mis_kept_weight_mean_final"] = seq_mean(lambda toks, info: kept_final(toks, info, lambda v: sum(v) / len(v)))
+                metrics["mis_kept_weight_min_final"] = seq_mean(lambda toks, info: kept_final(toks, info, min))
+                metrics["mis_kept_weight_max_final"] = seq_mean(lambda toks, info: kept_final(toks, info, max))
+            before = [t["r"] for t in all_t if t["valid"]]
+            after = [t["w"] for t in all_t if t["keep"]]
+        else:
+            host_seq = lambda info: info["w_seq_unb"] if cfg.tis_mode == "mask" else info["w_seq"]  # noqa: E731
+            metrics["mis_tis_weight_before_bound"] = seq_mean(lambda toks, info: info["w_seq_unb"])
+            metrics["mis_tis_weight_after_bound"] = seq_mean(lambda toks, info: host_seq(info))
+            metrics["mis_is_ratio_mean_after_tis_rs"] = metrics["mis_tis_weight_after_bound"]
+            if full:
+                metrics["mis_weight_after_bound_kept"] = seq_mean(lambda toks, info: info["w_seq"])
+            if low_name:
+                metrics[low_name] = seq_mean(lambda toks, info: float(info["n_valid"] > 0 and info["w_seq_unb"] < L))
+            metrics[high_name] = seq_mean(lambda toks, info: float(info["n_valid"] > 0 and info["w_seq_unb"] > U))
+            for part in ("mean", "min", "max"):
+                metrics[f"mis_is_ratio_{part}_final"] = seq_mean(lambda toks, info: host_seq(info) / mean)
+                if full:
+                    metrics[f"mis_kept_weight_{part}_final"] = seq_mean(
+                        lambda toks, info: info["w_seq"] / mean if info["kept"] else 0.0)
+            before = [info["w_seq_unb"] for info in seq_info if info["n_valid"]]
+            after = [info["w_seq"] for info in seq_info if info["kept"]]
+        # batch statistics: before bounds over valid tokens / sequences with a valid token; after
+        # bounds over kept tokens (of sequences not rejected) / kept sequences; 0 when there are none
+        for name, vals in (("before_bound", before), ("after_bound", after)):
+            metrics[f"mis_weight_{name}_mean"] = sum(vals) / len(vals) if vals else 0.0
+            metrics[f"mis_weight_{name}_min"] = min(vals) if vals else 0.0
+            metrics[f"mis_weight_{name}_max"] = max(vals) if vals else 0.0
+        for part in ("mean", "min", "max"):
+            metrics[f"mis_weight_final_{part}"] = metrics[f"mis_weight_after_bound_{part}"] / mean
     return {"weights": out_weights, "keep": out_keep, "metrics": metrics, "normalizer": mean}

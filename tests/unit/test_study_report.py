@@ -1,0 +1,163 @@
+"""The study's verdicts and answers (``testbed/study/report.py``) on synthetic paired results whose
+right answers are known by construction: each arm's per-seed final reward and K3 curve are chosen
+so that every paired difference against its baseline is a fixed offset plus a small alternating
+term (its bootstrap CI excludes 0 on a known side) or a pure alternating term (the CI holds 0).
+
+Written for issue 33: a report with "supported" and "contradicted" swapped, or with "measurably
+worse" tested on the wrong side of 0, passed every other test."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron_mis.testbed.study.config import StudyConfig
+from megatron_mis.testbed.study.report import _verdict, format_markdown, summarize_study
+
+SEEDS = range(6)
+STEPS = 6
+#: None's K3 per step: early (first third) 1e-6, late (last third) 4e-6: late/early ratio 4.
+K3_NONE = [1e-6, 1e-6, 2e-6, 2e-6, 4e-6, 4e-6]
+
+
+def _alt(seed: int, size: float) -> float:
+    """The paired noise: +size on even seeds, -size on odd ones (mean 0 over the 6 seeds)."""
+    return size if seed % 2 == 0 else -size
+
+
+def _run(reward: float, k3: list[float], greedy: float | None = None, rejected: float = 0.0) -> dict:
+    """A finished run whose reward is flat (final = start = peak = reward: no collapse)."""
+    records = [
+        {"step": t + 1, "reward_mean": reward, "mis_k3_kl": k3[t], "mis_k3_kl_max": 10 * k3[t],
+         "rejected_token_fraction": rejected}
+        for t in range(STEPS)
+    ]
+    end = {"evaluation": {"greedy_reward": reward if greedy is None else greedy, "greedy_exact": 0.0}, "wall_s": 1.0}
+    return {"records": records, "end": end}
+
+
+def _study(arms: list[str]) -> StudyConfig:
+    return StudyConfig(arms=arms, seeds=len(SEEDS), bootstrap=400, last_k=2, plot=False)
+
+
+def synthetic_runs() -> dict[str, dict[int, dict]]:
+    """Per seed s (base reward b_s = 0.4 + 0.02 s):
+
+    - none: reward b_s, K3 = K3_NONE;
+    - ref_fp32: b_s + 0.2 +- 0.01 (none - ref = -0.2: none measurably worse than the reference);
+    - token_mis: b_s + 0.1 +- 0.01, flat K3 (late/early 1 +- 0.05 against none's 4: suppressed);
+    - sequence_mis: b_s + 0.3 +- 0.01 (beats token_mis by 0.2), K3 growing 8x (late/early 8:
+      more late growth than none, the seed-000 claim contradicted);
+    - length_decay: b_s - 0.15 +- 0.01 (measurably worse than none), mean K3 10^(+-0.1) x none's
+      (log10 difference +-0.1, mean 0: not resolved).
+    """
+    runs: dict[str, dict[int, dict]] = {a: {} for a in ("none", "ref_fp32", "token_mis", "sequence_mis", "length_decay")}
+    for s in SEEDS:
+        b = 0.4 + 0.02 * s
+        runs["none"][s] = _run(b, K3_NONE, rejected=0.0)
+        runs["ref_fp32"][s] = _run(b + 0.2 + _alt(s, 0.01), [1e-9] * STEPS)
+        late = 1.0 + _alt(s, 0.05)
+        runs["token_mis"][s] = _run(b + 0.1 + _alt(s, 0.01), [1e-6, 1e-6, 1e-6, 1e-6, late * 1e-6, late * 1e-6], rejected=0.25)
+        runs["sequence_mis"][s] = _run(b + 0.3 + _alt(s, 0.01), [1e-6, 1e-6, 3e-6, 3e-6, 8e-6, 8e-6])
+        scale = 10 ** _alt(s, 0.1)
+        runs["length_decay"][s] = _run(b - 0.15 + _alt(s, 0.01), [k * scale for k in K3_NONE], rejected=0.5)
+    return runs
+
+
+def _listed(part: str) -> list[str]:
+    """The arm names of one half of the ``arms_vs_none`` answer ("ARM +0.123 [low, high] *, ...")."""
+    return re.findall(r"(?:^|: |, )([a-z_0-9]+) [+-]\d", part)
+
+
+@pytest.fixture(scope="module")
+def summary():
+    runs = synthetic_runs()
+    return summarize_study(_study(list(runs)), runs)
+
+
+def test_verdict_sides():
+    above = {"excludes_zero": True, "low": 0.1, "high": 0.3, "n": 6}
+    below = {"excludes_zero": True, "low": -0.3, "high": -0.1, "n": 6}
+    holds_zero = {"excludes_zero": False, "low": -0.1, "high": 0.2, "n": 6}
+    assert _verdict(above, supported_if="above") == "supported"
+    assert _verdict(below, supported_if="above") == "contradicted"
+    assert _verdict(below, supported_if="below") == "supported"
+    assert _verdict(above, supported_if="below") == "contradicted"
+    for side in ("above", "below"):
+        assert _verdict(holds_zero, supported_if=side) == "not resolved (CI includes 0, n=6)"
+
+
+def test_paired_differences_of_the_synthetic_study(summary):
+    arms = summary["arms"]
+    d = arms["sequence_mis"]["vs_none"]["final_reward"]
+    assert d["n"] == 6 and d["mean"] == pytest.approx(0.3) and d["low"] > 0.28 and d["excludes_zero"]
+    d = arms["length_decay"]["vs_none"]["final_reward"]
+    assert d["mean"] == pytest.approx(-0.15) and d["high"] < -0.13 and d["excludes_zero"]
+    d = arms["length_decay"]["vs_none"]["log10_k3_mean"]
+    assert d["mean"] == pytest.approx(0.0, abs=1e-12) and d["low"] < 0 < d["high"] and not d["excludes_zero"]
+    d = arms["token_mis"]["vs_none"]["k3_late_early"]
+    assert d["mean"] == pytest.approx(1.0 - 4.0) and d["excludes_zero"]
+    assert arms["none"]["vs_none"]["final_reward"] is None  # no difference of the baseline with itself
+
+
+def test_answers_of_the_synthetic_study(summary):
+    ans = summary["answers"]
+    # none is 0.2 below the reference on every seed: the mismatch hurts
+    assert ans["a_mismatch_hurts"].startswith("YES: ")
+    assert "none - ref_fp32 final reward -0.200 [" in ans["a_mismatch_hurts"]
+    assert "CI below 0: measurably worse" in ans["a_mismatch_hurts"]
+    assert "none collapsed in 0/6 seeds" in ans["a_mismatch_hurts"]
+    # ref_fp32's mean final reward 0.65 (CI about +-0.03) holds neither token_mis's 0.55 nor sequence_mis's 0.75
+    assert ans["b_correction_recovers"].endswith("]: none")
+    worse, better = ans["arms_vs_none"].split("; measurably better: ")
+    assert _listed(worse) == ["length_decay"] and worse.endswith(" *, rejected 50%")
+    assert worse.startswith("measurably worse than none (final reward): length_decay -0.150 [")
+    assert _listed(better) == ["ref_fp32", "token_mis", "sequence_mis"]
+    assert ans["seed001_sequence_beats_token"].startswith("sequence_mis - token_mis final reward +0.200 [")
+    assert ans["seed001_sequence_beats_token"].endswith(": supported")
+    assert ans["seed000_token_mis_suppresses_late_k3"].endswith(": supported")
+    assert ans["seed000_sequence_mis_suppresses_late_k3"].endswith(": contradicted")
+    assert ans["seed002_length_decay_keeps_k3_low"].endswith(": not resolved (CI includes 0, n=6)")
+    text = format_markdown(summary)
+    for key in ans:
+        assert f"- **{key}**: {ans[key]}" in text
+
+
+def test_a_reference_below_none_is_not_harm_and_recovery_is_listed():
+    """The mirror case: none is 0.2 ABOVE the reference (CI above 0): not measurably worse, and a
+    correction whose mean lies inside the reference's CI is listed as recovering."""
+    runs = synthetic_runs()
+    for s in SEEDS:
+        b = 0.4 + 0.02 * s
+        runs["ref_fp32"][s] = _run(b - 0.2 + _alt(s, 0.01), [1e-9] * STEPS)
+        runs["token_mis"][s] = _run(b - 0.2 + _alt(s, 0.011), [1e-6] * STEPS)
+    summary = summarize_study(_study(list(runs)), runs)
+    ans = summary["answers"]
+    assert ans["a_mismatch_hurts"].startswith("NO: ")
+    assert "CI includes 0 or is above it: not measurably worse" in ans["a_mismatch_hurts"]
+    # ref_fp32's mean 0.25 (CI about +-0.03) holds token_mis's mean 0.25, not sequence_mis's 0.75
+    assert ans["b_correction_recovers"].startswith("arms whose mean final reward lies within ref_fp32's CI 0.250 [")
+    assert ans["b_correction_recovers"].endswith("]: token_mis (0.250)")
+    worse, better = ans["arms_vs_none"].split("; measurably better: ")
+    assert _listed(worse) == ["ref_fp32", "token_mis", "length_decay"]
+    assert _listed(better) == ["sequence_mis"]
+
+
+def test_collapse_majority_of_none_is_harm():
+    """4 of 6 runs of none gain 0.3 and fall back: a clear majority of collapses means YES even
+    though none's final reward is not below the reference's."""
+    runs = synthetic_runs()
+    for s in SEEDS:
+        b = 0.4 + 0.02 * s
+        rewards = [b, b, b + 0.3, b + 0.3, b, b] if s < 4 else [b] * STEPS
+        run = _run(b, K3_NONE)
+        for rec, r in zip(run["records"], rewards):
+            rec["reward_mean"] = r
+        runs["none"][s] = run
+        runs["ref_fp32"][s] = _run(b + _alt(s, 0.01), [1e-9] * STEPS)
+    summary = summarize_study(_study(list(runs)), runs)
+    assert summary["arms"]["none"]["collapse"]["k"] == 4
+    ans = summary["answers"]["a_mismatch_hurts"]
+    assert ans.startswith("YES: ") and "none collapsed in 4/6 seeds (a clear majority)" in ans
+    assert "not measurably worse" in ans
