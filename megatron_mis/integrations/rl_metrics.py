@@ -80,7 +80,10 @@ def masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> torch
     is empty (no read: a masked reduction, no boolean index)."""
     v = values.detach().to(torch.float64)
     fill = float("-inf") if kind == "max" else float("inf")
-    picked = torch.where(mask, v, torch.full((), fill, dtype=torch.float64, device=v.device))
+    pad = torch.full((1,), fill, dtype=torch.float64, device=v.device)
+    # The fill value is appended so that an empty ``values`` (a CP rank or micro-batch with no
+    # response token) reduces to it instead of raising in amax / amin.
+    picked = torch.cat([torch.where(mask, v, pad).reshape(-1), pad])
     ext = picked.amax() if kind == "max" else picked.amin()
     return torch.where(mask.any(), ext, torch.full((), float("nan"), dtype=torch.float64, device=v.device))
 
