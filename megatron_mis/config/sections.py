@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_mis.config.base import ConfigError, load_yaml_mapping
+from megatron_mis.config.base import ConfigError, read_yaml_mapping
 from megatron_mis.registry import Registry
 
 __all__ = ["CONFIG_SECTIONS", "ConfigSection", "load_sections"]
@@ -134,16 +134,17 @@ def load_sections(data: Mapping[str, Any] | str | Path, *, source: str | None = 
     Raises:
         ConfigError: every unknown key and every section's problems, together.
     """
+    duplicates: list[str] = []
     if isinstance(data, (str, Path)):
         source = source or str(data)
-        data = load_yaml_mapping(data)
+        data, duplicates = read_yaml_mapping(data)
     if not isinstance(data, Mapping):
         raise ConfigError(source or "configuration", [f"expected a mapping of keys, got {type(data).__name__}"])
     owners: dict[str, str] = {}
     for name in CONFIG_SECTIONS:
         for key in CONFIG_SECTIONS.get(name).keys():
             owners[key] = name
-    problems: list[str] = []
+    problems: list[str] = list(duplicates)  # reported with every other problem of the file
     for key in data:
         if key not in owners:
             close = difflib.get_close_matches(str(key), list(owners), n=1, cutoff=0.6)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from megatron_mis.config.base import ConfigBase, ConfigError, doc, load_yaml_mapping
+from megatron_mis.config.base import ConfigBase, ConfigError, doc, read_yaml_mapping
 from megatron_mis.registry import Registry, suggest
 
 #: Name -> surge-detector class. Defined here so that the config validates names without
@@ -250,7 +250,7 @@ class MonitorConfig(ConfigBase):
         "Metrics watched for a sustained rise over monitor_window observations.",
     )
     monitor_spike_metrics: list[str] = doc(
-        ["mis_k3_kl"], "Metrics watched for single-step spikes (the Qwen / Ling mismatch reports (docs/references.md): K3 KL spikes come first)."
+        ["mis_k3_kl"], "Metrics watched for single-step spikes (When Speed Kills Stability (docs/references.md): K3 KL spikes come first)."
     )
     monitor_length_metric: str | None = doc(
         "response_length",
@@ -398,12 +398,13 @@ def load_schedule_configs(
     Raises:
         ConfigError: listing every unknown key and every invalid value of all three configs.
     """
+    duplicates: list[str] = []
     if isinstance(data, (str, Path)):
         source = source or str(data)
-        data = load_yaml_mapping(data)
+        data, duplicates = read_yaml_mapping(data)
     classes = (SurgeConfig, LengthDecayConfig, MonitorConfig)
     owned = {name for cls in classes for name in cls.field_names()}
-    problems: list[str] = []
+    problems: list[str] = list(duplicates)  # reported with every other problem of the file
     if not isinstance(data, Mapping):
         raise ConfigError(source or "schedule configs", [f"expected a mapping, got {type(data).__name__}"])
     from megatron_mis.config.base import _closest

@@ -173,3 +173,15 @@ def test_validate_host_on_the_shipped_examples_has_no_error(capsys, host):
     out = capsys.readouterr().out
     assert "0 error(s)" in out and "needs_hook: tis_batch_normalize_scope:" in out
     assert f'megatron-mis validate --host {host} --host-flags="' in text  # the script runs the same check
+
+
+def test_validate_reports_a_duplicate_key_together_with_every_other_fault(tmp_path, capsys):
+    """A YAML with a duplicate key and a second fault reported only the duplicate (issue 27's
+    backlog): every problem of the file comes in one report."""
+    path = tmp_path / "mis.yaml"
+    path.write_text("use_tis: true\ntis_upper_bound: 2.0\ntis_upper_bound: -1.0\nno_such_key: 1\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "tis_upper_bound" in err and "duplicate" in err.lower()
+    assert "unknown key 'no_such_key'" in err
+    assert "-1.0" in err  # the out-of-range value (the last of the duplicates, as YAML keeps it)
