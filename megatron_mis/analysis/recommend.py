@@ -22,7 +22,7 @@ Regimes (first match wins):
    than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
    0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.
 3. ``0.15 < s <= 1``: sequence weights stay informative (share >= exp(-1) = 0.37) and are the
-   unbiased correction: ``sequence_mis`` (When Speed Kills Stability; the Qwen / Ling reports).
+   unbiased correction: ``sequence_mis`` (When Speed Kills Stability).
    Not yet measured in the testbed.
 4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level masking ``token_mis`` plus a
    geometric rejection band scaled to the length. From the literature; not yet measured here.
@@ -114,7 +114,7 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
             "sequence_mis", None, s, share, "sequence-level",
             f"s = {s:.3f}: sequence weights keep an effective share exp(-s^2) = {share:.2f}, so the unbiased "
             "sequence-level correction is usable",
-            "literature (When Speed Kills Stability; the Qwen / Ling mismatch reports); not yet measured in the testbed",
+            "literature (When Speed Kills Stability); not yet measured in the testbed",
         )
     band = geometric_band(k3, length)
     return Recommendation(

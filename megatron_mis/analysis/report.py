@@ -174,7 +174,7 @@ def to_json(report: dict[str, Any]) -> str:
 
 def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     """Write the PNG: K3 trends with the log-ppl gap, response length with the surge verdict, the
-    mismatch by rollout-probability bucket (the Qwen / Ling mismatch reports (docs/references.md)) and the IS-weight distribution."""
+    mismatch by rollout-probability bucket (When Speed Kills Stability (docs/references.md)) and the IS-weight distribution."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -245,7 +245,7 @@ def plot_history(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_xticklabels(labels, rotation=30, fontsize=7, ha="right")
     ax.set_xlim(-0.5, len(xs_b) - 0.5)
     ax.legend(fontsize=8)
-    ax.set_title("Mismatch vs rollout probability (the Qwen / Ling mismatch reports (docs/references.md): grows as p -> 0)")
+    ax.set_title("Mismatch vs rollout probability (When Speed Kills Stability (docs/references.md): grows as p -> 0)")
 
     ax = axes[1, 1]
     w = report["weights"]

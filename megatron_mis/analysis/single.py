@@ -94,7 +94,7 @@ def format_report(samples: LogProbSamples, result: MISResult, config: MISConfig,
     for key in action_keys:
         if key in s:
             lines.append(f"  {key:<34} {fmt(s[key]):>12}   {METRIC_DOCS.get(key, '')}")
-    lines += ["", "Mismatch by rollout-probability bucket (the Qwen / Ling mismatch reports (docs/references.md): it grows as probabilities approach 0)",
+    lines += ["", "Mismatch by rollout-probability bucket (When Speed Kills Stability (docs/references.md): it grows as probabilities approach 0)",
               f"  {'p_rollout bucket':<22} {'tokens':>8} {'mean |log r|':>14} {'mean k3':>12}"]
     table = result.bucket_table
     edges = table["edges"].tolist()

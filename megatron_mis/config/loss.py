@@ -78,7 +78,7 @@ class LossConfig(ConfigBase):
     eps_clip_c: float | None = doc(
         None,
         "Dual-clip constant c > 1: for negative advantages the per-token loss is capped at -c x A "
-        "(arXiv:1912.09729; slime --eps-clip-c). null: off.",
+        "(Dual-clip PPO, arXiv:1912.09729; slime --eps-clip-c). null: off.",
     )
     use_kl_loss: bool = doc(False, "Add kl_loss_coef x KL(pi_theta || pi_ref) to the loss (needs ref log-probs).")
     kl_loss_coef: float = doc(0.0, "Weight of the KL term (slime --kl-loss-coef).")

@@ -114,7 +114,7 @@ class NormalizationStatistics:
         return torch.where(self.count > 0, self.weight_sum / self.count.clamp_min(1), torch.ones_like(self.weight_sum))
 
 
-#: Bucket edges on the rollout probability (the Qwen / Ling mismatch reports, docs/references.md: the mismatch grows as probabilities fall).
+#: Bucket edges on the rollout probability (When Speed Kills Stability, docs/references.md: the mismatch grows as probabilities fall).
 DEFAULT_PROB_BUCKET_EDGES: tuple[float, ...] = (0.0, 1e-6, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 

@@ -1,6 +1,6 @@
 """The mismatch monitor: per-step metrics in, smoothed histories and structured warnings out.
 
-The Qwen / Ling mismatch reports (docs/references.md): the warning signs of a collapse come in order: K3 KL (training vs rollout) spikes and
+When Speed Kills Stability (docs/references.md): the warning signs of a collapse come in order: K3 KL (training vs rollout) spikes and
 rises, then the gradient norm and the training perplexity follow. Beyond Precision (arXiv:2602.01826): the mismatch
 (``log_ppl_abs_diff``) grows together with the gradient noise, and a surge of the response length
 comes before it. The monitor watches exactly that::
