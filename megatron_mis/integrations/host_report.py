@@ -388,7 +388,8 @@ def host_report(data: Mapping[str, Any], host: str, *, flags: Mapping[str, Any] 
         add(HostNote(
             "host_meaning", "tis_mode",
             "mask removes an out-of-band token / sequence from the loss mask (no denominator, entropy or KL "
-            f"term); {_POSS[host]} IcePop keeps it in the mask with weight 0: tis_mode: icepop",
+            f"term); {_POSS[host]} IcePop keeps it in the mask with weight 0, which megatron-mis does not offer yet "
+            "(with an entropy bonus, a KL loss or Miles without rollout_mask_sums the two losses differ)",
             _src("icepop_keeps_mask", host) + "; docs/hosts.md host_meanings.tis_mode",
         ))
 
