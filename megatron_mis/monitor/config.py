@@ -258,9 +258,19 @@ class MonitorConfig(ConfigBase):
         "by the length_surge_* keys. null: no surge warnings.",
     )
     monitor_thresholds: dict = doc(
-        {},
-        "Absolute upper bounds, metric name -> value, e.g. {mis_log_ppl_abs_diff: 0.05}; a value above "
-        "its bound gives a 'threshold' warning. Empty: none.",
+        {"mis_k3_kl": 1e-2},
+        "Absolute upper bounds, metric name -> value; a value above its bound gives a 'threshold' "
+        "warning. The default flags a mean K3 above 1e-2, more than any numeric path gave in the study "
+        "(bf16 / fp16 / int8 / int4 <= 2e-3) and what a stale policy, a rollout-only temperature or "
+        "processed top-p log-probs give (docs/study.md), steady or not. A mapping you set replaces the "
+        "default (name mis_k3_kl in it to keep that bound); {}: none.",
+    )
+    monitor_floors: dict = doc(
+        {"mis_k3_kl": 1e-8},
+        "Noise floors, metric name -> value: while a metric is at or below its floor (the value for a "
+        "spike, the newest half-window's median for a trend) it gives no trend or spike warning. The "
+        "default keeps K3 at fp32 rounding (1e-14 .. 1e-12), whose relative wobble fired the trend "
+        "rule in the study, from warning, and sits below bf16's 1e-7 and up. {}: no floor.",
     )
     monitor_window: int = doc(
         30,
@@ -347,11 +357,12 @@ class MonitorConfig(ConfigBase):
             )
         if not self.monitor_jsonl_path:
             problems.append("monitor_jsonl_path must be a non-empty path")
-        for name, bound in self.monitor_thresholds.items():
-            if not isinstance(name, str):
-                problems.append(f"monitor_thresholds key {name!r} must be a metric name (a string)")
-            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound != bound:
-                problems.append(f"monitor_thresholds[{name!r}]={bound!r} must be a number")
+        for key in ("monitor_thresholds", "monitor_floors"):
+            for name, bound in getattr(self, key).items():  # a non-mapping is a type problem (base)
+                if not isinstance(name, str):
+                    problems.append(f"{key} key {name!r} must be a metric name (a string)")
+                if isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound != bound:
+                    problems.append(f"{key}[{name!r}]={bound!r} must be a number")
         return problems
 
     def _warnings(self) -> list[str]:

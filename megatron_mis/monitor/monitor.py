@@ -20,12 +20,13 @@ Warning kinds (:class:`MonitorWarning`):
     the newest half is at least ``monitor_trend_min_growth`` times the median of the oldest half
     AND Kendall's rank correlation with the step is at least ``monitor_trend_min_tau``. Both are
     rank / median statistics: one spike cannot make a trend, and stationary noise (tau about 0)
-    does not either.
+    does not either. Nor does a rise that stays at or below the metric's ``monitor_floors`` entry.
 ``spike``
     A ``monitor_spike_metrics`` value above ``monitor_spike_factor`` times the median of the
-    previous window (needs half a window of history).
+    previous window (needs half a window of history), and above the metric's ``monitor_floors``
+    entry.
 ``threshold``
-    A value above its bound in ``monitor_thresholds``.
+    A value above its bound in ``monitor_thresholds`` (by default mean K3 above 1e-2).
 ``length_surge``
     The surge detector (``length_surge_*`` keys) fired on ``monitor_length_metric``; it is then
     re-armed, so a later surge relative to the new level is reported again.
@@ -269,7 +270,9 @@ class MismatchMonitor:
         cfg = self.config
         out = []
         min_history = max(3, cfg.monitor_window // 2)
-        if name in cfg.monitor_spike_metrics and len(series.window) >= min_history:
+        floor = cfg.monitor_floors.get(name)
+        above_floor = floor is None or value > floor
+        if name in cfg.monitor_spike_metrics and above_floor and len(series.window) >= min_history:
             baseline = statistics.median(series.window)
             if baseline > 0 and value > cfg.monitor_spike_factor * baseline:
                 out.append(
@@ -308,6 +311,9 @@ class MismatchMonitor:
             return []
         window = list(series.window)
         growth, tau = trend_statistics(window)
+        floor = cfg.monitor_floors.get(name)
+        if floor is not None and statistics.median(window[-(len(window) // 2) :]) <= floor:
+            return []  # a rise within the noise floor (e.g. K3 at fp32 rounding) is no warning
         if growth >= cfg.monitor_trend_min_growth and tau >= cfg.monitor_trend_min_tau:
             return [
                 MonitorWarning(

@@ -74,15 +74,22 @@ def test_no_warnings_on_stationary_noise(tmp_path):
 def test_growing_mismatch_gives_a_trend_warning(tmp_path):
     # K3 KL flat, then growing 5% per step from step 100 (doubling every ~14 steps).
     mon = monitor(tmp_path)
-    first = None
+    first = bound = None
+    crossed = None  # the first step whose K3 exceeds the default absolute bound 1e-2
     for step, metrics in stationary_metrics(11, 300):
         if step >= 100:
             metrics["mis_k3_kl"] *= math.exp(0.05 * (step - 100))
+        if crossed is None and metrics["mis_k3_kl"] > 1e-2:
+            crossed = step
         for w in mon.update(step, metrics):
-            assert w.metric == "mis_k3_kl" and w.kind in ("trend", "spike"), w
+            assert w.metric == "mis_k3_kl" and w.kind in ("trend", "spike", "threshold"), w
             if w.kind == "trend" and first is None:
                 first = w
+            if w.kind == "threshold" and bound is None:
+                bound = w
     assert first is not None and 100 < first.step <= 100 + 30  # within one window
+    # the trend warns first; the absolute bound (default mis_k3_kl 1e-2) at the first value above it
+    assert bound is not None and bound.step == crossed > first.step and bound.threshold == 1e-2
     assert first.threshold == 1.5 and first.trend >= 1.5 and first.details["tau"] >= 0.5
     assert first.details["window"] == 30 and first.value == mon.history("mis_k3_kl")[first.step - 1][1]
     assert "mis_k3_kl is rising" in first.message
@@ -385,3 +392,57 @@ def test_host_monitor_hook_reads_a_slime_log_dict(tmp_path):
     assert record["step"] == 1
     assert record["metrics"] == {"mis_k3_kl": 1e-3, "grad_norm": 0.4, "lr-pg_0": 1e-6,
                                  "mis_log_ppl_abs_diff": 0.01, "response_length": 812.5}
+
+
+# ------------------------------------------------------------ absolute bound and noise floor
+def test_a_steady_k3_above_the_default_bound_is_flagged(tmp_path):
+    """Processed top-p log-probs gave a steady K3 of 1.8e-2 in the study (docs/study.md) and the
+    relative rules saw nothing: the default absolute bound flags it at the first step."""
+    rng = random.Random(3)
+    mon = monitor(tmp_path, monitor_cooldown=1000)
+    found = [w for step in range(1, 101) for w in mon.update(step, {"mis_k3_kl": 1.8e-2 * math.exp(rng.gauss(0.0, 0.1)),
+                                                                    "mis_log_ppl_abs_diff": 0.01, "grad_norm": 0.5,
+                                                                    "response_length": 100.0})]
+    assert [(w.kind, w.step, w.threshold) for w in found] == [("threshold", 1, 1e-2)]
+    quiet = monitor(tmp_path, monitor_thresholds={})  # {} turns it off
+    rng = random.Random(3)
+    assert not [w for step in range(1, 101) for w in quiet.update(step, {"mis_k3_kl": 1.8e-2 * math.exp(rng.gauss(0.0, 0.1)),
+                                                                          "mis_log_ppl_abs_diff": 0.01, "grad_norm": 0.5,
+                                                                          "response_length": 100.0})]
+
+
+def _fp32_rounding_k3(seed):
+    """K3 at fp32 rounding: ~1e-14 with large relative wobble, rising 20x over 60 steps from
+    step 40 (still ~1e-13: no mismatch at all)."""
+    rng = random.Random(seed)
+    for step in range(1, 121):
+        k3 = 1e-14 * math.exp(rng.gauss(0.0, 0.5)) * (20.0 ** min(max(step - 40, 0) / 60.0, 1.0))
+        yield step, {"mis_k3_kl": k3, "mis_log_ppl_abs_diff": 1e-7, "grad_norm": 0.5, "response_length": 100.0}
+
+
+def test_k3_at_fp32_rounding_stays_below_the_default_floor(tmp_path):
+    floored = monitor(tmp_path)
+    assert not [w for step, m in _fp32_rounding_k3(0) for w in floored.update(step, m)]
+    # without the floor the same series gives a K3 warning: the floor is what silences it
+    bare = monitor(tmp_path, monitor_floors={})
+    kinds = {(w.kind, w.metric) for step, m in _fp32_rounding_k3(0) for w in bare.update(step, m)}
+    assert ("trend", "mis_k3_kl") in kinds
+
+
+def test_a_rise_above_the_floor_still_warns(tmp_path):
+    """The floor (1e-8) sits below bf16's K3 (1e-7 and up): the same 20x rise at 1e-6 warns."""
+    mon = monitor(tmp_path)
+    kinds = set()
+    for step, m in _fp32_rounding_k3(0):
+        m["mis_k3_kl"] *= 1e8
+        kinds |= {(w.kind, w.metric) for w in mon.update(step, m)}
+    assert ("trend", "mis_k3_kl") in kinds
+
+
+def test_floor_and_threshold_mappings_are_validated(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        MonitorConfig(monitor_floors={"mis_k3_kl": "low", 3: 1.0}, monitor_thresholds=[1.0])
+    text = str(e.value)
+    assert "monitor_floors['mis_k3_kl']='low' must be a number" in text
+    assert "monitor_floors key 3 must be a metric name" in text
+    assert "monitor_thresholds=[1.0] is not dict" in text  # reported together with the others
