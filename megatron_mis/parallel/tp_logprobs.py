@@ -24,6 +24,14 @@ statistics (max-shifted log-normaliser, target logit, mean logit) and backward r
 softmax chunk by chunk, so no ``[T, V/tp]`` float32 buffer beyond one chunk's is held between
 forward and backward (the returned gradient itself is ``[T, V/tp]``, as for any loss).
 
+Sampling support (top-p / top-k replay): when the rollout engine sampled from a truncated
+distribution (nucleus or top-k), the trainer's ``softmax(logits / T)`` spreads probability over ids
+the rollout could never draw, a support mismatch no importance weight can repair. Given the
+rollout's kept ids per token (:class:`TokenSupport`), the log-probs and entropy are those of the
+distribution renormalised over that support, as the rollout engine's processed log-probs are:
+the trainer replays the rollout's truncation (as slime's ``--rollout-top-p`` replay does). The
+mask is built chunk by chunk on the device from the sparse ids (no ``[T, V/tp]`` mask is kept).
+
 Equal (up to rounding) to ``-megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` and to
 ``log_softmax`` of the gathered logits; ``tests/distributed/test_tp_logprobs.py`` checks both, on a real
 Megatron-Core GPT with TP=2.
@@ -32,13 +40,14 @@ Megatron-Core GPT with TP=2.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_mis.core.checks import reads_values
 
-__all__ = ["vocab_parallel_log_probs", "log_probs_from_shards", "log_softmax_from_shards"]
+__all__ = ["TokenSupport", "vocab_parallel_log_probs", "log_probs_from_shards", "log_softmax_from_shards"]
 
 
 def _group_info(group: Any) -> tuple[int, int]:
@@ -73,6 +82,7 @@ def _chunk_statistics(
     with_entropy: bool,
     reduce_max: Callable[[list[torch.Tensor]], torch.Tensor],
     reduce_sum: Callable[[list[torch.Tensor]], torch.Tensor],
+    masked: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """The forward arithmetic of one chunk, shared by the distributed function and the
     single-process shard path (:func:`log_probs_from_shards`).
@@ -84,6 +94,8 @@ def _chunk_statistics(
         on_rank: per shard ``[C]`` bool, the target lies in the shard.
         reduce_max / reduce_sum: combine the per-shard ``[C]`` maxima / ``[C, k]`` statistics
             into the whole vocabulary's (an all-reduce, or an in-order max / sum of the list).
+        masked: some logits are ``-inf`` (outside a :class:`TokenSupport`): their entropy term
+            ``exp * z`` is taken as 0 instead of ``0 * -inf``.
 
     Returns:
         ``(zmax [C], shifted shards [C, V/tp], stacked [C, k])`` with ``stacked`` = (sum of
@@ -98,7 +110,8 @@ def _chunk_statistics(
         target_logit = s.gather(1, target[:, None]).squeeze(1)
         cols = [exp.sum(dim=-1), torch.where(ok, target_logit, torch.zeros_like(target_logit))]
         if with_entropy:
-            cols.append((exp * s).sum(dim=-1))
+            term = exp * s
+            cols.append((torch.where(exp > 0, term, torch.zeros_like(term)) if masked else term).sum(dim=-1))
         stats.append(torch.stack(cols, dim=1))
     return zmax, shifted, reduce_sum(stats)
 
@@ -109,9 +122,111 @@ def _shard_targets(targets: torch.Tensor, vocab_start: int, local_vocab: int) ->
     return torch.where(ok, local, torch.zeros_like(local)), ok
 
 
+@dataclass(frozen=True, slots=True)
+class TokenSupport:
+    """The ids the rollout could sample at each token (its top-p / top-k support), sparse.
+
+    Token ``t``'s support is ``ids[offsets[t]:offsets[t + 1]]``; an empty range means the token
+    was sampled from the whole vocabulary (no truncation there). The sampled token itself always
+    counts as supported (so a support that lacks it cannot give a log-prob of ``-inf``).
+
+    Attributes:
+        ids: ``[K]`` int64 vocabulary ids in ``[0, V)``, token by token, on the logits' device.
+        token_index: ``[K]`` int64, the token (``0 .. T-1``) each id belongs to, non-decreasing,
+            on the logits' device.
+        offsets: ``[T + 1]`` int64 on the host (CPU), ``offsets[0] == 0``, ``offsets[-1] == K``:
+            host metadata, read without a device synchronisation to cut chunks.
+    """
+
+    ids: torch.Tensor
+    token_index: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, per_token: Sequence[Sequence[int]], *, device: torch.device | str | None = None) -> "TokenSupport":
+        """From one list of kept ids per token (``[]``: no truncation at that token). The two
+        ``[K]`` tensors go to ``device`` in one pinned, non-blocking copy when it is an accelerator.
+
+        Raises:
+            ValueError: a non-integer id.
+        """
+        counts = [len(x) for x in per_token]
+        flat: list[int] = []
+        for t, ids in enumerate(per_token):
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, int) and not (torch.is_tensor(i) and not i.is_floating_point()):
+                    raise ValueError(f"support ids must be integers, got {i!r} at token {t}")
+                flat.append(int(i))
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        if counts:
+            offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        host = torch.stack([torch.tensor(flat, dtype=torch.int64),
+                            torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))])
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type != "cpu":
+            host = host.pin_memory() if torch.cuda.is_available() else host
+            host = host.to(dev, non_blocking=True)
+        return cls(ids=host[0], token_index=host[1], offsets=offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    def validate(self, num_tokens: int, vocab: int, device: torch.device, *, read_values: bool) -> None:
+        """Shapes, dtypes and devices always; with ``read_values`` (a host read) also the id range
+        and the offsets' consistency.
+
+        Raises:
+            ValueError: naming the field and what is allowed.
+        """
+        problems = []
+        if self.offsets.device.type != "cpu" or self.offsets.dim() != 1 or self.offsets.dtype != torch.int64:
+            problems.append(f"offsets must be a 1-D int64 CPU tensor, got {tuple(self.offsets.shape)} {self.offsets.dtype} on {self.offsets.device}")
+        elif self.offsets.numel() != num_tokens + 1:
+            problems.append(f"offsets has {self.offsets.numel()} entries, expected tokens + 1 = {num_tokens + 1}")
+        for name in ("ids", "token_index"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.dtype != torch.int64:
+                problems.append(f"{name} must be a 1-D int64 tensor, got {tuple(t.shape)} {t.dtype}")
+            elif t.device != device:
+                problems.append(f"{name} is on {t.device}, the logits on {device}")
+        if not problems and self.ids.shape != self.token_index.shape:
+            problems.append(f"ids {tuple(self.ids.shape)} and token_index {tuple(self.token_index.shape)} differ in shape")
+        if not problems:
+            off = self.offsets
+            if int(off[0]) != 0 or int(off[-1]) != self.ids.numel() or bool((off[1:] < off[:-1]).any()):
+                problems.append(f"offsets must rise from 0 to the number of ids {self.ids.numel()}, got {off.tolist()[:8]}...")
+        if not problems and read_values and self.ids.numel():
+            lo, hi = torch.stack([self.ids.min(), self.ids.max()]).tolist()
+            if lo < 0 or hi >= vocab:
+                problems.append(f"support ids must lie in [0, {vocab}) (vocabulary size), got min {lo}, max {hi}")
+            counts = torch.bincount(self.token_index.cpu(), minlength=num_tokens)[:num_tokens]
+            if counts.numel() != num_tokens or not torch.equal(counts, self.offsets[1:] - self.offsets[:-1]):
+                problems.append("token_index does not match offsets (token t must own ids[offsets[t]:offsets[t+1]])")
+        if problems:
+            raise ValueError("TokenSupport: " + "; ".join(problems))
+
+
+def _support_mask(support: TokenSupport, start: int, end: int, vocab_start: int, local_vocab: int,
+                  local_target: torch.Tensor, on_rank: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[C, V/tp]`` bool: what tokens ``start .. end-1`` may take on this rank's shard. Built on
+    the device from the sparse ids (no host read: the chunk's id range comes from host offsets)."""
+    a, b = int(support.offsets[start]), int(support.offsets[end])
+    num = end - start
+    ids = support.ids[a:b] - vocab_start
+    tok = support.token_index[a:b] - start
+    here = (ids >= 0) & (ids < local_vocab)
+    hits = torch.zeros(num, local_vocab, dtype=torch.int32, device=device)
+    hits.index_put_((tok, ids.clamp(0, local_vocab - 1)), here.to(torch.int32), accumulate=True)
+    truncated = torch.zeros(num, dtype=torch.int32, device=device).index_add_(0, tok, torch.ones_like(tok, dtype=torch.int32)) > 0
+    keep = (hits > 0) | ~truncated[:, None]
+    # the sampled token is always supported (where it lies on this shard)
+    return keep.scatter(1, local_target[:, None], keep.gather(1, local_target[:, None]) | on_rank[:, None])
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, with_entropy, chunk_size, rows=None):  # type: ignore[override]
+    def forward(ctx, logits, targets, group, temperature, with_entropy, chunk_size, rows=None, support=None):  # type: ignore[override]
         rank, world = _group_info(group)
         local_vocab = logits.shape[1]
         num_tokens = logits.shape[0] if rows is None else rows.shape[0]
@@ -132,8 +247,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         entropy = torch.empty(num_tokens if with_entropy else 0, dtype=compute_dtype, device=logits.device)
         for s, e in _chunks(num_tokens, chunk_size):
             z = _scaled(_rows(logits, rows, s, e), compute_dtype, temperature)
+            if support is not None:
+                keep = _support_mask(support, s, e, rank * local_vocab, local_vocab, local_target[s:e], on_rank[s:e], z.device)
+                z = z.masked_fill(~keep, float("-inf"))
             zmax, _, stacked = _chunk_statistics(
-                [z], [local_target[s:e]], [on_rank[s:e]], with_entropy, reduce_max, reduce_sum
+                [z], [local_target[s:e]], [on_rank[s:e]], with_entropy, reduce_max, reduce_sum, support is not None
             )
             log_sum = stacked[:, 0].log()
             log_norm[s:e] = zmax + log_sum
@@ -146,6 +264,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.with_entropy = with_entropy
         ctx.chunk_size = chunk_size
+        ctx.support = support
+        ctx.vocab_start = rank * local_vocab
         return log_probs, entropy
 
     @staticmethod
@@ -164,6 +284,10 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             z = _rows(logits, rows, s, e).to(compute_dtype)
             if temperature != 1.0:
                 z = z / temperature
+            keep = None
+            if ctx.support is not None:
+                keep = _support_mask(ctx.support, s, e, ctx.vocab_start, z.shape[1], local_target[s:e], on_rank[s:e], z.device)
+                z = z.masked_fill(~keep, float("-inf"))  # p = 0 there: no gradient outside the support
             p = torch.sub(z, log_norm[s:e, None]).exp_()
             g_lp = grad_log_probs[s:e].to(compute_dtype) if grad_log_probs is not None else None
             if g_lp is not None:
@@ -174,6 +298,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if use_entropy:
                 # dH/dz_j = p_j (E_p[z] - z_j)
                 term = torch.sub(mean_logit[s:e, None], z)
+                if keep is not None:
+                    term.masked_fill_(~keep, 0.0)  # inf * 0 outside the support
                 del z
                 gz.add_(term.mul_(p).mul_(grad_entropy[s:e, None].to(compute_dtype)))
                 del term
@@ -184,7 +310,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 grad[s:e] = gz.to(logits.dtype)
             else:
                 grad.index_add_(0, rows[s:e], gz.to(logits.dtype))
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _rows(logits: torch.Tensor, rows: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
@@ -203,6 +329,7 @@ def vocab_parallel_log_probs(
     chunk_size: int = 1024,
     check_targets: bool | None = None,
     rows: torch.Tensor | None = None,
+    support: TokenSupport | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` (and the entropy) under ``softmax(logits / temperature)`` from this
     rank's vocabulary shard.
@@ -229,6 +356,11 @@ def vocab_parallel_log_probs(
             without materialising that ``[R, V/tp]`` copy and its gradient: one chunk of rows is
             gathered at a time, and the backward writes each chunk's gradient into the
             ``[S, V/tp]`` gradient of ``logits`` (zero outside ``rows``) with ``index_add_``.
+        support: the rollout's sampling support per token (:class:`TokenSupport` over the
+            ``T`` flattened targets, in their order): log-probs and entropy of
+            ``softmax(logits / temperature)`` renormalised over each token's support (top-p /
+            top-k replay); logits outside it get no gradient. ``None``: the whole vocabulary.
+            Its id range is checked where ``check_targets`` is.
 
     Returns:
         ``(log_probs [...], entropy [...] or None)``, float32 (float64 for float64 logits),
@@ -270,9 +402,13 @@ def vocab_parallel_log_probs(
         lo, hi = int(flat_targets.min()), int(flat_targets.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"target ids must lie in [0, {vocab}) (vocabulary size), got min {lo}, max {hi}")
+    if support is not None:
+        if not isinstance(support, TokenSupport):
+            raise ValueError(f"support must be a TokenSupport, got {type(support).__name__}")
+        support.validate(flat_targets.numel(), vocab, flat_logits.device, read_values=bool(check_targets))
     log_probs, entropy = _VocabParallelLogProbs.apply(
         flat_logits, flat_targets, group, float(temperature), bool(with_entropy), int(chunk_size),
-        None if rows is None else rows.long(),
+        None if rows is None else rows.long(), support,
     )
     return log_probs.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
 

@@ -182,3 +182,46 @@ def test_gpt_tp2_log_probs_equal_unsharded_log_softmax(pool2, temperature):
         # objective, reductions split differently over TP ranks (float32 rounding, relative).
         torch.testing.assert_close(r["full_emb_grad"], ref["full_emb_grad"], rtol=1e-4, atol=1e-6)
 
+
+
+# ------------------------------------------------------------ top-p / top-k replay under TP
+def _support_shard(logits: torch.Tensor, targets: torch.Tensor, supports: list, weights: torch.Tensor):
+    """This rank's vocabulary shard of ``logits`` over an explicit group of all ranks."""
+    import torch.distributed as dist
+
+    from megatron_mis.parallel.tp_logprobs import TokenSupport
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(world)))
+    width = logits.shape[1] // world
+    shard = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_()
+    lp, ent = vocab_parallel_log_probs(shard, targets, group=group, with_entropy=True, chunk_size=3, temperature=0.8,
+                                       support=TokenSupport.from_lists(supports))
+    (grad,) = torch.autograd.grad((weights * lp).sum() + 0.5 * (weights * ent).sum(), shard)
+    dist.destroy_process_group(group)
+    return {"rank": rank, "lp": lp.detach(), "ent": ent.detach(), "grad": grad}
+
+
+@pytest.mark.parametrize("pool", ["pool2", "pool4"])
+def test_support_under_tp_equals_one_process(request, pool):
+    """Each TP rank builds its shard of the support mask from the same sparse ids: the log-probs,
+    entropy and each shard's gradient equal the one-process computation (float64: rounding of
+    the split sums only)."""
+    pool = request.getfixturevalue(pool)
+    g = torch.Generator().manual_seed(9)
+    logits = 2 * torch.randn(10, 16, generator=g, dtype=torch.float64)
+    supports = [sorted(torch.randperm(16, generator=g)[: 1 + t % 5].tolist()) if t % 3 else [] for t in range(10)]
+    targets = torch.tensor([s[0] if s else t for t, s in enumerate(supports)])
+    weights = torch.randn(10, generator=g, dtype=torch.float64)
+    from megatron_mis.parallel.tp_logprobs import TokenSupport
+
+    x = logits.clone().requires_grad_()
+    lp, ent = vocab_parallel_log_probs(x, targets, with_entropy=True, temperature=0.8, support=TokenSupport.from_lists(supports))
+    (want,) = torch.autograd.grad((weights * lp).sum() + 0.5 * (weights * ent).sum(), x)
+    results = pool.run(_support_shard, logits, targets, supports, weights)
+    width = 16 // len(results)
+    for r in results:
+        torch.testing.assert_close(r["lp"], lp.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(r["ent"], ent.detach(), rtol=0, atol=1e-12)
+        k = r["rank"]
+        torch.testing.assert_close(r["grad"], want[:, k * width : (k + 1) * width], rtol=0, atol=1e-12)

@@ -74,6 +74,29 @@ def test_vocab_parallel_log_probs_forward_and_backward(probe, with_entropy):
     torch.testing.assert_close(shadow(logits.grad), logits_cpu.grad)
 
 
+def test_vocab_parallel_log_probs_with_a_rollout_support(probe):
+    """Top-p replay: the sparse support ids live on the device, the offsets on the host; the
+    chunked mask is built without a read, forward and backward."""
+    from megatron_mis.parallel.tp_logprobs import TokenSupport
+
+    g = torch.Generator().manual_seed(4)
+    logits_cpu = torch.randn(7, 11, generator=g).requires_grad_()
+    supports = [[1, 2, 5], [], [0], [3, 4, 9, 10], [], [6, 7], [2]]
+    targets = torch.tensor([2, 8, 0, 9, 1, 7, 2])
+    with probe.paused():
+        host = TokenSupport.from_lists(supports)
+        ref_lp, ref_ent = vocab_parallel_log_probs(logits_cpu, targets, with_entropy=True, chunk_size=3, support=host)
+        (ref_lp.sum() + ref_ent.sum()).backward()
+    dev = TokenSupport(ids=probe.cuda(host.ids), token_index=probe.cuda(host.token_index), offsets=host.offsets)
+    logits = probe.cuda(logits_cpu.detach().clone().requires_grad_())
+    lp, ent = vocab_parallel_log_probs(logits, probe.cuda(targets), with_entropy=True, chunk_size=3, support=dev)
+    backward(lp.sum() + ent.sum())
+    probe.check_outputs([lp, ent, logits.grad])
+    probe.assert_clean(what="vocab_parallel_log_probs(support=...) forward + backward")
+    torch.testing.assert_close(shadow(lp.detach()), ref_lp.detach())
+    torch.testing.assert_close(shadow(logits.grad), logits_cpu.grad)
+
+
 class _TinyModel:
     """``logits[1, S, V] = weight[tokens]``: the smallest callable with Megatron's GPT signature
     and a parameter on the (fake) device."""
