@@ -114,3 +114,55 @@ def test_recorded_log_probs_are_log_softmax_at_temperature(drawn, path):
         # and not the log-probs at temperature 1 (they differ by far more than the tolerance)
         at_1 = torch.log_softmax(z.double(), -1)[res["tokens"][i]]
         assert float((at_1 - ref).abs().max()) > 0.05
+
+
+# ------------------------------------------------------------------- top-p replay (issue 29)
+def _top_p_replay(top_p: float, temperature: float):
+    """Rollout with top-p, processed log-probs and the recorded support; the trainer's
+    log-probs of the same sequences with and without replaying that support."""
+    from megatron_mis.parallel.tp_logprobs import TokenSupport, vocab_parallel_log_probs
+    from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine, weights_from_megatron
+    from megatron.core import parallel_state as ps
+    from megatron_mis.testbed.models.gpt import build_gpt
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    with megatron_parallel(tp=1, seed=3):
+        model = build_gpt(SPEC)
+        with torch.no_grad():
+            model.output_layer.weight.mul_(LOGIT_SCALE / 3)
+        weights = weights_from_megatron(model, tp_group=ps.get_tensor_model_parallel_group())
+        cfg = RolloutConfig(precision="fp32", max_new_tokens=4, temperature=temperature, top_p=top_p,
+                            logprobs="processed", record_support=True)
+        batch = RolloutEngine(weights, cfg).generate([torch.tensor(p) for p in PROMPTS * 4], generator=torch.Generator().manual_seed(2))
+        out = []
+        with torch.no_grad():
+            for prompt, resp, lps, support in zip(batch.prompts, batch.responses, batch.rollout_log_probs, batch.support):
+                seq = torch.cat([prompt, resp])
+                logits = model(seq[None], torch.arange(seq.numel())[None], None)[0].float()  # [S, V]
+                rows = logits[prompt.numel() - 1 : seq.numel() - 1]
+                replay, _ = vocab_parallel_log_probs(rows, resp, temperature=temperature, support=TokenSupport.from_lists(support))
+                plain, _ = vocab_parallel_log_probs(rows, resp, temperature=temperature)
+                out.append({"resp": resp, "rollout": lps, "replay": replay, "plain": plain, "support": support,
+                            "probs": torch.softmax(rows.double() / temperature, -1)})
+    return out
+
+
+def test_top_p_replay_gives_the_rollouts_processed_log_probs(pool1):
+    top_p = 0.7
+    seqs = pool1.run(_top_p_replay, top_p, TEMPERATURE)[0]
+    gaps_plain = []
+    for s in seqs:
+        for t, ids in enumerate(s["support"]):
+            tok = int(s["resp"][t])
+            assert tok in ids and ids == sorted(ids)
+            # the nucleus: its mass reaches top_p, and without its least likely id it would not
+            p = s["probs"][t]
+            mass = float(p[ids].sum())
+            assert mass >= top_p - 1e-6
+            assert mass - float(p[ids].min()) < top_p + 1e-6
+        # fp32 rollout and fp32 trainer forward: the replayed log-probs equal the processed ones
+        # up to the reduction order of two forwards (~1e-6)
+        torch.testing.assert_close(s["replay"], s["rollout"], rtol=0, atol=2e-5)
+        gaps_plain.append((s["plain"] - s["rollout"]).abs().max())
+    # without the replay the trainer's log-probs differ by the log of the dropped mass
+    assert max(gaps_plain) > 0.05

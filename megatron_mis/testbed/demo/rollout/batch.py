@@ -32,6 +32,8 @@ class RolloutBatch:
             layers hold spread filler ids (never replayed: those layers have no router).
         moe_layers: the global ids of the MoE layers (the columns that are real routes).
         num_experts: routed experts per MoE layer (``None`` for a dense model).
+        support: with ``record_support`` only — per sequence, per response token, the sorted ids
+            top-k / top-p kept (``[]``: no truncation at that token); what the trainer replays.
     """
 
     prompts: list[torch.Tensor]
@@ -45,6 +47,7 @@ class RolloutBatch:
     routed_experts: list[torch.Tensor] | None = None
     moe_layers: tuple[int, ...] = ()
     num_experts: int | None = None
+    support: list[list[list[int]]] | None = None
 
     @property
     def num_sequences(self) -> int:

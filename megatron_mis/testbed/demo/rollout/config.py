@@ -35,6 +35,12 @@ class RolloutConfig(ConfigBase):
         "truncation (SGLang's default); processed, those of the truncated, renormalised distribution the "
         "tokens were drawn from.",
     )
+    record_support: bool = doc(
+        False,
+        "With top_k / top_p: also record, for every response token, the ids the truncation kept (the "
+        "support it was drawn from), so that the trainer can replay the truncation "
+        "(megatron_mis.parallel.tp_logprobs.TokenSupport; slime's top-p replay).",
+    )
     eos_token_id: int | None = doc(None, "Token that ends a response (kept in it); null: always max_new_tokens.")
     pad_token_id: int = doc(0, "Token written into padding and not-yet-generated positions.")
     true_on_policy: bool = doc(
@@ -68,12 +74,16 @@ class RolloutConfig(ConfigBase):
             )
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             out.append(f"micro_batch_size={self.micro_batch_size!r} must be >= 1 or null")
+        if self.record_support and self.true_on_policy:
+            out.append("record_support with true_on_policy: the aligned path samples untruncated log-probs; nothing to replay")
         return out
 
     def _warnings(self) -> list[str]:
         out = []
         if self.micro_batch_size is not None and not self.true_on_policy:
             out.append("micro_batch_size only shapes the true-on-policy path; it has no effect with true_on_policy=False")
+        if self.record_support and not (self.top_k or self.top_p < 1):
+            out.append("record_support without top_k / top_p: every token's support is the whole vocabulary (recorded as empty)")
         if self.true_on_policy and (self.top_k or self.top_p < 1):
             out.append(
                 "top_k / top_p with true_on_policy: tokens are drawn from the filtered distribution while the "

@@ -13,7 +13,7 @@ from megatron_mis.testbed.demo.rollout.aligned import _AlignedModel
 from megatron_mis.testbed.demo.rollout.batch import RolloutBatch
 from megatron_mis.testbed.demo.rollout.config import RolloutConfig
 from megatron_mis.testbed.demo.rollout.fast import _FastModel
-from megatron_mis.testbed.demo.rollout.sampling import _as_prompt, _sample, processed_log_probs
+from megatron_mis.testbed.demo.rollout.sampling import _as_prompt, _filter, _sample, processed_log_probs
 from megatron_mis.testbed.demo.rollout.weights import ModelArch, RolloutWeights, weights_from_megatron
 
 __all__ = ["RolloutEngine"]
@@ -65,11 +65,13 @@ class RolloutEngine:
             return self._generate_aligned(ps, generator)
         return self._generate_fast(ps, generator)
 
-    def _step_bookkeeping(self, tok, logp_tok, alive, out_tokens, out_logps, finished) -> None:
+    def _step_bookkeeping(self, tok, logp_tok, alive, out_tokens, out_logps, finished, kept=None, out_support=None) -> None:
         cfg = self.config
         for i in torch.nonzero(alive).flatten().tolist():
             out_tokens[i].append(int(tok[i]))
             out_logps[i].append(logp_tok[i])
+            if out_support is not None:
+                out_support[i].append(torch.nonzero(kept[i]).flatten().tolist() if kept is not None else [])
         if cfg.eos_token_id is not None:
             hit = alive & (tok == cfg.eos_token_id)
             finished |= hit
@@ -109,15 +111,18 @@ class RolloutEngine:
             routes.add_prefill(step_routes)
         out_tokens: list[list[int]] = [[] for _ in range(n)]
         out_logps: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        truncates = bool(cfg.top_k or cfg.top_p < 1)
+        out_support: list[list[list[int]]] | None = [[] for _ in range(n)] if cfg.record_support else None
         alive = torch.ones(n, dtype=torch.bool)
         finished = torch.zeros(n, dtype=torch.bool)
         for step in range(cfg.max_new_tokens):
             logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)  # SGLang: fp32 log-softmax
             tok = _sample(logp, cfg, generator)
-            if cfg.logprobs == "processed" and (cfg.top_k or cfg.top_p < 1):
+            kept = torch.isfinite(_filter(logp, cfg.top_k, cfg.top_p)) if (truncates and out_support is not None) else None
+            if cfg.logprobs == "processed" and truncates:
                 logp = processed_log_probs(logp, cfg.top_k, cfg.top_p)  # what was sampled from
             logp_tok = logp.gather(-1, tok[:, None]).squeeze(-1)
-            self._step_bookkeeping(tok, logp_tok, alive, out_tokens, out_logps, finished)
+            self._step_bookkeeping(tok, logp_tok, alive, out_tokens, out_logps, finished, kept, out_support)
             if not bool(alive.any()) or step == cfg.max_new_tokens - 1:
                 break
             col = p_max + step
@@ -128,11 +133,12 @@ class RolloutEngine:
             logits = model.forward(feed[:, None], pos, cache, col, step_mask, step_routes)[:, -1]
             if routes is not None:
                 routes.add_step(step_routes, alive)
+        extra: dict[str, Any] = {} if out_support is None else {"support": out_support}
         if routes is None:
-            return self._result(ps, out_tokens, out_logps, finished)
+            return self._result(ps, out_tokens, out_logps, finished, **extra)
         return self._result(
             ps, out_tokens, out_logps, finished, routed_experts=routes.result(), moe_layers=self.arch.moe_layers,
-            num_experts=self.arch.num_moe_experts,
+            num_experts=self.arch.num_moe_experts, **extra,
         )
 
     def _generate_aligned(self, ps: list[torch.Tensor], generator) -> RolloutBatch:
