@@ -126,14 +126,17 @@ def _check_pg_loss(pg_loss: Any) -> torch.Tensor:
 
 
 def _warn_deferred_nonfinite(args: Any, res: Any, cfg: MISConfig) -> None:
-    """Warn about non-finite log-probs without a host synchronisation: the count of the
-    PREVIOUS call is read once its device copy has landed (at once on the CPU)."""
+    """Warn about non-finite log-probs without a host synchronisation: the counts of EARLIER
+    calls are read once their device copies have landed (at once on the CPU); a count whose
+    CUDA event is still pending waits for a later call (the host may run several micro-batches
+    ahead of the device), it is never read early nor dropped."""
     state = state_of(args)
-    pending = state.pending_nonfinite
-    if pending is not None:
-        count = pending.poll()
-        if count:
-            warnings.warn(nonfinite_message(count, cfg), RuntimeWarning, stacklevel=4)
+    waiting = state.nonfinite_backlog + ([state.pending_nonfinite] if state.pending_nonfinite is not None else [])
+    polled = [(d, d.poll()) for d in waiting]
+    state.nonfinite_backlog = [d for d, v in polled if v is None]
+    count = sum(v for _, v in polled if v)
+    if count:
+        warnings.warn(nonfinite_message(count, cfg), RuntimeWarning, stacklevel=4)
     state.pending_nonfinite = DeferredCount(res.num_nonfinite)
 
 
