@@ -57,6 +57,7 @@ T_CP_MIS = ["tests/distributed/test_cp_mis.py"]
 T_ROUTING = ["tests/unit/test_routing_sglang.py", "tests/distributed/test_routing_slicing.py"]
 T_REPLAY = ["tests/distributed/test_routing_replay.py"]
 T_TIS = ["tests/unit/test_list_adapter.py", "tests/e2e/test_examples_hosts.py"]
+T_DEFERRED = ["tests/fakecuda/test_deferred_count.py"]
 T_METRIC_STORE = ["tests/distributed/test_megatron_loss.py::test_tp2_and_dp2_match_single_process",
                   "tests/distributed/test_megatron_loss.py::test_decoupled_ppo_with_mis_at_temperature_equals_the_parts"]
 
@@ -114,6 +115,20 @@ MUTANTS: list[Mutant] = [
       "return w.clamp(lo, hi), low, high", "return w.clamp(max=hi), low, high",
       ["tests/unit/test_engine.py::test_hand_derived_weights"],
       "sequence / geometric clip mode treated as truncate (the hand-derived geometric clip row)"),
+    M("engine-deferred-count-event-unrecorded", "megatron_mis/core/engine.py",
+      "            self._event.record()\n", "            pass\n", T_DEFERRED,
+      "DeferredCount's CUDA event never recorded: a never-recorded event is complete, so poll() reads the "
+      "pinned buffer before the non-blocking copy has landed (the fake-CUDA tier runs the CUDA branch)"),
+    M("engine-deferred-count-never-queried", "megatron_mis/core/engine.py",
+      "if self._event is not None and not self._event.query():", "if False:", T_DEFERRED,
+      "DeferredCount.poll() reads the pinned buffer without asking whether its event completed"),
+    M("engine-deferred-count-blocking-read", "megatron_mis/core/engine.py",
+      "if self._event is not None and not self._event.query():",
+      "if self._event is not None and self._event.synchronize():", T_DEFERRED,
+      "DeferredCount.poll() waits for the device (Event.synchronize) instead of polling"),
+    M("drop-in-pending-count-dropped", "megatron_mis/integrations/tis_functions.py",
+      "state.nonfinite_backlog = [d for d, v in polled if v is None]", "state.nonfinite_backlog = []", T_DEFERRED,
+      "a non-finite count whose CUDA event is still pending at the next call is lost (never warned)"),
     M("hooks-local-mean", "megatron_mis/integrations/scheduler_hooks.py",
       "    mean = global_mean_response_length(\n",
       "    mean = (lambda lengths, group: sum(lengths) / len(lengths) if len(lengths) else None)(\n", T_HOOKS,

@@ -23,7 +23,13 @@ matter here:
   ``miles/backends/training_utils/loss_hub/losses.py:230``);
 - both have ``--tis-clip`` (default 2.0) and ``--tis-clip-low`` (default 0), read only by their
   built-in TIS (slime ``loss.py:897``, Miles ``loss_hub/corrections.py:24``), never when
-  ``--custom-tis-function-path`` names another function.
+  ``--custom-tis-function-path`` names another function;
+- with ``--advantage-estimator gspo`` both build ONE PPO ratio per sequence, exp of the mean
+  log(pi_theta / pi_old) over its loss-mask tokens from CP-gathered log-probs, expanded to every
+  local token (slime ``loss.py:992-1027`` and ``slime/utils/ppo_utils.py:95-121``, Miles
+  ``loss_hub/losses.py:141-179`` and ``loss_hub/math_utils.py:224-250``), then call the TIS
+  function exactly as otherwise: this rank's CP pieces, and the returned ``pg_loss`` reduced per
+  sample (slime ``loss.py:1064-1105``, Miles ``loss_hub/losses.py:248-299``).
 """
 
 from __future__ import annotations
@@ -32,9 +38,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["HOSTS", "HOST_FACTS", "HostNote", "host_report", "parse_host_flags"]
+__all__ = [
+    "HOSTS", "HOST_FACTS", "HostNote", "SEQUENCE_LEVEL_PRESETS", "SEQUENCE_RATIO_ESTIMATORS", "host_report",
+    "parse_host_flags",
+]
 
 HOSTS = ("slime", "miles")
+#: ``--advantage-estimator`` values whose PPO ratio is one per sequence (GSPO), on both hosts.
+SEQUENCE_RATIO_ESTIMATORS = ("gspo",)
+#: Shipped presets whose IS weights and rejection are all per sequence (configs/presets/), named
+#: by the drop-in's warning and by ``validate --host`` for a sequence-level ratio.
+SEQUENCE_LEVEL_PRESETS = ("geometric_rs", "sequence_tis", "sequence_mis")
 NoteKind = Literal["inert", "overrides_flag", "ignored_bound", "host_meaning", "needs_hook", "error"]
 
 #: ``fact -> {host: "path:line"}``, the host code each note rests on.
@@ -78,6 +92,15 @@ HOST_FACTS: dict[str, dict[str, str]] = {
     "skip_forward_refuses_hooks": {
         "miles": "miles/utils/arguments.py:3532-3560",
     },
+    "sequence_level_ratio": {
+        "slime": "slime/backends/megatron_utils/loss.py:992-1027, slime/utils/ppo_utils.py:95-121",
+        "miles": "miles/backends/training_utils/loss_hub/losses.py:141-179, "
+                 "miles/backends/training_utils/loss_hub/math_utils.py:224-250",
+    },
+    "advantage_estimator_flag": {
+        "slime": "slime/utils/arguments.py:940-951",
+        "miles": "miles/utils/arguments.py:1421-1431",
+    },
     "icepop_keeps_mask": {
         "slime": "slime/backends/megatron_utils/loss.py:921-933",
         "miles": "miles/backends/training_utils/loss_hub/corrections.py:52-62",
@@ -96,6 +119,7 @@ _HOST_ARGS: dict[str, tuple[str, Any]] = {
     "custom_tis_function_path": ("--custom-tis-function-path", None),
     "rollout_data_postprocess_path": ("--rollout-data-postprocess-path", None),
     "custom_megatron_before_train_step_hook_path": ("--custom-megatron-before-train-step-hook-path", None),
+    "advantage_estimator": ("--advantage-estimator", "grpo"),
 }
 _MILES_ONLY_ARGS = {"skip_actor_forward_only": ("--skip-actor-forward-only", False)}
 
@@ -196,6 +220,44 @@ def parse_host_flags(argv: list[str] | str, host: str) -> dict[str, Any]:
             value = number
         out[key] = value
     return out
+
+
+def _sequence_ratio_notes(data: Mapping[str, Any], host: str, estimator: str, *, weights: bool) -> list[HostNote]:
+    """docs/hosts.md ``sequence_level_ratio``: token-level settings under a per-sequence PPO ratio.
+    ``weights``: IS weights act (``use_tis``, not bypass)."""
+    weights = weights and data.get("apply_is_weights", True) not in (False, "false", "False")
+    tis_level = data.get("tis_level", "token")
+    rs_level = data.get("rs_level", "token")
+    presets = ", ".join(SEQUENCE_LEVEL_PRESETS)
+    source = _src("sequence_level_ratio", host) + "; docs/hosts.md sequence_level_ratio"
+    head = (f"--advantage-estimator {estimator} makes {_POSS[host]} PPO ratio one per sequence (exp of the mean "
+            "log(pi_theta / pi_old) over its tokens)")
+    notes = []
+    if weights and tis_level == "token":
+        notes.append(HostNote(
+            "host_meaning", "tis_level",
+            f"{head}; token-level IS weights (tis_level: token{'' if 'tis_level' in data else ', the default'}) "
+            "multiply a loss that is the same on every token of a sequence, so the sequence is scaled by the mean "
+            "of its token weights, not by an importance weight of the sequence. Applied as written, with a warning "
+            "at the first call; for one weight per sequence use tis_level: geometric (GSPO's length normalisation) "
+            f"or sequence (presets: {presets})",
+            source,
+        ))
+    rejects = []
+    if _truthy(data.get("use_rs")) and rs_level == "token":
+        rejects.append("rs_level")
+    if weights and tis_level == "token" and data.get("tis_mode") == "mask":
+        rejects.append("tis_mode")
+    for key in rejects:
+        notes.append(HostNote(
+            "host_meaning", key,
+            f"{head}; a token rejected by {key}: {data.get(key, 'token')} leaves the loss mask, but its log-prob "
+            "still enters the sequence ratio of the tokens kept, so its gradient is scaled down, not removed. "
+            f"Applied as written, with a warning at the first call; rs_level: geometric or sequence rejects whole "
+            f"sequences (presets: {presets})",
+            source,
+        ))
+    return notes
 
 
 def host_report(data: Mapping[str, Any], host: str, *, flags: Mapping[str, Any] | None = None) -> list[HostNote]:
@@ -360,6 +422,12 @@ def host_report(data: Mapping[str, Any], host: str, *, flags: Mapping[str, Any] 
                 "--get-mismatch-metrics",
                 _src("bypass_train_log_probs", host) + "; docs/hosts.md modes.bypass",
             ))
+
+    # ---- a sequence-level PPO ratio (GSPO) with token-level IS weights or rejection
+    estimator = effective.get("advantage_estimator")
+    if estimator in SEQUENCE_RATIO_ESTIMATORS and (use_tis or (metrics and _truthy(data.get("rs_without_tis")))):
+        for note in _sequence_ratio_notes(data, host, estimator, weights=use_tis and not bypass):
+            add(note)
 
     # ---- keys whose host meaning differs from megatron-mis' engine
     if _truthy(data.get("tis_batch_normalize")) and "tis_batch_normalize_over" not in data:

@@ -50,6 +50,7 @@ class DropInState:
     Attributes:
         config: ``(snapshot of the MIS keys on args, validated MISConfig)``.
         pending_nonfinite: the previous call's :class:`~megatron_mis.core.engine.DeferredCount`.
+        nonfinite_backlog: earlier calls' counts whose CUDA event had not completed when polled.
         global_mean: the current rollout's :class:`GlobalMean`.
         warned: keys of the warn-once messages already given.
         lr: the length-decay / monitor hooks' ``HostState`` (see scheduler_hooks).
@@ -57,6 +58,7 @@ class DropInState:
 
     config: tuple | None = None
     pending_nonfinite: Any = None
+    nonfinite_backlog: list = field(default_factory=list)
     global_mean: GlobalMean | None = None
     warned: set[str] = field(default_factory=set)
     lr: Any = None

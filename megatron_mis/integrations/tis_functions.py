@@ -29,7 +29,12 @@ What the host's flags do to the call (docs/hosts.md):
   sampling and the vetoes act on the ratio of the ``train_log_probs`` the host passes;
 - ``use_tis`` false (only ``--get-mismatch-metrics``): metrics only, unless ``rs_without_tis``;
 - ``apply_is_weights: false``: as bypass, for rejection without IS weights;
-- ``rs_veto_threshold`` acts only with ``use_rs`` (as in the hosts) unless ``rs_veto_without_rs``.
+- ``rs_veto_threshold`` acts only with ``use_rs`` (as in the hosts) unless ``rs_veto_without_rs``;
+- ``--advantage-estimator gspo`` (a sequence-level PPO ratio): sequence- and geometric-level
+  weights and rejection act as written (one value per sequence on all its tokens, exact under
+  CP); token-level IS weights or token-level rejection are applied as written too, with a
+  warning (once per ``args``) that says what they amount to there and names the sequence-level
+  presets (docs/hosts.md, "GSPO").
 
 ``tis_batch_normalize_scope: global`` needs the mean over the step's whole batch, computed once
 per step by :func:`prepare_global_normalizer` (slime: ``--rollout-data-postprocess-path
@@ -49,6 +54,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core.engine import DeferredCount, nonfinite_message
+from megatron_mis.integrations.host_report import SEQUENCE_LEVEL_PRESETS, SEQUENCE_RATIO_ESTIMATORS
 from megatron_mis.integrations.state import GlobalMean, state_of
 from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp, cp_normalization_statistics, lengths_1d
 from megatron_mis.parallel.global_norm import compute_global_normalizer, normalization_config, usable_mean
@@ -120,14 +126,17 @@ def _check_pg_loss(pg_loss: Any) -> torch.Tensor:
 
 
 def _warn_deferred_nonfinite(args: Any, res: Any, cfg: MISConfig) -> None:
-    """Warn about non-finite log-probs without a host synchronisation: the count of the
-    PREVIOUS call is read once its device copy has landed (at once on the CPU)."""
+    """Warn about non-finite log-probs without a host synchronisation: the counts of EARLIER
+    calls are read once their device copies have landed (at once on the CPU); a count whose
+    CUDA event is still pending waits for a later call (the host may run several micro-batches
+    ahead of the device), it is never read early nor dropped."""
     state = state_of(args)
-    pending = state.pending_nonfinite
-    if pending is not None:
-        count = pending.poll()
-        if count:
-            warnings.warn(nonfinite_message(count, cfg), RuntimeWarning, stacklevel=4)
+    waiting = state.nonfinite_backlog + ([state.pending_nonfinite] if state.pending_nonfinite is not None else [])
+    polled = [(d, d.poll()) for d in waiting]
+    state.nonfinite_backlog = [d for d, v in polled if v is None]
+    count = sum(v for _, v in polled if v)
+    if count:
+        warnings.warn(nonfinite_message(count, cfg), RuntimeWarning, stacklevel=4)
     state.pending_nonfinite = DeferredCount(res.num_nonfinite)
 
 
@@ -217,6 +226,47 @@ def _host_veto(args: Any, cfg: MISConfig) -> MISConfig:
     return _quiet_replace(cfg, rs_veto_threshold=None)
 
 
+def _warn_token_level_under_sequence_ratio(args: Any, run_cfg: MISConfig) -> None:
+    """``args.advantage_estimator`` is GSPO: the host's PPO ratio is one per sequence,
+    exp(mean log pi_theta / pi_old) over its loss-mask tokens, on every one of its tokens (slime
+    loss.py:992-1027 with ppo_utils.py:95-121, Miles loss_hub/losses.py:141-179). A token-level
+    IS weight or a token-level rejection then mixes granularities: applied as written (what the
+    hosts' built-in TIS does under GSPO), with a warning naming the sequence-level settings."""
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator not in SEQUENCE_RATIO_ESTIMATORS:
+        return
+    token_is = run_cfg.use_tis and run_cfg.tis_level == "token"
+    token_rejection = [n for n, on in (
+        ("rs_level='token'", run_cfg.use_rs and run_cfg.rs_level == "token"),
+        ("tis_mode='mask' at tis_level='token'", token_is and run_cfg.tis_mode == "mask"),
+    ) if on]
+    if not (token_is or token_rejection):
+        return
+    what = ", ".join((["tis_level='token' (IS weights)"] if token_is else []) + token_rejection)
+    parts = []
+    if token_is:
+        parts.append(
+            "a token IS weight multiplies a loss that is the same on every token of the sequence, so the host's "
+            "per-sample mean scales the sequence by the mean of its token weights, which is not an importance "
+            "weight of the sequence"
+        )
+    if token_rejection:
+        parts.append(
+            "a token rejected alone leaves the loss mask, but its log-prob still enters the sequence ratio of the "
+            "tokens kept, so its gradient is scaled down, not removed"
+        )
+    _warn_once(
+        args, "token_level_under_sequence_ratio",
+        f"megatron-mis: args.advantage_estimator={estimator!r} makes the host's PPO ratio one per sequence "
+        f"(exp of the mean log(pi_theta / pi_old) over its tokens), but {what} act(s) per token: "
+        + "; ".join(parts) + ". The configuration is applied as written (as the host's built-in TIS is). For one "
+        "weight per sequence (exact under context parallelism) set tis_level: geometric (GSPO's own length "
+        "normalisation) or sequence, and rs_level: geometric or sequence; sequence-level presets: "
+        f"{', '.join(SEQUENCE_LEVEL_PRESETS)} (docs/hosts.md, GSPO)",
+        stacklevel=5,
+    )
+
+
 def _check_train_present(args: Any, cfg: MISConfig, run_cfg: MISConfig, inputs: CPInputs) -> None:
     """``train_log_probs is None`` (Miles with --use-rollout-logprobs and no pi_old recompute):
     refuse what needs the train policy's ratio, warn where only metrics lose it."""
@@ -281,6 +331,7 @@ def _apply(
     else:
         run_cfg = cfg
     run_cfg = _host_veto(args, run_cfg)
+    _warn_token_level_under_sequence_ratio(args, run_cfg)
     _check_train_present(args, cfg, run_cfg, inputs)
     normalizer = None
     if run_cfg.normalizes:

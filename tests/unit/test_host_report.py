@@ -146,6 +146,62 @@ def test_hooks_and_patches():
     assert "slime-624b824a-length-decay.patch" in one(host_report({"monitor_enabled": True}, "slime"), "needs_hook", "monitor_enabled").message
 
 
+@pytest.mark.parametrize("host", HOSTS)
+def test_token_level_settings_under_gspo(host):
+    """Issue 32 item 3: --advantage-estimator gspo makes the PPO ratio one per sequence (slime
+    loss.py:992-1027 + ppo_utils.py:95-121, Miles losses.py:141-179 + math_utils.py:224-250).
+    Token-level IS weights and token-level rejection are applied as written (with a warning at
+    the first call, tests/host/test_gspo_pattern.py) and reported here, naming the sequence-level
+    presets; sequence / geometric levels and GRPO get no note."""
+    gspo = parse_host_flags(f"--use-tis --advantage-estimator gspo {CUSTOM}", host)
+    assert gspo["advantage_estimator"] == "gspo"
+    notes = host_report({"use_tis": True, "tis_upper_bound": 2.0}, host, flags=gspo)  # token_tis: tis_level by default
+    assert not [n for n in notes if n.is_error]
+    level = one(notes, "host_meaning", "tis_level")
+    assert "one per sequence" in level.message and "tis_level: token, the default" in level.message
+    assert "mean of its token weights" in level.message and "tis_level: geometric" in level.message
+    assert "geometric_rs, sequence_tis, sequence_mis" in level.message
+    assert HOST_FACTS["sequence_level_ratio"][host] in level.source and "docs/hosts.md sequence_level_ratio" in level.source
+    rejection = {"use_tis": True, "tis_level": "geometric", "use_rs": True, "rs_lower_bound": 0.5, "rs_upper_bound": 2.0,
+                 "tis_mode": "mask"}
+    notes = host_report(rejection, host, flags=gspo)
+    assert "still enters the sequence ratio" in one(notes, "host_meaning", "rs_level").message  # rs_level token by default
+    assert not notes_by(notes, "host_meaning", "tis_level")
+    assert [n.message for n in notes_by(notes, "host_meaning", "tis_mode") if "one per sequence" in n.message] == []
+    token_mask = host_report({"use_tis": True, "tis_mode": "mask", "tis_lower_bound": 0.5, "tis_upper_bound": 5.0}, host, flags=gspo)
+    assert [n for n in notes_by(token_mask, "host_meaning", "tis_mode") if "still enters the sequence ratio" in n.message]
+    # sequence-level presets: no note; the same YAML under GRPO (the default): no note
+    for data in ({"use_tis": True, "tis_level": "geometric", "use_rs": True, "rs_level": "geometric"},
+                 {"use_tis": True, "apply_is_weights": False, "use_rs": True, "rs_level": "geometric"}):
+        assert not [n for n in host_report(data, host, flags=gspo) if "one per sequence" in n.message]
+    grpo = parse_host_flags(f"--use-tis --advantage-estimator grpo {CUSTOM}", host)
+    assert not [n for n in host_report({"use_tis": True}, host, flags=grpo) if "one per sequence" in n.message]
+    assert not [n for n in host_report({"use_tis": True}, host) if "one per sequence" in n.message]
+    # bypass: IS weights are 1, only token rejection is left to report
+    bypass = parse_host_flags(f"--use-rollout-logprobs --get-mismatch-metrics --advantage-estimator gspo {CUSTOM}", host)
+    notes = host_report({"use_tis": True, "use_rs": True}, host, flags=bypass)
+    assert not notes_by(notes, "host_meaning", "tis_level") and one(notes, "host_meaning", "rs_level")
+    # the estimator set in the YAML counts too (it overrides the flag)
+    assert one(host_report({"use_tis": True, "advantage_estimator": "gspo"}, host), "host_meaning", "tis_level")
+
+
+def test_validate_cli_reports_gspo_with_token_weights(capsys):
+    """``megatron-mis validate --host slime --host-flags="--advantage-estimator gspo ..."`` on the
+    shipped token_tis preset: a note (exit 0), naming the presets to use."""
+    from megatron_mis.cli import main
+    from megatron_mis.integrations.host_report import SEQUENCE_LEVEL_PRESETS
+    from megatron_mis.presets import preset_names, preset_path
+
+    assert set(SEQUENCE_LEVEL_PRESETS) <= set(preset_names())
+    flags = f"--use-tis --advantage-estimator gspo {CUSTOM}"
+    assert main(["validate", "--host", "slime", "--host-flags", flags, str(preset_path("token_tis"))]) == 0
+    out = capsys.readouterr().out
+    assert "host_meaning: tis_level: --advantage-estimator gspo makes slime's PPO ratio one per sequence" in out
+    assert "slime/backends/megatron_utils/loss.py:992-1027" in out
+    assert main(["validate", "--host", "slime", "--host-flags", flags, str(preset_path("sequence_tis"))]) == 0
+    assert "one per sequence" not in capsys.readouterr().out
+
+
 def test_miles_skip_actor_forward_refuses_the_hooks():
     flags = f"--use-tis {CUSTOM} --skip-actor-forward-only --custom-megatron-before-train-step-hook-path x.y"
     error = one(host_report({}, "miles", flags=parse_host_flags(flags, "miles")), "error", "skip_actor_forward_only")
@@ -164,8 +220,10 @@ def test_errors_come_first_and_every_note_names_its_source():
 
 
 def test_parse_host_flags():
-    flags = parse_host_flags("--use-tis --lr 1e-6 --tis-clip=1.5 --tis-clip-low 0.5 --custom-tis-function-path a.b", "slime")
-    assert flags == {"use_tis": True, "tis_clip": 1.5, "tis_clip_low": 0.5, "custom_tis_function_path": "a.b"}
+    flags = parse_host_flags("--use-tis --lr 1e-6 --tis-clip=1.5 --tis-clip-low 0.5 --custom-tis-function-path a.b "
+                             "--advantage-estimator=gspo", "slime")
+    assert flags == {"use_tis": True, "tis_clip": 1.5, "tis_clip_low": 0.5, "custom_tis_function_path": "a.b",
+                     "advantage_estimator": "gspo"}
     assert parse_host_flags(["--skip-actor-forward-only"], "miles") == {"skip_actor_forward_only": True}
     assert parse_host_flags(["--skip-actor-forward-only"], "slime") == {}
     with pytest.raises(ValueError, match="host flag --tis-clip needs a value"):
@@ -213,3 +271,7 @@ def test_tables_agree_with_docs_hosts_md():
     assert summary["host_meanings"]["tis_batch_normalize"]["variant_key"] == {"tis_batch_normalize_over": "kept"}
     assert summary["host_meanings"]["rs_veto_threshold"]["variant_key"] == {"rs_veto_without_rs": True}
     assert "icepop" in summary["host_meanings"]["tis_mode"]
+    ratio = summary["sequence_level_ratio"]
+    assert tuple(ratio["estimators"]) == hr.SEQUENCE_RATIO_ESTIMATORS
+    assert tuple(ratio["presets"]) == hr.SEQUENCE_LEVEL_PRESETS
+    assert ratio["token_level"] == "warned"
