@@ -511,3 +511,79 @@ def test_yaml_use_tis_over_the_use_rollout_logprobs_flag_is_bypass(tmp_path):
         loss, masks, _ = _call(args, [t], [r])
     assert loss.tolist() == [1.0, 0.0] and masks[0].tolist() == [1.0, 0.0]
     assert any("--use-rollout-logprobs is set" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------- checkpoint save with the CUDA branches run
+class _UnpicklableCudaEvent:
+    """Installed as ``torch.cuda.Event`` inside fake CUDA: what the CUDA branch of DeferredCount
+    (core/engine.py:215-219) creates; like a real CUDA event it refuses to be pickled."""
+
+    def __init__(self, *args, **kwargs):
+        self.lock = threading.Lock()
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_checkpoint_save_of_args_after_the_cuda_branches_created_state():
+    """The same checkpoint save (Megatron's ``state_dict['args'] = args``, torch.save) after a
+    slime job's calls made on ``cuda:0`` tensors, so the CUDA branches create the state: the
+    per-rollout hook's global mean (a device tensor), the deferred non-finite count (pinned host
+    copy + torch.cuda.Event, core/engine.py:215-219, then polled through the event on the next
+    call), bypass / veto warn-once keys and the LR hooks' state. Fake CUDA
+    (megatron_mis/testing/fake_cuda.py) stands in for the GPU; torch.cuda.Event refuses pickling.
+    The state is unpicklable, and args still pickles and saves unchanged."""
+    from megatron_mis.integrations import scheduler_hooks
+    from megatron_mis.testing.fake_cuda import fake_cuda, fake_cuda_unavailable_reason
+
+    reason = fake_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"fake CUDA unavailable: {reason}")
+    args = _args(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.5, rs_upper_bound=2.0,
+                 tis_upper_bound=2.0, tis_batch_normalize=True, tis_batch_normalize_scope="global",
+                 rs_veto_threshold=1e-4, length_decay_enabled=True)
+    before = dict(vars(args))
+    t0, r0 = _lp(0.1, -0.2, 0.3)
+    t1 = torch.tensor([-1.0, -1.0])
+    r1 = torch.tensor([-1.0, float("nan")])
+    with fake_cuda() as probe:
+        torch.cuda.Event = _UnpicklableCudaEvent  # fake_cuda() restores the real one on exit
+        cu = probe.cuda
+        data = {"log_probs": cu([t0, t1]), "rollout_log_probs": cu([r0, r1]),
+                "loss_masks": cu([torch.ones(3), torch.ones(2)]), "total_lengths": [6, 5], "response_lengths": [3, 2]}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scheduler_hooks.host_state(args)
+            tis_functions.prepare_global_normalizer(args, 0, data)
+            args.use_rollout_logprobs = True  # one bypass call: its warn-once is remembered
+            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
+                                              rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
+                                              total_lengths=[6], response_lengths=[3])
+            args.use_rollout_logprobs = False
+            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(2)), train_log_probs=cu([t1]),
+                                              rollout_log_probs=cu([r1]), loss_masks=cu([torch.ones(2)]),
+                                              total_lengths=[5], response_lengths=[2])
+            state = REGISTRY.peek(args)
+            first_event = state.pending_nonfinite._event
+            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
+                                              rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
+                                              total_lengths=[6], response_lengths=[3])
+    assert isinstance(first_event, _UnpicklableCudaEvent)  # made by the CUDA branch, not injected
+    assert isinstance(state.pending_nonfinite._event, _UnpicklableCudaEvent)
+    assert any("1 loss-mask token(s) had NaN or inf" in str(w.message) for w in caught)  # polled via the event
+    assert state.global_mean is not None and state.global_mean.mean.device.type == "cuda"
+    assert state.lr is not None and state.warned
+    with pytest.raises(TypeError):
+        pickle.dumps(state.pending_nonfinite)  # on args, this would break every checkpoint
+    assert vars(args) == before
+    assert vars(pickle.loads(pickle.dumps(args))) == before
+    buf = io.BytesIO()
+    torch.save({"args": args}, buf)
+    buf.seek(0)
+    assert vars(torch.load(buf, weights_only=False)["args"]) == before
