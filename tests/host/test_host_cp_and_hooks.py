@@ -59,8 +59,8 @@ def host_response_index(total: int, resp: int, cp_size: int, cp_rank: int, chunk
 
 
 def host_reduce(x: torch.Tensor, pieces: list[list[int]], masks: list[torch.Tensor], denoms: list[float]) -> float:
-    """The hosts' ``sum_of_sample_mean`` at CP > 1 (slime cp_utils.py:90-110, Miles
-    cp_utils.py:134-156): per sample, the local chunk of the FULL mask times the local values,
+    """The hosts' ``sum_of_sample_mean`` at CP > 1 (slime cp_utils.py:91-112, Miles
+    cp_utils.py:136-156): per sample, the local chunk of the FULL mask times the local values,
     divided by that sample's denominator; this rank's share of the sum."""
     total, offset = 0.0, 0
     for idx, m, d in zip(pieces, masks, denoms):
@@ -74,7 +74,7 @@ def host_reduce(x: torch.Tensor, pieces: list[list[int]], masks: list[torch.Tens
 
 @dataclass
 class GroupInfo:
-    """Miles' GroupInfo (miles/utils/ft_utils/process_group_utils.py:21-27): rank, size, group."""
+    """Miles' GroupInfo (miles/utils/ft_utils/process_group_utils.py:20-27): rank, size, group."""
 
     rank: int
     size: int
@@ -170,7 +170,7 @@ def _host_call(host: str, args: Namespace, cp_size: int, cp_rank: int, parallel_
         warnings.simplefilter("ignore")
         loss, new_masks, metrics = _load_function(DROP_IN.format(host=host))(**kwargs)
     orig = [float(m.sum()) for m in masks]  # rollout_mask_sums: slime loss.py:1090
-    mod = [float(m.sum()) for m in new_masks]  # Miles without rollout_mask_sums: losses.py:272 -> cp_utils.py:110-111
+    mod = [float(m.sum()) for m in new_masks]  # Miles without rollout_mask_sums: losses.py:272 -> cp_utils.py:111-112
     return dict(
         rank=cp_rank, pieces=pieces, loss=loss.detach(), masks=[m.clone() for m in new_masks],
         metrics={k: v.detach() for k, v in metrics.items()},
@@ -182,14 +182,15 @@ def _host_call(host: str, args: Namespace, cp_size: int, cp_rank: int, parallel_
     )
 
 
-def slime_cp2_call(cfg_name: str):
+def slime_cp2_call(cfg_name: str, allgather_cp: bool):
     """slime: no parallel_state argument; the drop-in reads Megatron's CP group (thd, zigzag)."""
     from megatron.core import parallel_state as mpu
 
     from megatron_mis.testing.distributed import megatron_parallel
 
     with megatron_parallel(cp=2):
-        return _host_call("slime", _host_args(**CONFIGS[cfg_name]), 2, mpu.get_context_parallel_rank(), None, "thd")
+        args = _host_args(allgather_cp=allgather_cp, **CONFIGS[cfg_name])
+        return _host_call("slime", args, 2, mpu.get_context_parallel_rank(), None, "thd")
 
 
 def miles_cp2_call(cfg_name: str, layout: str, allgather_cp: bool):
@@ -237,15 +238,18 @@ def _assert_cp_equals_cp1(results: list[dict], ref: dict, cfg_name: str):
 
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
-def test_slime_thd_cp2_call_equals_cp1(pool2, cfg_name):
+@pytest.mark.parametrize("allgather_cp", [False, True], ids=["thd", "allgather"])
+def test_slime_thd_cp2_call_equals_cp1(pool2, cfg_name, allgather_cp):
     """slime, CP = 2, thd (zigzag, packed): ``train_log_probs`` / ``rollout_log_probs`` are this
-    rank's pieces (rollout ones sliced by slime_log_prob_with_cp at actor.py:284-298, train ones
+    rank's pieces (rollout ones sliced by slice_log_prob_with_cp at actor.py:284-299, train ones
     cut by get_responses at loss.py:168-188), ``loss_masks`` full length, no parallel_state
     (loss.py:1064-1078): loss weights, masks and every metric equal the CP = 1 call, and so do the
     loss and metrics after slime's reducers (rollout_mask_sums denominators, loss.py:1086-1092;
-    metrics over the original masks, loss.py:1156-1163)."""
+    metrics over the original masks, loss.py:1156-1163). With --allgather-cp slime redistributes
+    the contiguous split into the same zigzag pieces before the loss (loss.py:596-602 ->
+    _allgather_cp_redistribute, loss.py:194-271)."""
     ref = _reference("slime", cfg_name, "thd")
-    _assert_cp_equals_cp1(pool2.run(slime_cp2_call, cfg_name), ref, cfg_name)
+    _assert_cp_equals_cp1(pool2.run(slime_cp2_call, cfg_name, allgather_cp), ref, cfg_name)
 
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
@@ -259,7 +263,7 @@ def test_miles_cp2_call_equals_cp1(pool2, cfg_name, layout, allgather_cp):
     of ``args.qkv_format`` before the loss (logit_processors.py:200-207 ->
     cp_utils.py:330-408), so the function sees the same pieces with ``args.allgather_cp`` true.
     Equal to the CP = 1 call, also after Miles' reducer without ``rollout_mask_sums``
-    (denominators from the returned full masks, losses.py:272 -> cp_utils.py:110-111)."""
+    (denominators from the returned full masks, losses.py:272 -> cp_utils.py:111-112)."""
     ref = _reference("miles", cfg_name, layout)
     results = pool2.run(miles_cp2_call, cfg_name, layout, allgather_cp)
     _assert_cp_equals_cp1(results, ref, cfg_name)
@@ -267,8 +271,8 @@ def test_miles_cp2_call_equals_cp1(pool2, cfg_name, layout, allgather_cp):
 
 # ------------------------------------------------------------- the hooks' call order (DP = 2)
 def _scheduler():
-    """Megatron-Core's OptimizerParamScheduler as slime / Miles build it (slime model.py:181-235,
-    Miles model.py:68-): constant rate 1.0 here."""
+    """Megatron-Core's OptimizerParamScheduler as slime / Miles build it (slime model.py:181-234,
+    Miles model.py:68-113): constant rate 1.0 here."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -297,7 +301,7 @@ def _rollout_data(dp_rank: int, rollout_id: int) -> dict:
 
 
 def _train(args, rollout_id, rollout_data, opt, sched, call, before_step=None):
-    """slime model.py:827-840 / Miles model.py:776-: for each optimizer step, the before-step hook
+    """slime model.py:827-839 / Miles model.py:776-792: for each optimizer step, the before-step hook
     (slime model.py:557-561, Miles model.py:457-461), the micro-batches' loss calls, then
     optimizer.step() and opt_param_scheduler.step (slime model.py:681-686, Miles model.py:624-628).
     Records, per micro-batch, the learning rate the step's update uses and the loss weights."""
