@@ -355,13 +355,16 @@ def slime_rollouts():
         return dict(dp=dp, events=events, lengths=lengths, stale=stale)
 
 
-def miles_rollouts():
-    """Miles with both patches: patches/miles-31f1ca96-length-decay.patch wraps the scheduler where
-    Miles builds it (model.py:68-113) and calls observe_rollout after the rollout-data hook
-    (actor.py:563-564 + 8 lines); then patches/miles-31f1ca96-global-mis-normalizer.patch calls
-    prepare_global_normalizer before train() (actor.py:575-581 after the first patch); the
-    drop-in gets Miles' parallel_state (losses.py:257). No before-train-step hook: the wrapper is
-    the host's scheduler and model.py:628 steps it."""
+def miles_rollouts(with_hook: bool = False):
+    """Miles with both patches, applied in their documented order (length-decay, then
+    global-mis-normalizer; line numbers of the patched files): the first wraps the scheduler
+    where Miles builds it (model.py:113-118) and calls observe_rollout right after the rollout-data
+    hook (actor.py:563-564, then 566-572); the second calls prepare_global_normalizer after
+    log_rollout_data, before train() (actor.py:576-581, train at 587); the drop-in gets Miles'
+    parallel_state (loss_hub/losses.py:257). No before-train-step hook: the wrapper is the host's
+    scheduler and model.py:635 (628 unpatched) steps it after optimizer.step(). ``with_hook``: the
+    user also sets --custom-megatron-before-train-step-hook-path to megatron_mis' before_train_step
+    (called with the wrapper, model.py:457-461): it must change nothing."""
     import functools
 
     import torch.distributed as dist
@@ -384,7 +387,8 @@ def miles_rollouts():
             miles.observe_rollout(args, rollout_id, data, group=ps.effective_dp.group)  # length-decay patch
             lengths.append(state_of(args).lr.last_response_length)
             miles.prepare_global_normalizer(args, rollout_id, data, parallel_state=ps)  # normaliser patch
-            events += _train(args, rollout_id, data, opt, sched, fn)
+            events += _train(args, rollout_id, data, opt, sched, fn,
+                             before_step=miles.before_train_step if with_hook else None)
         try:
             _train(args, NUM_ROLLOUTS, _rollout_data(dp, NUM_ROLLOUTS), opt, sched, fn)
             stale = None
@@ -393,7 +397,7 @@ def miles_rollouts():
     return dict(dp=dp, events=events, lengths=lengths, stale=stale)
 
 
-@pytest.mark.parametrize("host", ["slime", "miles"])
+@pytest.mark.parametrize("host", ["slime", "miles", "miles+before-step-hook"])
 def test_hooks_in_host_order_across_rollouts_of_several_steps(pool2, host):
     """A rollout of 2 optimizer steps x 2 micro-batches on 2 DP ranks, 4 rollouts, the hooks in
     the host's order (see slime_rollouts / miles_rollouts for the file:line of each call).
@@ -405,7 +409,7 @@ def test_hooks_in_host_order_across_rollouts_of_several_steps(pool2, host):
     (r + 1) / r). The global mean response length is 12 / 8 = 1.5. Length decay from the start
     with period 2: the learning rate of rollout r (step r + 1) is 1, 0.5, 0.5, 0.25, at every
     micro-batch of both optimizer steps. A 5th rollout trained without its hook is refused."""
-    results = pool2.run(slime_rollouts if host == "slime" else miles_rollouts)
+    results = pool2.run(slime_rollouts) if host == "slime" else pool2.run(miles_rollouts, host != "miles")
     lrs = [1.0, 0.5, 0.5, 0.25]
     for res in results:
         dp = res["dp"]
