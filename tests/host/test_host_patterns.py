@@ -1,7 +1,7 @@
 """Host conformance: the drop-in called as slime 624b824a and Miles 31f1ca96 call it, in the flag
 combinations their users run. Each test names the host file:line it models (read at those
-commits; full hashes in docs/hosts.md). Single process, CP = 1: the CP layouts are covered by
-tests/distributed/test_cp_mis.py.
+commits; full hashes in docs/hosts.md). Single process, CP = 1: the hosts' CP layouts and the
+hooks' order across rollouts are in test_host_cp_and_hooks.py (2 gloo ranks).
 
 The hosts call ``fn(args=..., pg_loss=..., train_log_probs=..., rollout_log_probs=...,
 loss_masks=..., total_lengths=..., response_lengths=...)`` once per micro-batch, after setting
@@ -18,12 +18,13 @@ import pickle
 import threading
 import warnings
 from argparse import Namespace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_mis.config.base import ConfigError
-from megatron_mis.integrations import slime, tis_functions
+from megatron_mis.integrations import miles, slime, tis_functions
 from megatron_mis.integrations.state import REGISTRY
 
 
@@ -280,3 +281,309 @@ def test_the_geometric_rs_preset_acts_on_the_hosts_and_in_the_engine():
     assert loss.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert [m.tolist() for m in masks] == [[1.0, 1.0], [0.0, 0.0]]
     assert direct.weights.tolist() == [1.0, 1.0, 0.0, 0.0] and direct.keep_mask.tolist() == [True, True, False, False]
+
+
+# ----------------------------------------------------------------- metrics only (a)
+def _host_metric(values: torch.Tensor, masks: list[torch.Tensor]) -> float:
+    """slime's / Miles' ``sum_of_sample_mean`` at CP = 1 over the ORIGINAL masks (slime
+    cp_utils.py:71-80, Miles cp_utils.py:116-125): per sample the mean over its loss-mask tokens,
+    summed over samples."""
+    out, offset = 0.0, 0
+    for m in masks:
+        n = m.numel()
+        out += float((values[offset:offset + n].double() * m.double()).sum()) / max(float(m.sum()), 1.0)
+        offset += n
+    return out
+
+
+def _k3(x: float) -> float:
+    return math.exp(x) - 1.0 - x
+
+
+@pytest.mark.parametrize("host", ["slime", "miles"])
+def test_get_mismatch_metrics_without_use_tis_reports_and_leaves_the_loss(host):
+    """--get-mismatch-metrics without --use-tis. slime: the flag needs
+    --custom-tis-function-path (slime/utils/arguments.py:1857-1860) and makes slime recompute
+    pi_old (slime/backends/megatron_utils/actor.py:461-488: can_reuse_log_probs_in_loss is false);
+    the loss calls the function (loss.py:1050), trains on the pg_loss it returns (loss.py:1078),
+    rebuilds its reducer from the returned masks (loss.py:1086-1092) and reports every metric
+    reduced over the ORIGINAL masks (loss.py:1059, 1156-1163). Miles, the same at
+    miles/backends/training_utils/loss_hub/losses.py:230-273 and 379-386, here with
+    --use-rollout-logprobs, where --get-mismatch-metrics is what recomputes pi_old
+    (miles/backends/megatron_utils/actor.py:523-540) so train_log_probs is not None
+    (losses.py:130-132).
+
+    Returned: the very pg_loss (its gradient intact) and the masks as given, whatever RS keys
+    the YAML holds (said in a warning, not silently); the metrics, after the host's reduction,
+    equal the hand-derived values: sample 0 log-ratios (0.1, -0.2, masked 0.3), sample 1
+    (0.0, 0.4); rollout log-probs -1."""
+    keys = dict(get_mismatch_metrics=True, use_tis=False, use_rs=True, rs_level="token", rs_lower_bound=0.9,
+                rs_upper_bound=1.1)  # RS would reject 0.1, -0.2 and 0.4 if it acted
+    if host == "miles":
+        keys["use_rollout_logprobs"] = True
+    args = _args(**keys)
+    t0, r0 = _lp(0.1, -0.2, 0.3)
+    t1, r1 = _lp(0.0, 0.4)
+    masks = [torch.tensor([1, 1, 0], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32)]
+    pg = torch.tensor([0.5, -1.0, 2.0, 3.0, -0.25], requires_grad=True)
+    assert args.get_mismatch_metrics or args.use_tis  # loss.py:1050 / losses.py:230: the host calls
+    fn = (miles if host == "miles" else slime).compute_mis_weights_with_cp
+    kwargs = {}
+    if host == "miles":  # Miles always passes its ParallelState (losses.py:257); CP = 1 here
+        one = SimpleNamespace(rank=0, size=1, group=None)
+        kwargs = dict(parallel_state=SimpleNamespace(cp=one, tp=one, intra_dp=one, is_pp_last_stage=True),
+                      max_seq_lens=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, new_masks, metrics = fn(
+            args=args, pg_loss=pg, train_log_probs=[t0, t1], rollout_log_probs=[r0, r1], loss_masks=masks,
+            total_lengths=[6, 5], response_lengths=[3, 2], **kwargs)
+    assert torch.equal(loss, pg) and loss.requires_grad
+    loss.sum().backward()
+    assert pg.grad.tolist() == [1.0] * 5
+    assert [m.tolist() for m in new_masks] == [[1, 1, 0], [1, 1]]
+    assert any("use_rs has no effect without use_tis" in str(w.message) for w in caught)
+    expected = {
+        "mis_k3_kl": (_k3(0.1) + _k3(-0.2)) / 2 + (_k3(0.0) + _k3(0.4)) / 2,
+        "mis_tv": (abs(math.exp(0.1) - 1) + abs(math.exp(-0.2) - 1)) / 4 + (0 + abs(math.exp(0.4) - 1)) / 4,
+        "mis_kl": (-0.1 + 0.2) / 2 + (0.0 - 0.4) / 2,
+        "mis_training_log_ppl": (0.9 + 1.2) / 2 + (1.0 + 0.6) / 2,  # -mean(train log-prob), per sample
+        "mis_rollout_log_ppl": 1.0 + 1.0,
+        "mis_log_ppl_abs_diff": 0.05 + 0.2,
+        "mis_rejected_token_fraction": 0.0,
+    }
+    for key, value in expected.items():
+        assert _host_metric(metrics[key], masks) == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert all(v.shape == (5,) and torch.isfinite(v).all() for v in metrics.values())  # aligned with pg_loss
+
+
+# ---------------------------------------------------------- log-prob reuse, micro-batch (b)
+def test_slime_log_prob_reuse_without_global_normalisation_weights_are_right():
+    """slime's can_reuse_log_probs_in_loss (slime/backends/megatron_utils/actor.py:461-471: one
+    optimizer step, kl_coef 0, no --get-mismatch-metrics, ...) skips the pi_old recompute
+    (actor.py:473-488), so the batch has no 'log_probs' and the loss passes the training forward's
+    own log-probs, detached, as train_log_probs (loss.py:985-989) — pi_old itself, since the
+    parameters have not moved. The rollout-data hook (actor.py:505-506) runs on that data and, at
+    micro-batch scope, does nothing; the micro-batch weights are min(r, 2) normalised by their mean
+    over the loss mask: r = e^0.5, e^1, e^-0.3 -> (1.6487, 2, 0.7408) / 1.4632; the gradient reaches
+    pg_loss times those weights."""
+    keys = dict(use_tis=True, tis_upper_bound=2.0, tis_batch_normalize=True, length_decay_enabled=False)
+    args = _args(**keys)
+    pi_theta, rollout = _lp(0.5, 1.0, -0.3)
+    data = {"rollout_log_probs": [rollout], "loss_masks": [torch.ones(3, dtype=torch.int32)], "total_lengths": [6],
+            "response_lengths": [3]}  # no 'log_probs'
+    pg = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        slime.rollout_data_postprocess(args, 0, data)
+        loss, masks, _ = slime.compute_mis_weights_with_cp(
+            args=args, pg_loss=pg, train_log_probs=[pi_theta.detach()], rollout_log_probs=data["rollout_log_probs"],
+            loss_masks=data["loss_masks"], total_lengths=data["total_lengths"], response_lengths=data["response_lengths"])
+    w = [math.exp(0.5), 2.0, math.exp(-0.3)]
+    mean = sum(w) / 3
+    loss.backward(torch.ones(3))
+    assert pg.grad.tolist() == pytest.approx([x / mean for x in w], rel=1e-6)
+    assert loss.tolist() == pytest.approx([p * x / mean for p, x in zip([1.0, -2.0, 0.5], w)], rel=1e-6)
+    assert masks[0].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["skip-forward", "skip-forward+use-rollout-logprobs"])
+def test_miles_skip_actor_forward_only_weights_are_right(bypass):
+    """Miles --skip-actor-forward-only (one optimizer step; no rollout-data or before-train-step
+    hook allowed: miles/utils/arguments.py:3526-3580) passes the training forward's log-probs,
+    detached, as train_log_probs, with or without --use-rollout-logprobs
+    (miles/backends/training_utils/loss_hub/losses.py:127-132, 249-261). Without bypass: token
+    TIS weights min(r, 2) per micro-batch, r = e^0.5, e^1, e^-0.3. With --use-rollout-logprobs
+    (the PPO ratio is already pi_theta / pi_rollout): weight 1, and token RS [0.5, 1.7] acts on the
+    ratio of those log-probs: e^1 is rejected, e^0.5 and e^-0.3 kept."""
+    keys = dict(use_tis=True, tis_upper_bound=2.0, skip_actor_forward_only=True, use_rs=True, rs_level="token",
+                rs_lower_bound=0.5, rs_upper_bound=1.7 if bypass else 5.0, use_rollout_logprobs=bypass)
+    pi_theta, rollout = _lp(0.5, 1.0, -0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, masks, _ = _call(_args(**keys), [pi_theta.detach()], [rollout])
+    if bypass:
+        assert loss.tolist() == [1.0, 0.0, 1.0] and masks[0].tolist() == [1.0, 0.0, 1.0]
+    else:
+        assert loss.tolist() == pytest.approx([math.exp(0.5), 2.0, math.exp(-0.3)], rel=1e-6)
+        assert masks[0].tolist() == [1.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------ YAML overriding CLI flags (d)
+def _launch(tmp_path, cli: dict, yaml_text: str, *, inline: bool = False) -> Namespace:
+    """``args`` after the host's argument parsing: the host's defaults, the command-line flags,
+    then every key of ``--custom-config-path`` set on ``args`` as-is, overriding a flag of the
+    same name (slime/utils/arguments.py:2013-2019; Miles miles/utils/arguments.py:3475-3480,
+    whose resolve_file_arg also takes an inline ``base64:`` payload, miles/utils/file_arg_utils.py:7-11)."""
+    import base64
+
+    import yaml
+
+    if inline:
+        path = "base64:" + base64.b64encode(yaml_text.encode()).decode()
+    else:
+        path = str(tmp_path / "mis.yaml")
+        (tmp_path / "mis.yaml").write_text(yaml_text)
+    args = _args(use_tis=False, get_mismatch_metrics=False, tis_clip=2.0, tis_clip_low=0.0,
+                 custom_tis_function_path="megatron_mis.compute_mis_weights_with_cp")
+    for k, v in cli.items():
+        setattr(args, k, v)
+    args.custom_config_path = path
+    for k, v in (yaml.safe_load(yaml_text) or {}).items():
+        setattr(args, k, v)
+    return args
+
+
+def test_yaml_use_tis_false_overrides_the_use_tis_flag(tmp_path):
+    """--use-tis on the command line, ``use_tis: false`` in the YAML: the YAML wins (slime
+    arguments.py:2013-2019), so slime calls the function only with --get-mismatch-metrics
+    (loss.py:1050) and the drop-in then reports metrics only; the YAML's RS keys are said to do
+    nothing, in a warning, not silently ignored."""
+    text = "use_tis: false\nuse_rs: true\nrs_level: token\nrs_lower_bound: 0.5\nrs_upper_bound: 1.5\n"
+    args = _launch(tmp_path, dict(use_tis=True), text)
+    assert args.use_tis is False and not (args.get_mismatch_metrics or args.use_tis)  # never called
+    args = _launch(tmp_path, dict(use_tis=True, get_mismatch_metrics=True), text)
+    t, r = _lp(1.0, 0.0)  # RS would reject ratio e
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, masks, _ = _call(args, [t], [r], pg=torch.tensor([2.0, 3.0]))
+    assert loss.tolist() == [2.0, 3.0] and masks[0].tolist() == [1.0, 1.0]
+    assert any("use_rs has no effect without use_tis" in str(w.message) and "rs_without_tis" in str(w.message)
+               for w in caught)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["file", "miles-base64"])
+def test_yaml_bound_flags_override_the_command_line(tmp_path, inline):
+    """``--tis-clip 3.0`` on the command line, ``tis_clip: 1.5`` and ``tis_clip_low: 0.5`` in the
+    YAML: args holds the YAML's values (slime arguments.py:2013-2019, Miles
+    arguments.py:3475-3480) and the drop-in bounds with them (the hosts' clamp): ratios e, e^-2,
+    1 -> 1.5, 0.5, 1."""
+    args = _launch(tmp_path, dict(use_tis=True, tis_clip=3.0), "tis_clip: 1.5\ntis_clip_low: 0.5\n", inline=inline)
+    t, r = _lp(1.0, -2.0, 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, _, _ = _call(args, [t], [r])
+    assert loss.tolist() == pytest.approx([1.5, 0.5, 1.0])
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["file", "miles-base64"])
+def test_yaml_keys_that_would_be_silently_ignored_are_errors(tmp_path, inline):
+    """The hosts set every YAML key on args without checking it (slime arguments.py:2013-2019,
+    Miles arguments.py:3475-3480), so a misspelt MIS key would just sit there. The drop-in reads
+    the file again and refuses it on the first call, naming the key and the likely one; and a
+    command-line --tis-clip that disagrees with the YAML's tis_upper_bound is refused naming both
+    (neither is dropped)."""
+    args = _launch(tmp_path, dict(use_tis=True), "tis_upper_bund: 1.5\n", inline=inline)
+    t, r = _lp(1.0)
+    with pytest.raises(ConfigError, match=r"unknown MIS key 'tis_upper_bund' \(did you mean 'tis_upper_bound'\?\)"):
+        _call(args, [t], [r])
+    args = _launch(tmp_path, dict(use_tis=True, tis_clip=3.0), "tis_upper_bound: 1.5\n", inline=inline)
+    with pytest.raises(ConfigError, match=r"tis_clip=3.0 .*tis_upper_bound=1.5 disagree"):
+        _call(args, [t], [r])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "config/mis.py:303-306 (MISConfig.from_host_args) counts tis_clip / tis_clip_low as set only "
+    "when the value on args differs from the host default, ignoring that the YAML it has just "
+    "loaded (line 297) names the key; docs/hosts.md's contract: 'A flag counts as set when it "
+    "differs from its default (on args) or is present (in the YAML)'"))
+def test_yaml_tis_clip_at_its_default_beside_another_upper_bound_is_an_error(tmp_path):
+    """``tis_clip: 2.0`` and ``tis_upper_bound: 3.0`` in one YAML (set on args by slime
+    arguments.py:2013-2019): two upper bounds that disagree. docs/hosts.md counts a YAML key as
+    set when present, so this must be refused naming both; the drop-in silently used 3.0
+    (weight e for ratio e) because 2.0 equals the command-line default."""
+    args = _launch(tmp_path, dict(use_tis=True), "tis_clip: 2.0\ntis_upper_bound: 3.0\n")
+    t, r = _lp(1.0)
+    with pytest.raises(ConfigError, match=r"tis_clip=2.0 .*tis_upper_bound=3.0 disagree"):
+        _call(args, [t], [r])
+
+
+def test_yaml_use_tis_over_the_use_rollout_logprobs_flag_is_bypass(tmp_path):
+    """slime refuses --use-rollout-logprobs with --use-tis (arguments.py:1854-1855), but that
+    check runs before the YAML is applied (arguments.py:2013-2019), so ``use_tis: true`` in the
+    YAML reaches the loss together with --use-rollout-logprobs: the PPO ratio is already
+    pi_theta / pi_rollout, so the drop-in applies no IS weight (and says so); RS still acts."""
+    args = _launch(tmp_path, dict(use_rollout_logprobs=True),
+                   "use_tis: true\nuse_rs: true\nrs_level: token\nrs_lower_bound: 0.5\nrs_upper_bound: 1.5\n")
+    t, r = _lp(0.3, 1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, masks, _ = _call(args, [t], [r])
+    assert loss.tolist() == [1.0, 0.0] and masks[0].tolist() == [1.0, 0.0]
+    assert any("--use-rollout-logprobs is set" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------- checkpoint save with the CUDA branches run
+class _UnpicklableCudaEvent:
+    """Installed as ``torch.cuda.Event`` inside fake CUDA: what the CUDA branch of DeferredCount
+    (core/engine.py:215-219) creates; like a real CUDA event it refuses to be pickled."""
+
+    def __init__(self, *args, **kwargs):
+        self.lock = threading.Lock()
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_checkpoint_save_of_args_after_the_cuda_branches_created_state():
+    """The same checkpoint save (Megatron's ``state_dict['args'] = args``, torch.save) after a
+    slime job's calls made on ``cuda:0`` tensors, so the CUDA branches create the state: the
+    per-rollout hook's global mean (a device tensor), the deferred non-finite count (pinned host
+    copy + torch.cuda.Event, core/engine.py:215-219, then polled through the event on the next
+    call), bypass / veto warn-once keys and the LR hooks' state. Fake CUDA
+    (megatron_mis/testing/fake_cuda.py) stands in for the GPU; torch.cuda.Event refuses pickling.
+    The state is unpicklable, and args still pickles and saves unchanged."""
+    from megatron_mis.integrations import scheduler_hooks
+    from megatron_mis.testing.fake_cuda import fake_cuda, fake_cuda_unavailable_reason
+
+    reason = fake_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"fake CUDA unavailable: {reason}")
+    args = _args(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.5, rs_upper_bound=2.0,
+                 tis_upper_bound=2.0, tis_batch_normalize=True, tis_batch_normalize_scope="global",
+                 rs_veto_threshold=1e-4, length_decay_enabled=True)
+    before = dict(vars(args))
+    t0, r0 = _lp(0.1, -0.2, 0.3)
+    t1 = torch.tensor([-1.0, -1.0])
+    r1 = torch.tensor([-1.0, float("nan")])
+    with fake_cuda() as probe:
+        torch.cuda.Event = _UnpicklableCudaEvent  # fake_cuda() restores the real one on exit
+        cu = probe.cuda
+        data = {"log_probs": cu([t0, t1]), "rollout_log_probs": cu([r0, r1]),
+                "loss_masks": cu([torch.ones(3), torch.ones(2)]), "total_lengths": [6, 5], "response_lengths": [3, 2]}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scheduler_hooks.host_state(args)
+            tis_functions.prepare_global_normalizer(args, 0, data)
+            args.use_rollout_logprobs = True  # one bypass call: its warn-once is remembered
+            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
+                                              rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
+                                              total_lengths=[6], response_lengths=[3])
+            args.use_rollout_logprobs = False
+            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(2)), train_log_probs=cu([t1]),
+                                              rollout_log_probs=cu([r1]), loss_masks=cu([torch.ones(2)]),
+                                              total_lengths=[5], response_lengths=[2])
+            state = REGISTRY.peek(args)
+            first_event = state.pending_nonfinite._event
+            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
+                                              rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
+                                              total_lengths=[6], response_lengths=[3])
+    assert isinstance(first_event, _UnpicklableCudaEvent)  # made by the CUDA branch, not injected
+    assert isinstance(state.pending_nonfinite._event, _UnpicklableCudaEvent)
+    assert any("1 loss-mask token(s) had NaN or inf" in str(w.message) for w in caught)  # polled via the event
+    assert state.global_mean is not None and state.global_mean.mean.device.type == "cuda"
+    assert state.lr is not None and state.warned
+    with pytest.raises(TypeError):
+        pickle.dumps(state.pending_nonfinite)  # on args, this would break every checkpoint
+    assert vars(args) == before
+    assert vars(pickle.loads(pickle.dumps(args))) == before
+    buf = io.BytesIO()
+    torch.save({"args": args}, buf)
+    buf.seek(0)
+    assert vars(torch.load(buf, weights_only=False)["args"]) == before
