@@ -560,6 +560,28 @@ def test_config_conflicts(pool1):
     assert pool1.run(_construct, {"policy_loss": "bypass_ppo"}, {"use_rs": True})[0] is None
 
 
+def _construct_warnings(loss_cfg, mis_cfg):
+    import warnings
+
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    with megatron_parallel(tp=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MegatronRLLoss(LossConfig.from_dict(loss_cfg), MISConfig.from_dict(mis_cfg))
+    return [str(w.message) for w in caught if "mixing a sequence-level ratio" in str(w.message)]
+
+
+def test_gspo_with_token_level_is_weights_warns(pool1):
+    gspo = {"policy_loss": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4}
+    msgs = pool1.run(_construct_warnings, gspo, {"use_tis": True, "tis_level": "token"})[0]
+    assert len(msgs) == 1 and "tis_level 'sequence' or 'geometric'" in msgs[0]
+    assert pool1.run(_construct_warnings, gspo, {"use_tis": True, "tis_level": "geometric"})[0] == []
+    assert pool1.run(_construct_warnings, {**gspo, "policy_loss": "cispo"}, {"use_tis": True})[0] == []
+
+
 def test_micro_batch_validation():
     from megatron_mis.integrations.megatron_loss import RLMicroBatch, response_positions
 
