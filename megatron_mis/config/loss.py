@@ -42,7 +42,7 @@ ADVANTAGE_ESTIMATORS: Registry[Any] = Registry("advantage estimator")
 
 #: The names core registers, so that a config is validated without importing the math.
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
-    "policy_loss": ("bypass_ppo", "decoupled_ppo", "ppo", "reinforce"),
+    "policy_loss": ("bypass_ppo", "cispo", "decoupled_ppo", "gspo", "ppo", "reinforce"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
     "advantage_estimator": ("grpo", "reinforce_baseline", "rloo"),
 }
@@ -68,8 +68,11 @@ class LossConfig(ConfigBase):
         "decoupled_ppo",
         "Registered policy loss: ppo (standard PPO against pi_old, no mismatch correction), "
         "decoupled_ppo (3-policy PPO: (pi_old/pi_rollout) x clipped pi_theta/pi_old objective), "
-        "bypass_ppo (pi_rollout is the old policy; no extra IS factor) or reinforce "
-        "(-w x A x log pi_theta with w = pi_old/pi_rollout from the MIS engine).",
+        "bypass_ppo (pi_rollout is the old policy; no extra IS factor), reinforce "
+        "(-w x A x log pi_theta with w = pi_old/pi_rollout from the MIS engine), gspo (GSPO: w x "
+        "clipped objective in the sequence ratio exp(mean log(pi_theta/pi_old)), CP-exact; slime "
+        "--advantage-estimator gspo) or cispo (CISPO: -w x sg(clip(pi_theta/pi_old)) x A x log "
+        "pi_theta; slime --advantage-estimator cispo).",
     )
     eps_clip: float = doc(0.2, "PPO lower clip range: the ratio is clipped below at 1 - eps_clip (slime --eps-clip).")
     eps_clip_high: float | None = doc(
@@ -139,6 +142,18 @@ class LossConfig(ConfigBase):
         1024, "Tokens per chunk in the vocab-parallel log-prob computation (bounds memory); -1: one chunk."
     )
 
+    @classmethod
+    def from_namespace(cls, namespace: Any, *, source: str | None = None) -> "LossConfig":
+        """As :meth:`ConfigBase.from_namespace`, plus slime's way of choosing GSPO / CISPO: slime
+        selects them by ``--advantage-estimator gspo | cispo`` and computes GRPO advantages for
+        both (``slime/backends/megatron_utils/loss.py:763`` at 624b824a). Without a
+        ``policy_loss`` attribute such a namespace gives ``policy_loss`` gspo / cispo with
+        ``advantage_estimator`` grpo."""
+        estimator = getattr(namespace, "advantage_estimator", None)
+        if estimator in ("gspo", "cispo") and getattr(namespace, "policy_loss", None) is None:
+            namespace = _Overlay(namespace, policy_loss=estimator, advantage_estimator="grpo")
+        return ConfigBase.from_namespace.__func__(cls, namespace, source=source)
+
     @property
     def eps_high(self) -> float:
         """Resolved upper clip range (``eps_clip_high`` or ``eps_clip``)."""
@@ -193,11 +208,39 @@ class LossConfig(ConfigBase):
             changed = [n for n in ("eps_clip", "eps_clip_high", "eps_clip_c") if getattr(self, n) != _DEFAULTS[n]]
             if changed:
                 out.append(f"{', '.join(changed)} set but policy_loss='reinforce' does not clip")
+        ppo_clip_range = self.eps_clip == _DEFAULTS["eps_clip"] and self.eps_clip_high is None
+        if self.policy_loss == "gspo" and ppo_clip_range:
+            out.append(
+                "policy_loss='gspo' with PPO's clip range eps_clip=0.2: GSPO clips a sequence's geometric-mean "
+                "ratio, which stays far closer to 1 than a token's, so this range almost never clips; the GSPO "
+                "paper (arXiv:2507.18071) uses eps_clip: 3.0e-4, eps_clip_high: 4.0e-4"
+            )
+        if self.policy_loss == "cispo" and ppo_clip_range:
+            out.append(
+                "policy_loss='cispo' with eps_clip=0.2: ratios below 0.8 are raised to 0.8 (slime's convention); "
+                "MiniMax-M1's CISPO (arXiv:2506.13585) has no lower bound: eps_clip: 1.0, and tunes eps_clip_high"
+            )
+        if self.policy_loss == "cispo" and self.eps_clip_c is not None:
+            out.append(f"eps_clip_c={self.eps_clip_c!r} has no effect: policy_loss='cispo' has no dual clip")
         if self.advantage_estimator != "grpo":
             changed = [n for n in ("grpo_std_normalization", "grpo_std_eps") if getattr(self, n) != _DEFAULTS[n]]
             if changed:
                 out.append(f"{', '.join(changed)} set but advantage_estimator={self.advantage_estimator!r}")
         return out
+
+
+class _Overlay:
+    """A read-only view of a host namespace with some attributes replaced (the host's ``args`` is
+    never modified)."""
+
+    def __init__(self, base: Any, **overrides: Any) -> None:
+        self._base = base
+        self._overrides = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._base, name)
 
 
 def _registry_problems(cfg: LossConfig) -> list[str]:

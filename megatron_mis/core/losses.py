@@ -18,6 +18,15 @@ eps_clip_high``):
   mode too; the engine's weights are not used.
 - ``reinforce``: policy gradient ``-w * A * log pi_theta`` with ``w`` from the engine against the
   rollout policy (no clipping).
+- ``gspo`` (GSPO, arXiv:2507.18071; slime ``--advantage-estimator gspo``): the PPO clipped
+  objective on the *sequence* ratio ``s_i = exp(mean_t (log pi_theta - log pi_old))`` over the
+  sequence's valid tokens, in the paper's token form ``s_{i,t} = sg[s_i] * pi_theta(t) /
+  sg[pi_theta(t)]`` (value ``s_i`` on every token, gradient ``s_i * d log pi_theta(t)``), times
+  the engine's ``w``. The per-sequence sums come from :func:`sequence_ratio_stats`; under
+  context parallelism they are summed over the CP group (``cp_sum``) before the ratio is formed.
+- ``cispo`` (CISPO, MiniMax-M1 arXiv:2506.13585 Eq. 4-5; slime ``--advantage-estimator
+  cispo``): ``-w * sg(clip(r, 1-eps_low, 1+eps_high)) * A * log pi_theta``: the IS ratio is
+  clipped under stop-gradient, so every token keeps its gradient through ``log pi_theta``.
 
 Dual-clip (``eps_clip_c = c > 1``): for ``A < 0`` the per-token PPO loss is capped at ``-c A``.
 
@@ -59,6 +68,8 @@ __all__ = [
     "opsm_keep_mask",
     "opsm_sequence_stats",
     "ppo_clip_terms",
+    "sequence_log_ratio",
+    "sequence_ratio_stats",
 ]
 
 
@@ -96,8 +107,15 @@ class PolicyLoss:
             or pi_theta detached when none is given), ``"rollout"`` (bypass) or ``"none"``.
         uses_is_weights: multiplies by the engine's IS weights (which must then be given).
         fn: ``fn(log_probs, old_log_probs, advantages, is_weights, config) -> PolicyLossTerms``
-            with ``old_log_probs`` already resolved per ``old_policy``.
+            with ``old_log_probs`` already resolved per ``old_policy`` (all ``[T]``); a
+            ``sequence_ratio`` loss also gets ``seq_log_ratio=`` ``[T]``.
         description: one line for docs and error messages.
+        sequence_ratio: the ratio is per sequence (GSPO): ``fn`` receives ``seq_log_ratio``
+            ``[T]``, each token's sequence mean of ``log pi_theta - log pi_old`` over the
+            sequence's valid tokens (detached, CP-summed when ``cp_sum`` is given; limited to
+            ``2 * ratio_log_bound``).
+        log_prob_term: the per-token term is ``weight * A * log pi_theta`` (REINFORCE-type: its
+            size depends on ``log pi_theta``), not ``ratio * weight * A``; for overflow messages.
     """
 
     name: str
@@ -105,6 +123,8 @@ class PolicyLoss:
     uses_is_weights: bool
     fn: Callable[..., PolicyLossTerms]
     description: str
+    sequence_ratio: bool = False
+    log_prob_term: bool = False
 
 
 #: Defined with the config (names only there); the policy losses register here.
@@ -175,6 +195,34 @@ def _reinforce(log_probs, old_log_probs, advantages, is_weights, config: LossCon
     return PolicyLossTerms(loss=loss, ratio=ratio, clipped_low=no, clipped_high=no, dual_clipped=no)
 
 
+def _gspo(log_probs, old_log_probs, advantages, is_weights, config: LossConfig, *, seq_log_ratio) -> PolicyLossTerms:
+    """GSPO in the paper's token form (arXiv:2507.18071, GSPO-token):
+    ``log s_{i,t} = sg[log s_i] + log pi_theta(t) - sg[log pi_theta(t)]``, so the value on every
+    token is the sequence ratio ``s_i`` and ``d s_{i,t} / d log pi_theta(t) = s_i``; a sequence
+    whose mean log-ratio lies outside ``[-ratio_log_bound, ratio_log_bound]`` gets the clamped
+    ratio and no gradient (as a clamp does everywhere else). Then PPO's clipped objective (with
+    the dual clip when ``eps_clip_c`` is set, as slime) times the engine's weights."""
+    b = config.ratio_log_bound
+    seq = seq_log_ratio.to(log_probs.dtype)
+    inside = seq.abs() <= b
+    log_ratio = torch.where(inside, seq + (log_probs - log_probs.detach()), seq.clamp(-b, b))
+    terms = ppo_clip_terms(log_ratio, advantages, config.eps_clip, config.eps_high, config.eps_clip_c)
+    terms.loss = is_weights.detach().to(terms.loss.dtype) * terms.loss
+    return terms
+
+
+def _cispo(log_probs, old_log_probs, advantages, is_weights, config: LossConfig) -> PolicyLossTerms:
+    """CISPO (MiniMax-M1, arXiv:2506.13585 Eq. 4-5; slime ``compute_cispo_loss``):
+    ``-w * sg(clip(r, 1 - eps_clip, 1 + eps_high)) * A * log pi_theta``; ``eps_clip = 1`` is the
+    paper's no-lower-bound form. Every token keeps the gradient ``-w * clip(r) * A``."""
+    r = torch.exp(_log_ratio(log_probs, old_log_probs, config.ratio_log_bound)).detach()
+    lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
+    weight = is_weights.detach().to(log_probs.dtype) * r.clamp(lo, hi)
+    loss = -(weight * advantages.to(log_probs.dtype)) * log_probs
+    no = torch.zeros_like(r, dtype=torch.bool)
+    return PolicyLossTerms(loss=loss, ratio=r, clipped_low=r < lo, clipped_high=r > hi, dual_clipped=no)
+
+
 for _entry in (
     PolicyLoss("ppo", "old", False, _ppo, "standard PPO against pi_old; no mismatch correction"),
     PolicyLoss(
@@ -182,7 +230,15 @@ for _entry in (
         "3-policy PPO: (pi_old/pi_rollout) x clipped objective in pi_theta/pi_old",
     ),
     PolicyLoss("bypass_ppo", "rollout", False, _ppo, "PPO with pi_rollout as pi_old; no extra IS factor"),
-    PolicyLoss("reinforce", "none", True, _reinforce, "-w x A x log pi_theta with w = pi_old/pi_rollout"),
+    PolicyLoss("reinforce", "none", True, _reinforce, "-w x A x log pi_theta with w = pi_old/pi_rollout", log_prob_term=True),
+    PolicyLoss(
+        "gspo", "old", True, _gspo,
+        "GSPO: w x clipped objective in the sequence ratio exp(mean log(pi_theta/pi_old))", sequence_ratio=True,
+    ),
+    PolicyLoss(
+        "cispo", "old", True, _cispo,
+        "CISPO: -w x sg(clip(pi_theta/pi_old)) x A x log pi_theta", log_prob_term=True,
+    ),
 ):
     POLICY_LOSSES.register(_entry.name, _entry)
 del _entry
@@ -252,6 +308,100 @@ def opsm_keep_mask(
     return ~drop, off_policy
 
 
+# ------------------------------------------------------------------------ GSPO sequence ratio
+#: Columns of :func:`sequence_ratio_stats`.
+SEQ_STAT_COLUMNS = ("log_ratio_sum", "num_tokens", "num_positive_adv", "num_negative_adv")
+
+
+def sequence_ratio_stats(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor:
+    """GSPO's per-sequence statistics of the tokens in this call, ``[N, 4]`` float64: the sum over
+    ``mask`` of ``log pi_theta - log pi_old``, the number of ``mask`` tokens, and how many of
+    them have ``A > 0`` / ``A < 0`` (:data:`SEQ_STAT_COLUMNS`; the last two decide the
+    sequence-level clip fractions).
+
+    Every column is a sum over tokens, so under context parallelism the SUM of the ranks' outputs
+    over the CP group describes the whole sequences (one all-reduce of ``[N, 4]``, detached: no
+    gradient crosses ranks).
+
+    Args:
+        log_probs: ``[T]`` log pi_theta (detached here).
+        old_log_probs: ``[T]`` log pi_old.
+        advantages: ``[T]``.
+        mask: ``[T]`` the tokens of the sequence ratio (the policy term's valid tokens).
+        cu_seqlens: ``[N+1]``.
+    """
+    m = mask.bool()
+    f64 = torch.float64
+    diff = log_probs.detach().to(f64) - old_log_probs.detach().to(f64)
+    cols = torch.stack(
+        [
+            torch.where(m, diff, torch.zeros((), dtype=f64, device=diff.device)),
+            m.to(f64),
+            (m & (advantages > 0)).to(f64),
+            (m & (advantages < 0)).to(f64),
+        ],
+        1,
+    )
+    return segment_sum(cols, cu_seqlens)
+
+
+def sequence_log_ratio(stats: torch.Tensor) -> torch.Tensor:
+    """``[N]`` float64: each sequence's mean ``log pi_theta - log pi_old`` from
+    :func:`sequence_ratio_stats` ``[N, 4]`` (CP-summed); 0 for a sequence without tokens."""
+    sums, counts = stats[:, 0], stats[:, 1]
+    return torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.zeros_like(sums))
+
+
+def _sequence_statistics(policy, lp, old, adv, lmask, finite, valid, cu_seqlens, config: LossConfig, opsm_seq_stats, cp_sum):
+    """``(gspo_stats [N, 4] | None, opsm_seq_stats)``: GSPO's statistics over the valid tokens and,
+    with OPSM under context parallelism (``cp_sum`` given and no precomputed statistics), OPSM's
+    over the finite loss tokens — summed over the CP group by ONE ``cp_sum`` call."""
+    parts = []
+    if policy.sequence_ratio:
+        parts.append(sequence_ratio_stats(lp, old, adv, valid, cu_seqlens))
+    opsm_here = config.use_opsm and opsm_seq_stats is None and cp_sum is not None
+    if opsm_here:
+        sums, counts = opsm_sequence_stats(lp, old, lmask & finite, cu_seqlens)
+        parts.append(torch.stack([sums, counts], 1).to(torch.float64))
+    if not parts:
+        return None, opsm_seq_stats
+    stacked = torch.cat(parts, 1)
+    if cp_sum is not None:
+        stacked = cp_sum(stacked)
+        if not isinstance(stacked, torch.Tensor) or stacked.shape != (cu_seqlens.numel() - 1, sum(p.shape[1] for p in parts)):
+            raise ValueError(
+                f"cp_sum must return the summed [N, k] tensor it was given (N={cu_seqlens.numel() - 1}), got "
+                f"{type(stacked).__name__} {tuple(getattr(stacked, 'shape', ()))}"
+            )
+    gspo = stacked[:, :4] if policy.sequence_ratio else None
+    if opsm_here:
+        opsm_seq_stats = (stacked[:, -2].float(), stacked[:, -1].float())
+    return gspo, opsm_seq_stats
+
+
+def _sequence_clip_counts(stats: torch.Tensor, dtype: torch.dtype, config: LossConfig) -> dict[str, torch.Tensor]:
+    """Sequence-level clip counts of a sequence-ratio loss: sequences with a ratio in the loss,
+    and those whose clipped branch was taken by at least one token (``s < 1 - eps_low`` with a
+    token of negative advantage, ``s > 1 + eps_high`` with one of positive advantage). The ratio
+    is formed exactly as the loss forms it, so the decision matches the token flags."""
+    b = config.ratio_log_bound
+    s = torch.exp(sequence_log_ratio(stats).clamp(-2 * b, 2 * b).to(dtype).clamp(-b, b))
+    has = stats[:, 1] > 0
+    low = has & (stats[:, 3] > 0) & (s < 1.0 - config.eps_clip)
+    high = has & (stats[:, 2] > 0) & (s > 1.0 + config.eps_high)
+    return {
+        "num_seq_ratio_sequences": has.sum().float(),
+        "num_seq_clipped_low": low.sum().float(),
+        "num_seq_clipped_high": high.sum().float(),
+    }
+
+
 # ------------------------------------------------------------------------------- full RL loss
 @dataclass(slots=True)
 class RLLossOutput:
@@ -268,7 +418,9 @@ class RLLossOutput:
             over ``counts["num_valid_tokens"]`` (see :func:`finalize_metrics`).
         counts: local counts (float 0-dim tensors): ``num_loss_tokens``, ``num_valid_tokens``,
             ``num_rejected_tokens``, ``num_nonfinite_inputs``, ``num_opsm_tokens``,
-            ``num_opsm_sequences``, ``num_denominator_tokens``, ``num_denominator_sequences``.
+            ``num_opsm_sequences``, ``num_denominator_tokens``, ``num_denominator_sequences``;
+            sequence-ratio losses add ``num_seq_ratio_sequences``, ``num_seq_clipped_low``,
+            ``num_seq_clipped_high``.
         pg_mask: ``[T]`` bool, the tokens in the policy-gradient numerator.
         valid_mask: ``[T]`` bool, loss tokens that were kept and finite (KL / entropy numerator).
     """
@@ -293,7 +445,9 @@ class RLLossOutput:
 def finalize_metrics(summed: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
     """Turn summed :meth:`RLLossOutput.flat_metrics` (over every micro-batch and rank) into the
     step's metrics: shares as they are, token sums divided by the global ``num_valid_tokens``
-    (0 when there is none), counts as they are."""
+    (0 when there is none), counts as they are; with a sequence-ratio loss (``gspo``) also the
+    sequence-level clip fractions ``pg_seq_clipfrac``, ``pg_seq_clipfrac_low`` and
+    ``pg_seq_clipfrac_high`` (clipped sequences over ``num_seq_ratio_sequences``, 0 when none)."""
     out: dict[str, float] = {}
     valid = float(summed.get("count/num_valid_tokens", 0.0))
     for key, value in summed.items():
@@ -305,6 +459,11 @@ def finalize_metrics(summed: Mapping[str, float | torch.Tensor]) -> dict[str, fl
             out[name] = v
         else:
             raise ValueError(f"metric key {key!r} has no 'share/', 'sum/' or 'count/' prefix")
+    if "num_seq_ratio_sequences" in out:
+        n = out["num_seq_ratio_sequences"]
+        low, high = out.get("num_seq_clipped_low", 0.0), out.get("num_seq_clipped_high", 0.0)
+        for name, v in (("pg_seq_clipfrac", low + high), ("pg_seq_clipfrac_low", low), ("pg_seq_clipfrac_high", high)):
+            out[name] = v / n if n > 0 else 0.0
     return out
 
 
@@ -435,13 +594,14 @@ def _finite_or_zero(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=dtype, device=t.device))
 
 
-def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig) -> PolicyLossTerms:
+def _policy_term(policy, lp, old, adv, weights, valid, config: LossConfig, seq_log_ratio=None) -> PolicyLossTerms:
     """The per-token policy-loss terms (checked for overflow by :func:`_check_finite_loss`)."""
     # Tokens outside ``valid`` get advantage 0 and weight 0 in the policy term: torch.where below
     # would drop their value, but a huge advantage there still makes 0 * inf = NaN in the backward.
     nil = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    extra = {"seq_log_ratio": seq_log_ratio} if policy.sequence_ratio else {}
     return policy.fn(
-        lp, old, torch.where(valid, adv, nil), None if weights is None else torch.where(valid, weights, nil), config
+        lp, old, torch.where(valid, adv, nil), None if weights is None else torch.where(valid, weights, nil), config, **extra
     )
 
 
@@ -481,11 +641,12 @@ def _check_finite_loss(policy, terms: PolicyLossTerms, lp, adv, weights, valid, 
             "advantages or bound the IS weights"
         )
     if bool(overflow.any()):
-        if policy.old_policy == "none":  # REINFORCE-type: the term is IS weight * A * log pi_theta
+        if policy.old_policy == "none" or policy.log_prob_term:  # the term is IS weight * A * log pi_theta
             largest_lp = float(lp.detach()[overflow].abs().max())
+            factor = "" if policy.old_policy == "none" else f" * clipped ratio (at most 1 + eps_clip_high = {1 + config.eps_high:g})"
             raise ValueError(
                 f"policy loss overflows {dtype} on {int(overflow.sum())} token(s): advantages reach |A| = {biggest:.3g}"
-                f"{heaviest}, and log_probs reach |log pi_theta| = {largest_lp:.3g} there, so IS weight * A * "
+                f"{heaviest}, and log_probs reach |log pi_theta| = {largest_lp:.3g} there, so IS weight{factor} * A * "
                 "log pi_theta exceeds the float range; normalise the advantages, bound the IS weights, and check "
                 "the log_probs (a log-probability is <= 0)"
             )
@@ -582,6 +743,7 @@ def compute_rl_loss(
     keep_mask: torch.Tensor | None = None,
     seq_token_counts: torch.Tensor | None = None,
     opsm_seq_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> RLLossOutput:
     """One micro-batch's share of the RL loss:
     ``pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy_loss``, each term aggregated by
@@ -612,6 +774,18 @@ def compute_rl_loss(
         keep_mask: ``[T]`` bool, loss mask minus rejected tokens; ``None``: nothing rejected.
         seq_token_counts: ``[N]`` full per-sequence denominator counts (context parallelism).
         opsm_seq_stats: ``(sums [N], counts [N])`` CP-reduced :func:`opsm_sequence_stats`.
+        cp_sum: context parallelism: a function that SUMS a ``[N, k]`` float64 tensor of
+            per-sequence statistics over the CP group and returns it (e.g. an all-reduce over
+            the explicit CP group). Called at most once per call, on every CP rank alike: when
+            the policy loss has a sequence ratio (``gspo``: :func:`sequence_ratio_stats`, k = 4)
+            and / or OPSM is on without ``opsm_seq_stats`` (k += 2). ``None``: every sequence is
+            whole in this call. Its output is detached: each rank's tokens receive the
+            gradient of their own terms only (for ``gspo`` that is the whole GSPO gradient of
+            the token, ``s_i * d log pi_theta``; no collective runs in the backward).
+
+    Sequence-ratio losses (``gspo``) also count ``num_seq_ratio_sequences``,
+    ``num_seq_clipped_low`` and ``num_seq_clipped_high`` (from the CP-summed statistics, so
+    under CP every rank counts every sequence: keep one CP rank's counts).
 
     Raises:
         ValueError: shape mismatches, a missing required input, IS weights given to a loss
@@ -661,8 +835,18 @@ def compute_rl_loss(
     valid = keep & finite
     den_mask = denominator_mask(lmask, valid, config.rejected_in_denominator)
 
+    # ---- per-sequence statistics (GSPO's ratio, OPSM under CP): one cp_sum over the CP group
+    gspo_stats, opsm_seq_stats = _sequence_statistics(
+        policy, lp, old, adv, lmask, finite, valid, cu_seqlens, config, opsm_seq_stats, cp_sum
+    )
+    seq_log_ratio = None
+    if gspo_stats is not None:
+        seq = segment_ids(cu_seqlens, lp.device, num_tokens=int(lp.shape[0]))
+        bound = 2.0 * config.ratio_log_bound  # keeps "beyond the bound" visible without an inf in float32
+        seq_log_ratio = sequence_log_ratio(gspo_stats).clamp(-bound, bound).to(dtype)[seq]
+
     # ---- policy term, then off-policy sequence masking of it
-    terms = _policy_term(policy, lp, old, adv, weights, valid, config)
+    terms = _policy_term(policy, lp, old, adv, weights, valid, config, seq_log_ratio)
     pg_mask, num_opsm_tokens, num_opsm_sequences = _opsm_policy_mask(
         adv, lp, old, lmask, finite, valid, cu_seqlens, config, opsm_seq_stats
     )
@@ -693,6 +877,8 @@ def compute_rl_loss(
 
     token_sums = _token_sums(terms, valid, old, lp, weights, ent, kl_values, config)
     counts = _counts(lmask, finite, keep, valid, bad, den_mask, cu_seqlens, seq_token_counts, num_opsm_tokens, num_opsm_sequences)
+    if gspo_stats is not None:
+        counts.update(_sequence_clip_counts(gspo_stats, dtype, config))
     shares = {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),

@@ -32,7 +32,8 @@ it elsewhere):
    detached) against pi_rollout: IS weights and the keep mask of the local tokens;
 3. :func:`megatron_mis.core.losses.compute_rl_loss` on the local tokens with the step's global
    denominators and, under CP, the full per-sequence denominator counts (known on every rank
-   from the full masks) and OPSM's per-sequence sums summed over the CP group (one all-reduce):
+   from the full masks) and OPSM's and GSPO's per-sequence sums summed over the CP group (one
+   all-reduce for both, so a GSPO sequence ratio is exact however the sequence is split):
    this rank's share ``c`` of the step loss ``L`` (shares add up to ``L`` over micro-batches,
    CP ranks and data-parallel ranks).
 
@@ -75,7 +76,7 @@ import torch
 
 from megatron_mis.config.loss import LossConfig
 from megatron_mis.core.aggregation import Denominators, segment_sum
-from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss, opsm_sequence_stats
+from megatron_mis.core.losses import POLICY_LOSSES, compute_rl_loss
 from megatron_mis.integrations.rl_batch import RLMicroBatch, _LocalView, response_positions
 from megatron_mis.integrations.rl_metrics import engine_metrics, masked_extreme, reduce_metric_store
 from megatron_mis.core.engine import DeferredCount, nonfinite_message
@@ -91,7 +92,8 @@ class MegatronRLLoss:
     Args:
         loss_config: loss settings.
         mis_config: IS / RS engine settings (:class:`megatron_mis.config.mis.MISConfig`); needed
-            by losses that use IS weights (``decoupled_ppo``, ``reinforce``); optional otherwise
+            by losses that use IS weights (``decoupled_ppo``, ``reinforce``, ``gspo``,
+            ``cispo``); optional otherwise
             (then only its keep mask and metrics are used: ``MISConfig(use_tis=False)`` with the
             ``ppo`` loss measures the mismatch without correcting it).
         tp_group: tensor-parallel group for the log-probs; default Megatron's.
@@ -140,6 +142,16 @@ class MegatronRLLoss:
             )
         if problems:
             raise ConfigError("MegatronRLLoss", problems)
+        if self.policy.sequence_ratio and mis_config is not None and mis_config.use_tis and mis_config.tis_level == "token":
+            import warnings
+
+            warnings.warn(
+                f"policy_loss={self.policy.name!r} with tis_level='token': each token's GSPO term (the sequence "
+                "ratio) is multiplied by that token's own IS weight, mixing a sequence-level ratio with token-level "
+                "weights (slime does the same); tis_level 'sequence' or 'geometric' gives one weight per sequence",
+                UserWarning,
+                stacklevel=2,
+            )
         self.tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
         self.cp = group_view(cp_group if cp_group is not None else ps.get_context_parallel_group())
         self.dp_group = dp_group if dp_group is not None else ps.get_data_parallel_group(with_context_parallel=True)
@@ -440,8 +452,13 @@ class MegatronRLLoss:
             ``(c * M * W, num_tokens=1, metrics)`` or ``(c * M * W / cp, metrics)``; ``metrics``
             maps ``share/ | sum/ | lsum/ | count/ | max/ | min/`` names to detached 0-dim tensors
             (reduce them with :meth:`reduce_metrics`). Collectives over the CP group (cp > 1):
-            the engine's statistics all-gather, with OPSM one all-reduce of ``[N, 2]`` sums
-            before the loss and one MAX all-reduce of ``[N]`` flags after it.
+            the engine's statistics all-gather; with OPSM and / or a sequence-ratio loss
+            (``gspo``) ONE SUM all-reduce of the ``[N, k]`` float64 per-sequence sums before
+            the loss (k = 2 for OPSM + 4 for GSPO: log-ratio sum, token count, tokens with
+            ``A > 0`` / ``A < 0``), and with OPSM one MAX all-reduce of ``[N]`` flags after it.
+            None of them runs in the backward: the statistics are detached, and each CP rank's
+            tokens get the gradient of their own terms (for ``gspo`` the full GSPO gradient of
+            the token, ``s_i * d log pi_theta`` times its aggregation weight).
         """
         cfg = self.config
         log_probs, entropy = self._log_probs(output_tensor, view, with_entropy=True)
@@ -472,23 +489,13 @@ class MegatronRLLoss:
                 is_weights = res.weights.to(dev)
             extra = engine_metrics(res, train.detach().float(), rollout.float(), lmask, keep_mask, self.mis_config)
 
-        seq_token_counts = opsm_stats = None
+        seq_token_counts = cp_sum = None
         if self.cp.size > 1:
             den_full = self._full_denominator_mask(mb, full_keep if self.mis_config is not None and self.mis_config.rejects else None)
             seq_token_counts = segment_sum(_on(den_full.float(), dev), _on(mb.response_cu_seqlens, dev))
-            if cfg.use_opsm:
-                finite = lmask & torch.isfinite(log_probs.detach()) & torch.isfinite(advantages) & torch.isfinite(entropy.detach())
-                old_src = rollout if self.policy.old_policy == "rollout" else old
-                if old_src is not None:
-                    finite &= torch.isfinite(old_src)
-                if ref is not None:
-                    finite &= torch.isfinite(ref)
-                if is_weights is not None:
-                    finite &= torch.isfinite(is_weights)
-                ref_old = old_src if old_src is not None else log_probs.detach()
-                sums, counts = opsm_sequence_stats(log_probs, ref_old, finite, cu)
-                stacked = self._cp_all_reduce(torch.stack([sums, counts], 1).double()).float()
-                opsm_stats = (stacked[:, 0], stacked[:, 1])
+            # OPSM's and GSPO's per-sequence sums: compute_rl_loss forms them from its own masks
+            # and sums them over the CP group in ONE all-reduce (only when one of them is on)
+            cp_sum = self._cp_all_reduce
 
         out = compute_rl_loss(
             log_probs,
@@ -504,13 +511,15 @@ class MegatronRLLoss:
             is_weights=is_weights,
             keep_mask=keep_mask,
             seq_token_counts=seq_token_counts,
-            opsm_seq_stats=opsm_stats,
+            cp_sum=cp_sum,
         )
         metrics = out.flat_metrics()
         if self.cp.size > 1:
             # sequence counts: every CP rank sees every sequence; count each once (on CP rank 0)
             if self.cp.rank != 0:
-                metrics["count/num_denominator_sequences"] = torch.zeros_like(metrics["count/num_denominator_sequences"])
+                for key in ("num_denominator_sequences", "num_seq_ratio_sequences", "num_seq_clipped_low", "num_seq_clipped_high"):
+                    if f"count/{key}" in metrics:
+                        metrics[f"count/{key}"] = torch.zeros_like(metrics[f"count/{key}"])
             if cfg.use_opsm:
                 dropped_tok = (out.valid_mask & ~out.pg_mask).float()
                 dropped = self._cp_all_reduce(segment_sum(dropped_tok, cu).clamp_max(1.0), op="max")

@@ -173,6 +173,20 @@ LOSS_CASES = {
         dict(policy_loss="reinforce", loss_aggregation="token_mean"),
         dict(use_tis=True, tis_level="geometric", tis_mode="mask", tis_upper_bound=1.2, tis_batch_normalize=True),
     ),
+    # GSPO: sequence ratios CP-exact (one all-reduce shared with OPSM), sequence-level TIS so the
+    # IS weight is one per sequence like the ratio, dual clip and OPSM on
+    "gspo_seq_mean_sequence_tis_opsm": (
+        dict(
+            policy_loss="gspo", loss_aggregation="seq_mean_token_mean", eps_clip=0.2, eps_clip_high=0.28,
+            eps_clip_c=3.0, use_opsm=True, opsm_delta=0.0,
+        ),
+        dict(use_tis=True, tis_level="sequence", tis_upper_bound=2.0),
+    ),
+    # CISPO without a lower bound (MiniMax-M1), token TIS and an entropy bonus
+    "cispo_token_mean_token_tis": (
+        dict(policy_loss="cispo", loss_aggregation="token_mean", eps_clip=1.0, eps_clip_high=0.28, entropy_coef=0.01),
+        dict(use_tis=True, tis_upper_bound=1.5),
+    ),
     "bypass_seq_sum_geometric_rs_veto": (
         dict(policy_loss="bypass_ppo", loss_aggregation="seq_mean_token_sum", rollout_temperature=0.9),
         dict(use_rs=True, rs_level="geometric", rs_upper_bound=1.15, rs_lower_bound=0.87, rs_veto_threshold=0.5),
@@ -183,7 +197,8 @@ LOSS_CASES = {
 EXTRA_KEYS = (
     "num_rejected_tokens", "num_opsm_tokens", "num_opsm_sequences", "num_denominator_sequences", "mis_k3_kl",
     "mis_k3_kl_max", "mis_ratio", "mis_ratio_min", "mis_ratio_max", "is_weight_min", "is_weight_max",
-    "mis_log_ppl_abs_diff",
+    "mis_log_ppl_abs_diff", "num_seq_ratio_sequences", "num_seq_clipped_low", "num_seq_clipped_high",
+    "pg_seq_clipfrac",
 )
 
 
@@ -264,6 +279,21 @@ def test_cp2_matches_single_process(pool1, pool2, case):
         _check_recomputed(run, ref, batches, f"CP=2 rank {r}")
     if cfg.get("use_opsm"):
         assert ref["history"][0]["num_opsm_sequences"] > 0  # OPSM really dropped sequences
+
+
+def test_gspo_cp4_matches_single_process(pool1, pool4):
+    """GSPO's sequence ratio with every sequence split over 4 CP ranks (lengths 2..11: many ranks
+    hold no response token of a sequence and still join the statistics all-reduce): losses, the
+    sequence-level clip counts, gradients and updates equal the single-process run."""
+    cfg, mis = LOSS_CASES["gspo_seq_mean_sequence_tis_opsm"]
+    batches = make_micro_batches(4)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    first = ref["history"][0]
+    # the sequence clip acts on some sequences and not on all; OPSM drops some
+    assert 0 < first["num_seq_clipped_low"] + first["num_seq_clipped_high"] < first["num_seq_ratio_sequences"]
+    assert first["num_opsm_sequences"] > 0
+    for r, run in enumerate(pool4.run(train, 1, batches, cfg, mis, cp=4)):
+        _compare(run, ref, f"GSPO CP=4 rank {r}", extra=True)
 
 
 def test_tp2_cp2_and_dp2_cp2_match_single_process(pool1, pool4):
@@ -528,6 +558,28 @@ def test_config_conflicts(pool1):
     msg = pool1.run(_construct, {"policy_loss": "bypass_ppo"}, {"use_tis": True})[0]
     assert "count it twice" in msg
     assert pool1.run(_construct, {"policy_loss": "bypass_ppo"}, {"use_rs": True})[0] is None
+
+
+def _construct_warnings(loss_cfg, mis_cfg):
+    import warnings
+
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.config.mis import MISConfig
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    with megatron_parallel(tp=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MegatronRLLoss(LossConfig.from_dict(loss_cfg), MISConfig.from_dict(mis_cfg))
+    return [str(w.message) for w in caught if "mixing a sequence-level ratio" in str(w.message)]
+
+
+def test_gspo_with_token_level_is_weights_warns(pool1):
+    gspo = {"policy_loss": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4}
+    msgs = pool1.run(_construct_warnings, gspo, {"use_tis": True, "tis_level": "token"})[0]
+    assert len(msgs) == 1 and "tis_level 'sequence' or 'geometric'" in msgs[0]
+    assert pool1.run(_construct_warnings, gspo, {"use_tis": True, "tis_level": "geometric"})[0] == []
+    assert pool1.run(_construct_warnings, {**gspo, "policy_loss": "cispo"}, {"use_tis": True})[0] == []
 
 
 def test_micro_batch_validation():

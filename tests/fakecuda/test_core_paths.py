@@ -75,6 +75,9 @@ LOSS_CONFIGS = [
     dict(policy_loss="decoupled_ppo", loss_aggregation="seq_mean_token_sum"),
     dict(policy_loss="ppo", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
     dict(policy_loss="ppo", use_opsm=True, opsm_delta=0.01),
+    dict(policy_loss="gspo", eps_clip=3e-4, eps_clip_high=4e-4),
+    dict(policy_loss="gspo", eps_clip=0.05, eps_clip_c=3.0, loss_aggregation="seq_mean_token_mean", use_opsm=True, opsm_delta=0.01),
+    dict(policy_loss="cispo", eps_clip=1.0, eps_clip_high=0.28),
 ]
 
 
@@ -86,7 +89,7 @@ def test_compute_rl_loss_forward_and_backward_have_no_host_synchronisation(probe
     adv = torch.randn(train.shape, generator=g)
     entropy = torch.rand(train.shape, generator=g)
     ref_lp = train + 0.1
-    uses_w = cfg.policy_loss in ("decoupled_ppo", "reinforce")
+    uses_w = cfg.policy_loss in ("decoupled_ppo", "reinforce", "gspo", "cispo")
     kwargs = dict(old_log_probs=train, rollout_log_probs=rollout, ref_log_probs=ref_lp, entropy=entropy,
                   is_weights=torch.rand(train.shape, generator=g) + 0.5 if uses_w else None,
                   keep_mask=mask | (torch.arange(train.numel()) % 5 == 0))
@@ -100,6 +103,42 @@ def test_compute_rl_loss_forward_and_backward_have_no_host_synchronisation(probe
     probe.check_outputs([out.loss, out.shares, out.token_sums, out.counts, out.pg_mask, out.valid_mask])
     backward(out.loss)
     probe.assert_clean(what=f"compute_rl_loss({overrides}) forward + backward")
+    torch.testing.assert_close(shadow(out.loss.detach()), ref.loss.detach())
+    torch.testing.assert_close(shadow(lp.grad), lp_cpu.grad)
+    for name, value in ref.counts.items():
+        torch.testing.assert_close(shadow(out.counts[name]), value, msg=name)
+
+
+def test_gspo_with_cp_sum_has_no_host_synchronisation(probe):
+    """GSPO and OPSM under context parallelism: the per-sequence statistics go through cp_sum
+    (here the sum with a second "rank"'s statistics, on the device) once, with no read."""
+    from megatron_mis.core.losses import sequence_ratio_stats
+
+    cfg = LossConfig(policy_loss="gspo", eps_clip=0.05, use_opsm=True, opsm_delta=0.0)
+    train, _, mask, cu = _batch(seed=3)
+    g = torch.Generator().manual_seed(4)
+    adv = torch.randn(train.shape, generator=g)
+    w = torch.rand(train.shape, generator=g) + 0.5
+    old = train - 0.05
+    other = torch.cat([sequence_ratio_stats(train + 0.1, old, adv, mask, cu), torch.ones(cu.numel() - 1, 2, dtype=torch.float64)], 1)
+    dens = Denominators(float(mask.sum()), 6.0)
+    lp_cpu = (train + 0.02).requires_grad_()
+    with probe.paused():
+        ref = compute_rl_loss(lp_cpu, adv, mask, cu, cfg, dens, old_log_probs=old, is_weights=w, cp_sum=lambda t: t + other)
+        ref.loss.backward()
+    other_dev = probe.cuda(other)
+    calls = []
+
+    def cp_sum(t):
+        calls.append(t.device.type)
+        return t + other_dev
+
+    lp = probe.cuda((train + 0.02).requires_grad_())
+    out = compute_rl_loss(lp, *probe.cuda((adv, mask, cu)), cfg, dens, old_log_probs=probe.cuda(old), is_weights=probe.cuda(w), cp_sum=cp_sum)
+    probe.check_outputs([out.loss, out.shares, out.token_sums, out.counts, out.pg_mask, out.valid_mask])
+    backward(out.loss)
+    probe.assert_clean(what="compute_rl_loss(gspo + opsm, cp_sum) forward + backward")
+    assert calls == ["cuda"]
     torch.testing.assert_close(shadow(out.loss.detach()), ref.loss.detach())
     torch.testing.assert_close(shadow(lp.grad), lp_cpu.grad)
     for name, value in ref.counts.items():

@@ -299,12 +299,14 @@ def _product_may_overflow(adv: torch.Tensor, weights: torch.Tensor | None, mask:
 
 def _largest_log_factor(policy: Any, lp: torch.Tensor, mask: torch.Tensor, log_bound: float) -> float:
     """log of the largest factor besides A and the IS weight in a policy-loss term: the ratio's
-    bound e^ratio_log_bound, or for REINFORCE-type losses (no ratio) the largest finite |log pi|
-    over loss tokens."""
-    if policy.old_policy != "none":
+    bound e^ratio_log_bound, or for REINFORCE-type losses (``log_prob_term``: reinforce, cispo)
+    the largest finite |log pi| over loss tokens, times (cispo) its clipped ratio, at most
+    e^ratio_log_bound."""
+    if not policy.log_prob_term:
         return float(log_bound)
     values = lp.detach()[(mask != 0) & torch.isfinite(lp.detach())].abs()
-    return math.log(max(float(values.max()), 1e-300)) if values.numel() else -math.inf
+    ratio = float(log_bound) if policy.old_policy != "none" else 0.0
+    return math.log(max(float(values.max()), 1e-300)) + ratio if values.numel() else -math.inf
 
 
 def _nonfinite_in_loss(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -1440,6 +1442,18 @@ def _known_cases() -> dict[str, Callable[[], Case]]:
                                   policy_loss="reinforce", old_log_probs=_tensor([3e38]), rollout_log_probs=_tensor([3e38]),
                                   is_weights=torch.ones(1)),
             "error", ("log_probs",)),
+        # CISPO's term is w * clip(r) * A * log pi: the refusal names the log-probs and the clip
+        "rl_loss_cispo_log_prob_overflow": lambda: _known(
+            "compute_rl_loss", "cispo, log_probs=[-3e38], advantages=[2], is_weights=[1]",
+            lambda: _rl_loss_call(cu=torch.tensor([0, 1]), n=1, advantages=_tensor([2.0]), log_probs=_tensor([-3e38]),
+                                  policy_loss="cispo", old_log_probs=_tensor([-3e38]), is_weights=torch.ones(1)),
+            "error", ("log_probs", "clipped ratio")),
+        # GSPO's cp_sum must hand back the summed [N, k] statistics
+        "rl_loss_gspo_cp_sum_wrong_shape": lambda: _known(
+            "compute_rl_loss", "gspo, cp_sum returns [N, 2]",
+            lambda: _rl_loss_call(cu=torch.tensor([0, 2]), n=2, advantages=_tensor([1.0, 1.0]), policy_loss="gspo",
+                                  old_log_probs=_tensor([-1.0, -1.0]), is_weights=torch.ones(2), cp_sum=lambda t: t[:, :2]),
+            "error", ("cp_sum", "[N, k]")),
         # found by a --random run: finite per-token terms (A = F32_MAX, ratio clipped to 1) whose
         # sum over a sequence overflows; the loss came back -inf and kl_loss NaN (pg_loss * 0)
         "rl_loss_aggregate_overflow": lambda: _known(

@@ -55,8 +55,8 @@ def _loss(cfg, lp=LP, **kw):
 
 
 def test_registry():
-    assert POLICY_LOSSES.names() == ["bypass_ppo", "decoupled_ppo", "ppo", "reinforce"]
-    with pytest.raises(KeyError, match=r"unknown policy loss 'ppo_clip'.*valid: bypass_ppo, decoupled_ppo, ppo, reinforce"):
+    assert POLICY_LOSSES.names() == ["bypass_ppo", "cispo", "decoupled_ppo", "gspo", "ppo", "reinforce"]
+    with pytest.raises(KeyError, match=r"unknown policy loss 'ppo_clip'.*valid: bypass_ppo, cispo, decoupled_ppo, gspo, ppo, reinforce"):
         POLICY_LOSSES.get("ppo_clip")
     with pytest.raises(ValueError, match="already registered"):
         POLICY_LOSSES.register("ppo", POLICY_LOSSES.get("ppo"))
@@ -287,7 +287,7 @@ def test_unknown_names_are_config_errors():
         LossConfig(policy_loss="ppo_clip", kl_loss_type="kl", advantage_estimator="gae", loss_aggregation="mean")
     text = str(exc.value)
     assert "4 problem(s)" in text
-    assert "unknown policy loss 'ppo_clip'" in text and "valid: bypass_ppo, decoupled_ppo, ppo, reinforce" in text
+    assert "unknown policy loss 'ppo_clip'" in text and "valid: bypass_ppo, cispo, decoupled_ppo, gspo, ppo, reinforce" in text
     assert "unknown KL estimator 'kl'" in text and "valid: k1, k2, k3, low_var_kl" in text
     assert "unknown advantage estimator 'gae'" in text
     assert "loss_aggregation='mean' is not one of 'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum'" in text
