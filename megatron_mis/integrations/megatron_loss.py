@@ -184,7 +184,8 @@ class MegatronRLLoss:
         full_index = lay.local_to_full_index()
         assert rows.numel() == full_index.numel(), "packing and response layout disagree"
         targets = pack.labels[0].index_select(0, rows)
-        return _LocalView(pack=pack, rows=rows, targets=targets, full_index=full_index, cu=lay.local_cu_seqlens())
+        support = None if mb.rollout_support is None else mb.rollout_support.select(full_index)
+        return _LocalView(pack=pack, rows=rows, targets=targets, full_index=full_index, cu=lay.local_cu_seqlens(), support=support)
 
     def _full_index(self, mb: RLMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         from megatron_mis.parallel.layout import local_response_layout
@@ -346,6 +347,7 @@ class MegatronRLLoss:
             temperature=self.config.rollout_temperature,
             with_entropy=with_entropy,
             chunk_size=self.config.log_probs_chunk_size,
+            support=None if view.support is None else view.support.to(logits.device),
         )
 
     def forward_step(self, denominators: Denominators, *, num_microbatches: int):

@@ -55,6 +55,9 @@ class RLMicroBatch:
         rollout_log_probs: ``[R]`` pi_rollout from the rollout engine, or ``None``.
         old_log_probs: ``[R]`` pi_old recomputed by the trainer, or ``None`` (pi_theta detached).
         ref_log_probs: ``[R]`` reference policy, or ``None``.
+        rollout_support: the rollout's sampling support per response token (top-p / top-k replay,
+            :class:`~megatron_mis.parallel.tp_logprobs.TokenSupport` over the ``[R]`` responses,
+            on the host), or ``None``: log-probs over the whole vocabulary.
         slot_length: pad every sequence to this many tokens when packing (the fixed layout the
             true-on-policy rollout path reproduces; context-parallel size 1 only); ``None``:
             sequences are packed back to back (padded to a multiple of ``2cp`` under CP).
@@ -69,6 +72,7 @@ class RLMicroBatch:
     rollout_log_probs: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
+    rollout_support: Any = None
     slot_length: int | None = None
     pad_token_id: int = 0
 
@@ -87,6 +91,18 @@ class RLMicroBatch:
                     f"sum of response_lengths)"
                 )
         response_positions(self.cu_seqlens, self.response_lengths)  # validates the lengths
+        if self.rollout_support is not None:
+            from megatron_mis.parallel.tp_logprobs import TokenSupport
+
+            if not isinstance(self.rollout_support, TokenSupport):
+                raise ValueError(f"rollout_support must be a TokenSupport, got {type(self.rollout_support).__name__}")
+            if self.rollout_support.ids.device.type != "cpu":
+                raise ValueError("rollout_support must be on the host (CPU), like the other per-token metadata")
+            if self.rollout_support.num_tokens != num_resp:
+                raise ValueError(
+                    f"rollout_support covers {self.rollout_support.num_tokens} tokens, expected {num_resp} "
+                    "(one support per response token)"
+                )
         if self.slot_length is not None:
             longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()) if self.num_sequences else 0
             if self.slot_length < max(longest, 1):
@@ -128,6 +144,7 @@ class _LocalView:
         targets: ``[R_local]`` the response token ids predicted at ``rows``.
         full_index: ``[R_local]`` index of every local response token in the full ``[R]`` tensors.
         cu: ``[N+1]`` boundaries of the sequences in the local ``[R_local]`` tensors.
+        support: the rollout support of the ``[R_local]`` tokens (host), or ``None``.
     """
 
     pack: Any
@@ -135,3 +152,4 @@ class _LocalView:
     targets: torch.Tensor
     full_index: torch.Tensor
     cu: torch.Tensor
+    support: Any = None

@@ -172,6 +172,43 @@ class TokenSupport:
     def num_tokens(self) -> int:
         return int(self.offsets.numel()) - 1
 
+    def select(self, index: torch.Tensor) -> "TokenSupport":
+        """The supports of tokens ``index [M]`` (int64, CPU), in that order: token ``j`` of the
+        result is token ``index[j]`` of this one (a context-parallel rank's share of a
+        micro-batch's responses). Host tensors only (``ids`` on the CPU): no synchronisation.
+
+        Raises:
+            ValueError: ``ids`` not on the CPU, or ``index`` out of range.
+        """
+        if self.ids.device.type != "cpu" or index.device.type != "cpu":
+            raise ValueError("TokenSupport.select works on host supports (ids and index on the CPU); select before .to(device)")
+        index = index.to(torch.int64)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_tokens):
+            raise ValueError(f"select: token index out of [0, {self.num_tokens}), got [{int(index.min())}, {int(index.max())}]")
+        starts = self.offsets[index]
+        counts = self.offsets[index + 1] - starts
+        offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
+        offsets[1:] = counts.cumsum(0)
+        total = int(offsets[-1])
+        gather = torch.repeat_interleave(starts - offsets[:-1], counts, output_size=total) + torch.arange(total)
+        token_index = torch.repeat_interleave(torch.arange(index.numel()), counts, output_size=total)
+        return TokenSupport(ids=self.ids.index_select(0, gather), token_index=token_index, offsets=offsets)
+
+    def to(self, device: torch.device | str) -> "TokenSupport":
+        """``ids`` and ``token_index`` on ``device`` (from host memory: one pinned, non-blocking
+        copy of both); ``offsets`` stay on the host."""
+        dev = torch.device(device)
+        if self.ids.device == dev and self.token_index.device == dev:
+            return self
+        both = torch.stack([self.ids, self.token_index.to(self.ids.device)])
+        if both.device.type == "cpu" and dev.type != "cpu":
+            from megatron_mis.core.segments import to_device
+
+            both = to_device(both, dev)
+        else:
+            both = both.to(dev)
+        return TokenSupport(ids=both[0], token_index=both[1], offsets=self.offsets)
+
     def validate(self, num_tokens: int, vocab: int, device: torch.device, *, read_values: bool) -> None:
         """Shapes, dtypes and devices always; with ``read_values`` (a host read) also the id range
         and the offsets' consistency.

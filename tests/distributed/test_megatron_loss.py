@@ -694,3 +694,63 @@ def test_pp2_loss_only_on_last_stage_and_equal_to_single_process(pool1, pool2):
     for name, g_ref in ref["grads"].items():
         # same weights, same arithmetic split over two processes: float32 rounding only
         torch.testing.assert_close(grads[name], g_ref, rtol=0, atol=1e-5 * float(g_ref.abs().max()) + 1e-12)
+
+
+# --------------------------------------------------------- top-p / top-k replay (rollout support)
+def _with_supports(batches, seed=7):
+    """Each response token gets a rollout support: 1-6 random ids plus the sampled one (70% of
+    tokens), or none (the whole vocabulary)."""
+    import dataclasses
+
+    from megatron_mis.integrations.megatron_loss import response_positions
+    from megatron_mis.parallel.tp_logprobs import TokenSupport
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for mb in batches:
+        _, target_pos = response_positions(mb.cu_seqlens, mb.response_lengths)
+        supports = []
+        for tok in mb.tokens[target_pos].tolist():
+            if float(torch.rand((), generator=g)) < 0.7:
+                k = int(torch.randint(1, 7, (), generator=g))
+                supports.append(sorted(set(torch.randperm(SPEC.vocab_size, generator=g)[:k].tolist()) | {tok}))
+            else:
+                supports.append([])
+        out.append(dataclasses.replace(mb, rollout_support=TokenSupport.from_lists(supports)))
+    return out
+
+
+def test_rollout_support_is_replayed_under_tp_cp_and_dp(pool1, pool2):
+    """The trainer's log-probs over the rollout's support: pi_old recomputed with the support is
+    log p renormalised over a subset (>= the untruncated log-prob, equal where a token has no
+    support, larger where it has one), and TP=2, CP=2 and DP=2 equal one process (loss, metrics,
+    gradients, updates, recomputed pi_old)."""
+    cfg, mis = dict(policy_loss="decoupled_ppo", loss_aggregation="token_mean"), dict(use_tis=True, tis_upper_bound=2.0)
+    plain = make_micro_batches(4)
+    batches = _with_supports(plain)
+    ref = pool1.run(train, 1, batches, cfg, mis)[0]
+    base = pool1.run(train, 1, plain, cfg, mis)[0]
+    for mb, with_s, without in zip(batches, ref["recomputed"], base["recomputed"]):
+        has = (mb.rollout_support.offsets[1:] > mb.rollout_support.offsets[:-1])
+        assert torch.equal(with_s[~has], without[~has])
+        assert bool((with_s[has] > without[has] + 1e-4).all())  # 2-7 of 48 ids kept: a large renormalisation
+    assert ref["history"][0]["loss"] != base["history"][0]["loss"]
+    for r, run in enumerate(pool2.run(train, 2, batches, cfg, mis)):
+        _compare(run, ref, f"support TP=2 rank {r}")
+    for r, run in enumerate(pool2.run(train, 1, batches, cfg, mis, cp=2)):
+        _compare(run, ref, f"support CP=2 rank {r}", extra=True)
+        _check_recomputed(run, ref, batches, f"support CP=2 rank {r}")
+    for r, run in enumerate(pool2.run(train, 1, batches, cfg, mis)):
+        _compare(run, ref, f"support DP=2 rank {r}")
+
+
+def test_rollout_support_is_validated():
+    from megatron_mis.parallel.tp_logprobs import TokenSupport
+
+    mb = make_micro_batches(1)[0]
+    import dataclasses
+
+    with pytest.raises(ValueError, match="rollout_support covers 1 tokens, expected"):
+        dataclasses.replace(mb, rollout_support=TokenSupport.from_lists([[1]]))
+    with pytest.raises(ValueError, match="rollout_support must be a TokenSupport"):
+        dataclasses.replace(mb, rollout_support=[[1]])

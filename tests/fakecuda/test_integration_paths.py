@@ -111,8 +111,9 @@ class _TinyModel:
         return self.weight.index_select(0, tokens.reshape(-1))[None]
 
 
-def _micro_batch(vocab: int, seed: int = 0):
+def _micro_batch(vocab: int, seed: int = 0, support: bool = False):
     from megatron_mis.integrations.rl_batch import RLMicroBatch
+    from megatron_mis.parallel.tp_logprobs import TokenSupport
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.tensor([3, 2, 4])
@@ -120,8 +121,13 @@ def _micro_batch(vocab: int, seed: int = 0):
     totals = prompts + responses
     num = int(responses.sum())
     old = torch.randn(num, generator=g) * 0.3 - 2.0
+    tokens = torch.randint(0, vocab, (int(totals.sum()),), generator=g)
+    rollout_support = None
+    if support:  # top-p replay: a few ids per token (every third token untruncated)
+        rollout_support = TokenSupport.from_lists([[] if t % 3 == 2 else [(5 * t) % vocab, (5 * t + 1) % vocab] for t in range(num)])
     return RLMicroBatch(
-        tokens=torch.randint(0, vocab, (int(totals.sum()),), generator=g),
+        tokens=tokens,
+        rollout_support=rollout_support,
         cu_seqlens=torch.nn.functional.pad(torch.cumsum(totals, 0), (1, 0)).int(),
         response_lengths=responses,
         loss_mask=(torch.rand(num, generator=g) > 0.2).float(),
@@ -145,8 +151,9 @@ def one_rank_group(tmp_path):
 
 @pytest.mark.parametrize("loss", [dict(policy_loss="decoupled_ppo"), dict(policy_loss="ppo", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_opsm=True),
                                   dict(policy_loss="gspo", eps_clip=3e-4, eps_clip_high=4e-4, use_opsm=True),
-                                  dict(policy_loss="cispo", eps_clip=1.0, eps_clip_high=0.28)],
-                         ids=["decoupled_ppo", "ppo+kl+entropy+opsm", "gspo+opsm", "cispo"])
+                                  dict(policy_loss="cispo", eps_clip=1.0, eps_clip_high=0.28),
+                                  dict(policy_loss="decoupled_ppo", entropy_coef=0.01, support=True)],
+                         ids=["decoupled_ppo", "ppo+kl+entropy+opsm", "gspo+opsm", "cispo", "decoupled_ppo+entropy+rollout_support"])
 def test_megatron_rl_loss_step_has_no_host_synchronisation(probe, one_rank_group, loss):
     from megatron_mis import MISConfig
     from megatron_mis.config.loss import LossConfig
@@ -155,7 +162,9 @@ def test_megatron_rl_loss_step_has_no_host_synchronisation(probe, one_rank_group
     from megatron_mis.integrations.rl_metrics import reduce_metric_store
 
     vocab = 13
-    mbs = [_micro_batch(vocab, seed=s) for s in range(2)]
+    loss = dict(loss)
+    support = loss.pop("support", False)
+    mbs = [_micro_batch(vocab, seed=s, support=support) for s in range(2)]
     with probe.paused():
         rl_ref = MegatronRLLoss(LossConfig(**loss), MISConfig(use_tis=True), tp_group=one_rank_group, cp_group=one_rank_group, dp_group=one_rank_group)
         den = rl_ref.count_denominators(mbs)

@@ -126,3 +126,14 @@ def test_bad_supports_are_named():
     bad = TokenSupport(ids=torch.tensor([0, 1]), token_index=torch.tensor([1, 1]), offsets=torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="token_index does not match offsets"):
         vocab_parallel_log_probs(z, t, support=bad)
+
+
+def test_select_picks_tokens_in_the_given_order():
+    s = TokenSupport.from_lists([[1, 2], [], [4, 5, 6], [7]])
+    sub = s.select(torch.tensor([3, 0, 1, 2]))
+    assert sub.offsets.tolist() == [0, 1, 3, 3, 6]
+    assert sub.ids.tolist() == [7, 1, 2, 4, 5, 6]
+    assert sub.token_index.tolist() == [0, 1, 1, 3, 3, 3]
+    assert s.select(torch.zeros(0, dtype=torch.long)).offsets.tolist() == [0]
+    with pytest.raises(ValueError, match=r"token index out of \[0, 4\)"):
+        s.select(torch.tensor([4]))
