@@ -59,6 +59,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
 _SWITCHES: tuple[tuple[str, str, bool, str | None], ...] = (
     ("--compare", "compare", True, None),
     ("--true-on-policy", "true_on_policy", True, None),
+    ("--trainer-truncation", "trainer_truncation", True, None),
     ("--eos", "eos", True, None),
     ("--routing-replay", "routing_replay", True, None),
     ("--no-progress", "progress", False, "Hide the progress bar (the per-step metrics are still written)."),
@@ -232,7 +233,7 @@ def _mechanisms(cfg) -> str:
         parts.append(f"rollout temperature {cfg.temperature:g}, trainer temperature {cfg.resolved_trainer_temperature:g}")
     if cfg.top_p < 1 or cfg.top_k:
         parts.append(f"rollout top_p {cfg.top_p:g} / top_k {cfg.top_k} ({cfg.rollout_logprobs} log-probs recorded), "
-                     "no truncation in the trainer")
+                     + ("the trainer replays the rollout's support" if cfg.trainer_truncation else "no truncation in the trainer"))
     if cfg.scratchpad or cfg.distractors:
         parts.append(f"long-tail task: {cfg.scratchpad} scratchpad tokens {cfg.scratchpad_position} the answer, {cfg.distractors} distractors")
     return "".join(f"\n  mechanism: {p}" for p in parts)

@@ -180,3 +180,37 @@ def test_top_p_records_raw_or_processed_log_probs(pool1, top_p, top_k):
     torch.testing.assert_close(proc.double(), exp_proc[:, 1], atol=1e-4, rtol=0)
     # the processed log-probs sit above the raw ones by -log(kept mass) >= 0; somewhere strictly
     assert float((exp_proc[:, 1] - exp_proc[:, 0]).max()) > 1e-3
+
+
+# --------------------------------------------------------------------- top-p replay (trainer)
+def _replay_step(trainer_truncation: bool):
+    """One demo step with top-p 0.7 and processed rollout log-probs (fp32 rollouts), the
+    trainer replaying the rollout's support or not: the step's record."""
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(steps=1, correction="none", top_p=0.7, rollout_logprobs="processed",
+                     trainer_truncation=trainer_truncation, seed=5, **_SMALL)
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec("none", cfg))
+        record = trainer.step(1)
+        trainer.close()
+    return record
+
+
+def test_trainer_truncation_removes_the_support_mismatch(pool1):
+    """Without the replay every sampled token has pi_train / pi_rollout = its kept mass < 1 (K3
+    well above fp32 rounding); with it the trainer's pi_old is the rollout's truncated
+    distribution and the mismatch falls to the two fp32 forwards' rounding."""
+    ((off,),) = [pool1.run(_replay_step, False)]
+    ((on,),) = [pool1.run(_replay_step, True)]
+    assert off["mis_k3_kl"] > 1e-3 and off["logprob_abs_diff_max"] > 0.05
+    assert on["mis_k3_kl"] < 1e-9 and on["logprob_abs_diff_max"] < 1e-4
+
+
+def test_trainer_truncation_is_validated():
+    from megatron_mis.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer_truncation needs top_p < 1 or top_k > 0"):
+        DemoConfig(trainer_truncation=True)
+    with pytest.raises(ConfigError, match="set rollout_logprobs: processed"):
+        DemoConfig(trainer_truncation=True, top_p=0.9)

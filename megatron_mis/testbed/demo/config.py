@@ -75,12 +75,18 @@ class DemoConfig(ConfigBase):
         "temperature to reproduce the bug class where the rollout engine applies a temperature the trainer does "
         "not (the dose-response mechanism 'temperature').",
     )
-    top_p: float = doc(1.0, "Rollout nucleus sampling (1: off); the trainer does not truncate (a support mismatch).")
+    top_p: float = doc(1.0, "Rollout nucleus sampling (1: off); the trainer does not truncate (a support mismatch) unless trainer_truncation.")
     top_k: int = doc(0, "Rollout top-k sampling (0: off); the trainer does not truncate.")
     rollout_logprobs: Literal["raw", "processed"] = doc(
         "raw",
         "With top_p / top_k: the rollout records the raw log-probs of softmax(logits / T) (SGLang's default) or "
         "the processed ones of the truncated, renormalised distribution it sampled from.",
+    )
+    trainer_truncation: bool = doc(
+        False,
+        "With top_p / top_k: the rollout records each token's kept ids and the trainer replays that support "
+        "(its pi_old and pi_theta are those of the truncated, renormalised distribution, as slime's top-p replay; "
+        "megatron_mis.parallel.tp_logprobs.TokenSupport). Needs rollout_logprobs: processed.",
     )
     staleness: int = doc(
         0,
@@ -218,6 +224,13 @@ class DemoConfig(ConfigBase):
             out.append(f"rollout_logprobs={self.rollout_logprobs!r} must be 'raw' or 'processed'")
         if self.staleness < 0:
             out.append(f"staleness={self.staleness!r} must be >= 0")
+        if self.trainer_truncation and not (self.top_k or self.top_p < 1):
+            out.append("trainer_truncation needs top_p < 1 or top_k > 0 (there is no truncation to replay)")
+        elif self.trainer_truncation and self.rollout_logprobs != "processed":
+            out.append(
+                f"trainer_truncation with rollout_logprobs={self.rollout_logprobs!r}: the trainer's replayed log-probs are "
+                "those of the truncated distribution, so the rollout must record the same (set rollout_logprobs: processed)"
+            )
         if self.true_on_policy and (self.staleness or self.top_k or self.top_p < 1 or (
                 self.trainer_temperature is not None and self.trainer_temperature != self.temperature)):
             out.append("true_on_policy with staleness / top_k / top_p / trainer_temperature: a true on-policy rollout "

@@ -264,6 +264,7 @@ class GRPOTrainer:
             pad_token_id=PAD,
             true_on_policy=cfg.true_on_policy,
             micro_batch_size=cfg.micro_batch_size if cfg.true_on_policy else None,
+            record_support=cfg.trainer_truncation,
         )
         self.engine = RolloutEngine(self._weights(), self.rollout_config)
         # staleness: a ring buffer of (optimizer step, weights); the oldest entry is the rollout's policy
@@ -294,6 +295,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------ a step
     def _micro_batches(self, batch, advantages: torch.Tensor) -> list[Any]:
         from megatron_mis.integrations.megatron_loss import RLMicroBatch
+        from megatron_mis.parallel.tp_logprobs import TokenSupport
 
         cfg = self.cfg
         per_rank = cfg.num_sequences // self.dp_size
@@ -312,6 +314,9 @@ class GRPOTrainer:
                     loss_mask=torch.ones(int(resp.sum())),
                     advantages=torch.repeat_interleave(advantages[idx], resp),
                     rollout_log_probs=torch.cat([batch.rollout_log_probs[i] for i in idx]),
+                    rollout_support=(
+                        None if batch.support is None else TokenSupport.from_lists([ids for i in idx for ids in batch.support[i]])
+                    ),
                     slot_length=batch.slot_length if cfg.true_on_policy else None,
                     pad_token_id=self.pad,
                 )

@@ -203,6 +203,17 @@ SWEEPS: dict[str, Sweep] = {
             _CORRECTIONS,
         ),
         Sweep(
+            "top-p-replay",
+            "nucleus sampling with the truncated distribution's log-probs recorded, and the rollout's support "
+            "replayed in the trainer (trainer_truncation, as slime's top-p replay): the support mismatch removed "
+            "at its source, against top-p-processed",
+            "top_p",
+            tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed" if p < 1 else "raw", "trainer_truncation": p < 1})
+                  for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
+            _SWEEP_BASE,
+            _CORRECTIONS,
+        ),
+        Sweep(
             "long-tail",
             "the long-tail task: vocabulary 512, 4 distractor ids in the prompt, a free scratchpad of S tokens "
             "(responses of S + 3 = 64, 128, 256 tokens) and 3 digits to copy; int4 rollouts",
@@ -243,7 +254,7 @@ for _w in SWEEPS.values():
 #: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
 #: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
 _NO_MECHANISM: dict[str, Any] = {"staleness": 0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
-                                 "rollout_logprobs": "raw"}
+                                 "rollout_logprobs": "raw", "trainer_truncation": False}
 
 
 def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:
