@@ -121,7 +121,8 @@ class MISConfig(ConfigBase):
     use_rs: bool = doc(
         False,
         "Rejection sampling: drop tokens (rs_level=token) or whole sequences (sequence/geometric) "
-        "whose ratio at rs_level lies outside [rs_lower_bound, rs_upper_bound]. Independent of use_tis.",
+        "whose ratio at rs_level lies outside [rs_lower_bound, rs_upper_bound], or, when rs_criteria is "
+        "set, that fail one of those divergence criteria. Independent of use_tis.",
     )
     tis_level: Level = doc(
         "token",
