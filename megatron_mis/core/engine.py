@@ -6,8 +6,11 @@ With ``log r_t = log pi_train(y_t) - log pi_rollout(y_t)`` on the loss-mask toke
 - levels: token ``w_t = r_t``; sequence ``w = exp(sum log r_t)``; geometric ``w = exp(mean log r_t)``
   (every exponent clamped to ``[-log_ratio_bound, log_ratio_bound]``);
 - IS modes: truncate ``min(w, U)``; clip ``clamp(w, L, U)``; mask ``w`` inside ``[L, U]``, else the
-  token (token level) or sequence (sequence / geometric level) is rejected;
-- RS at its own level: reject where the level's ratio lies outside ``[L_rs, U_rs]``;
+  token (token level) or sequence (sequence / geometric level) is rejected; icepop (token level)
+  ``w`` inside ``[L, U]``, else weight 0 with the token kept in the mask;
+- RS at its own level: reject where the level's ratio lies outside ``[L_rs, U_rs]`` — or, with
+  ``rs_criteria``, where a divergence criterion fails (k1 / k2 / k3 per token, or their sum, mean
+  or max over the sequence; the max from the sequence's log-ratio extrema);
 - veto: reject the whole sequence if any kept token has ``r_t < rs_veto_threshold``, or a token
   probability below ``prob_veto_threshold``;
 - self-normalisation: divide the weights by their mean over kept tokens (token level) or kept
