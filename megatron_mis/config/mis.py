@@ -6,15 +6,75 @@ same meaning); the rest are added by megatron-mis. See ``configs/mis.yaml`` for 
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, get_args
 
 from megatron_mis.config.base import ConfigBase, ConfigError, Interval, _check_namespace, doc, load_yaml_mapping
+from megatron_mis.registry import Registry, RegistryKeyError
 
-__all__ = ["MISConfig", "Level", "ISMode", "MAX_LOG_RATIO_BOUND", "HOST_KEYS", "HOST_BOUND_FLAGS", "resolve_host_bound_flags"]
+__all__ = [
+    "MISConfig", "Level", "ISMode", "RSCriterion", "RSCriterionSpec", "RS_CRITERIA", "RSBound", "MAX_LOG_RATIO_BOUND",
+    "HOST_KEYS", "HOST_BOUND_FLAGS", "resolve_host_bound_flags",
+]
 
 Level = Literal["token", "sequence", "geometric"]
-ISMode = Literal["truncate", "clip", "mask"]
+#: truncate / clip / mask (out of band: out of the loss mask) / icepop (token level only, Miles'
+#: ``icepop_function``: out of band: weight 0, the token stays in the loss mask)
+ISMode = Literal["truncate", "clip", "mask", "icepop"]
+#: IS modes that only exist at token level, and the levels they allow.
+TOKEN_ONLY_MODES = {"icepop": ("token",)}
+
+#: Divergence rejection criteria (verl's rollout_rs options), with
+#: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, r = pi_train / pi_rollout.
+RSCriterion = Literal[
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+]
+
+
+class RSCriterionSpec(NamedTuple):
+    """What a divergence criterion measures.
+
+    Attributes:
+        name: the criterion's name (``seq_mean_k3``).
+        reduce: ``token`` (each token on its own), ``sum``, ``mean`` or ``max`` over the
+            sequence's valid loss-mask tokens.
+        k: the estimator, 1, 2 or 3.
+    """
+
+    name: str
+    reduce: str
+    k: int
+
+    @property
+    def token_level(self) -> bool:
+        return self.reduce == "token"
+
+    @property
+    def is_band(self) -> bool:
+        """k1 criteria take a ratio band ``[lower, upper]``; k2 / k3 an upper bound only."""
+        return self.k == 1
+
+
+#: The registry of divergence criteria (one entry per name of :data:`RSCriterion`).
+RS_CRITERIA: Registry[RSCriterionSpec] = Registry("rejection criterion")
+for _name in get_args(RSCriterion):
+    _reduce, _k = _name.rsplit("_k", 1)
+    RS_CRITERIA.register(_name, RSCriterionSpec(_name, {"token": "token", "seq_sum": "sum", "seq_mean": "mean", "seq_max": "max"}[_reduce], int(_k)))
+
+
+class RSBound(NamedTuple):
+    """One resolved criterion of ``rs_criteria``: a k1 criterion keeps ``lower <= ratio <= upper``
+    (the ratio of its level: ``r_t``, ``prod r_t`` or ``exp(mean log r_t)``); a k2 / k3 criterion
+    keeps ``value <= upper`` (``lower`` is 0, unused)."""
+
+    name: str
+    lower: float
+    upper: float
 
 #: exp(x) overflows float32 just above 88; keep every exponent well inside.
 MAX_LOG_RATIO_BOUND = 80.0
@@ -61,7 +121,8 @@ class MISConfig(ConfigBase):
     use_rs: bool = doc(
         False,
         "Rejection sampling: drop tokens (rs_level=token) or whole sequences (sequence/geometric) "
-        "whose ratio at rs_level lies outside [rs_lower_bound, rs_upper_bound]. Independent of use_tis.",
+        "whose ratio at rs_level lies outside [rs_lower_bound, rs_upper_bound], or, when rs_criteria is "
+        "set, that fail one of those divergence criteria. Independent of use_tis.",
     )
     tis_level: Level = doc(
         "token",
@@ -71,7 +132,9 @@ class MISConfig(ConfigBase):
     tis_mode: ISMode = doc(
         "truncate",
         "truncate: min(w, U) (TIS); clip: clamp(w, L, U); mask: keep w inside [L, U], reject the "
-        "token or sequence (by tis_level) outside (MIS / IcePop).",
+        "token or sequence (by tis_level) outside: it leaves the loss mask (MIS); icepop (token level "
+        "only, Miles' icepop_function): w inside [L, U], weight 0 outside, and the token stays in the "
+        "loss mask (denominators, entropy and KL terms keep it; counted in mis_tis_zero_weight_fraction_*).",
     )
     tis_lower_bound: float | None = doc(
         None, "L for clip and mask modes; null means 1/tis_upper_bound. Unused by truncate."
@@ -158,6 +221,16 @@ class MISConfig(ConfigBase):
         "leaves the loss and masks unchanged (use_rs and the vetoes then have no effect, with a "
         "warning). true: apply rejection sampling and the vetoes in that case too (weights stay 1).",
     )
+    rs_criteria: dict[str, Any] = doc(
+        {},
+        "Divergence rejection criteria (verl's rollout_rs), applied by use_rs: true in place of the ratio "
+        "band at rs_level; every criterion listed must pass. A mapping {criterion: threshold}: token_k1, "
+        "seq_sum_k1, seq_mean_k1 take a ratio band [lower, upper] of r_t, prod r_t, exp(mean log r_t) (the "
+        "band at token / sequence / geometric level; one number U means [1/U, U]); token_k2, token_k3, "
+        "seq_sum_k2/k3, seq_mean_k2/k3, seq_max_k2/k3 take an upper bound of k2 = (log r)^2/2 or "
+        "k3 = r - 1 - log r (per token, or the sum / mean / max over the sequence's valid loss-mask tokens). "
+        "E.g. {seq_mean_k3: 0.005, seq_max_k3: 2.0}. Empty: the ratio band. docs/engine.md says which to choose.",
+    )
 
     # ---------------------------------------------------------------------------- resolved bounds
     @property
@@ -180,6 +253,20 @@ class MISConfig(ConfigBase):
         """Whether weights are self-normalised."""
         return self.use_tis and self.tis_batch_normalize
 
+    def rs_bounds(self) -> tuple[RSBound, ...]:
+        """The divergence criteria rejection sampling applies (``()`` without ``use_rs`` or with
+        an empty ``rs_criteria``, where the ratio band at ``rs_level`` applies), in the order given."""
+        if not self.use_rs or not self.rs_criteria:
+            return ()
+        bounds, _ = _parse_criteria(self.rs_criteria)
+        return tuple(bounds)
+
+    @property
+    def rs_band(self) -> bool:
+        """Whether rejection sampling compares the ratio at ``rs_level`` with ``[rs_lower_bound,
+        rs_upper_bound]`` (``use_rs`` without ``rs_criteria``)."""
+        return self.use_rs and not self.rs_criteria
+
     @property
     def rejects(self) -> bool:
         """Whether this config can remove tokens or sequences from the loss mask."""
@@ -195,7 +282,8 @@ class MISConfig(ConfigBase):
     def token_rejects(self) -> bool:
         """Whether single tokens (not only whole sequences) can be rejected."""
         return (
-            (self.use_rs and self.rs_level == "token")
+            (self.rs_band and self.rs_level == "token")
+            or any(RS_CRITERIA.get(b.name).token_level for b in self.rs_bounds())
             or (self.use_tis and self.tis_mode == "mask" and self.tis_level == "token")
             or self.nonfinite_policy == "reject"
         )
@@ -230,7 +318,27 @@ class MISConfig(ConfigBase):
                 f"tis_lower_bound={self.tis_lower!r} must be < tis_upper_bound={self.tis_upper_bound!r}"
                 + (" (unset, it is 1/tis_upper_bound)" if self.tis_lower_bound is None else "")
             )
-        if self.use_rs and not self.rs_lower < self.rs_upper:
+        allowed_levels = TOKEN_ONLY_MODES.get(self.tis_mode)
+        if allowed_levels is not None and self.tis_level not in allowed_levels:
+            problems.append(
+                f"tis_mode={self.tis_mode!r} is token-level only (Miles' icepop_function weighs each token): "
+                f"tis_level={self.tis_level!r} is not allowed with it; allowed tis_level: "
+                + ", ".join(repr(x) for x in allowed_levels)
+                + " (for a sequence-level band use tis_mode: mask, which rejects the sequence)"
+            )
+        _, criteria_problems = _parse_criteria(self.rs_criteria)
+        problems += criteria_problems
+        if self.rs_criteria and self.use_rs and not criteria_problems:
+            ignored = [f"{n}={getattr(self, n)!r}" for n in ("rs_lower_bound", "rs_upper_bound") if getattr(self, n) is not None]
+            if self.rs_level != "token":
+                ignored.append(f"rs_level={self.rs_level!r}")
+            if ignored:
+                problems.append(
+                    f"{', '.join(ignored)} set together with rs_criteria: with rs_criteria the ratio band is not "
+                    "applied (it would be silently ignored); write the band as a k1 criterion of its level "
+                    "(token_k1, seq_sum_k1 or seq_mean_k1: [lower, upper]) in rs_criteria, or drop rs_criteria"
+                )
+        if self.rs_band and not self.rs_lower < self.rs_upper:
             # name the keys the values come from: an unset RS bound is the IS bound's value
             low = f"rs_lower_bound={self.rs_lower!r}"
             if self.rs_lower_bound is None:
@@ -263,6 +371,8 @@ class MISConfig(ConfigBase):
                 f"tis_lower_bound={self.tis_lower_bound!r} has no effect in tis_mode='truncate' "
                 "(truncate only caps at tis_upper_bound); it is still the default for rs_lower_bound"
             )
+        if not self.use_rs and self.rs_criteria:
+            out.append(f"rs_criteria={dict(self.rs_criteria)!r} has no effect because use_rs is false")
         if not self.use_rs:
             for name in ("rs_lower_bound", "rs_upper_bound"):
                 if getattr(self, name) is not None:
@@ -405,6 +515,73 @@ def resolve_host_bound_flags(values: dict[str, Any], flags: dict[str, Any]) -> t
 
 
 _DEFAULTS = {"tis_level": "token", "tis_mode": "truncate", "tis_lower_bound": None}
+
+#: a number written in plain decimal notation: PyYAML reads ``5e-3`` as a string
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or ``None`` (bools, NaN, inf and other types are not numbers)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        if not _NUMBER.fullmatch(value.strip()):
+            return None
+        value = value.strip()
+    if not isinstance(value, (int, float, str)):
+        return None
+    try:
+        out = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _parse_criteria(value: Any) -> tuple[list[RSBound], list[str]]:
+    """``rs_criteria`` resolved into :class:`RSBound` s, and one sentence per problem (every
+    problem of the mapping, each naming the criterion, the bad value and what is allowed)."""
+    if not isinstance(value, dict):
+        return [], [
+            f"rs_criteria={value!r:.80} must be a mapping {{criterion: threshold}}, e.g. {{seq_mean_k3: 0.005}} "
+            f"(criteria: {', '.join(RS_CRITERIA.names())})"
+        ]
+    bounds, problems = [], []
+    for name, threshold in value.items():
+        try:
+            spec = RS_CRITERIA.get(name)
+        except RegistryKeyError as exc:
+            problems.append(f"rs_criteria: {exc}")
+            continue
+        if spec.is_band:
+            pair = threshold if isinstance(threshold, (list, tuple)) else None
+            if pair is None:
+                upper = _number(threshold)
+                lower = None if upper is None or upper <= 1.0 else 1.0 / upper
+            elif len(pair) == 2:
+                lower, upper = _number(pair[0]), _number(pair[1])
+            else:
+                lower = upper = None
+            ok = (
+                lower is not None and upper is not None
+                and 1.0 / _F32_MAX <= lower < upper <= _F32_MAX
+            )
+            if not ok:
+                problems.append(
+                    f"rs_criteria: {name}={threshold!r:.60} must be a ratio band [lower, upper] with "
+                    f"0 < lower < upper (finite, float32 range), or one number U > 1 meaning [1/U, U]"
+                )
+                continue
+            bounds.append(RSBound(name, float(lower), float(upper)))
+        else:
+            upper = _number(threshold)
+            if upper is None or not 0.0 < upper <= _F32_MAX:
+                problems.append(
+                    f"rs_criteria: {name}={threshold!r:.60} must be one positive finite number, the upper bound of "
+                    f"k{spec.k} (k2 and k3 are >= 0, so they have no lower bound)"
+                )
+                continue
+            bounds.append(RSBound(name, 0.0, float(upper)))
+    return bounds, problems
 
 #: Prefixes of keys that belong to this config; a YAML key with one of these prefixes (or within
 #: a small edit distance of a valid key) that is not a valid key is reported as a typo.

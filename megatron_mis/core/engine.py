@@ -6,8 +6,11 @@ With ``log r_t = log pi_train(y_t) - log pi_rollout(y_t)`` on the loss-mask toke
 - levels: token ``w_t = r_t``; sequence ``w = exp(sum log r_t)``; geometric ``w = exp(mean log r_t)``
   (every exponent clamped to ``[-log_ratio_bound, log_ratio_bound]``);
 - IS modes: truncate ``min(w, U)``; clip ``clamp(w, L, U)``; mask ``w`` inside ``[L, U]``, else the
-  token (token level) or sequence (sequence / geometric level) is rejected;
-- RS at its own level: reject where the level's ratio lies outside ``[L_rs, U_rs]``;
+  token (token level) or sequence (sequence / geometric level) is rejected; icepop (token level)
+  ``w`` inside ``[L, U]``, else weight 0 with the token kept in the mask;
+- RS at its own level: reject where the level's ratio lies outside ``[L_rs, U_rs]`` — or, with
+  ``rs_criteria``, where a divergence criterion fails (k1 / k2 / k3 per token, or their sum, mean
+  or max over the sequence; the max from the sequence's log-ratio extrema);
 - veto: reject the whole sequence if any kept token has ``r_t < rs_veto_threshold``, or a token
   probability below ``prob_veto_threshold``;
 - self-normalisation: divide the weights by their mean over kept tokens (token level) or kept
@@ -251,11 +254,29 @@ def _token_stage(
     r = torch.exp(log_r)  # 1 where invalid
 
     rejected = [nonfinitef] if plan.reject_nonfinite else []  # token-level rejection factors
+    # k3 (a token metric, and the statistic of the *_k3 criteria) and k2 (the *_k2 criteria), 0
+    # where invalid (log r = 0 there); expm1(log r) is shared with the metrics below
+    em1 = torch.expm1(log_r) if metrics_on else None  # 0 where invalid
+    needs_k3 = plan.criteria_of("token", 3) + plan.criteria_of("seq_sum", 3) + plan.criteria_of("seq_mean", 3)
+    k3 = _metrics.k3_from_log_ratio(log_r, em1) if metrics_on or needs_k3 else None
+    needs_k2 = plan.criteria_of("token", 2) + plan.criteria_of("seq_sum", 2) + plan.criteria_of("seq_mean", 2)
+    k2 = log_r.square().mul_(0.5) if needs_k2 else None
+    # ---- token-level divergence criteria (rs_criteria): each a rejection factor of its own,
+    # counted per criterion for the metrics; k1 is the ratio band of token RS
+    criterion_flags: dict[SequenceSum, torch.Tensor] = {}
+    for name, lo, hi in plan.criteria_of("token"):
+        k = int(name[-1])
+        if k == 1:
+            failed = torch.maximum(below(r, lo), above(r, hi)).mul_(maskf)
+        else:  # k2 / k3 are 0 where invalid, and the bound is > 0: no mask pass needed
+            failed = above(k2 if k == 2 else k3, hi)
+        criterion_flags[_TOKEN_CRITERION_COUNT[k]] = failed
+        rejected.append(failed)
     # Decisions on the ratio see a neutralised (non-finite) loss token as ratio 1 (r is exactly 1
     # there), like any finite ratio-1 token; a rejected one is out anyway.
     w_tok = is_low = is_high = None
     if plan.token_is:
-        if metrics_on or plan.tis_mode == "mask":
+        if metrics_on or plan.tis_mode in ("mask", "icepop"):
             is_low = below(r, plan.tis_lo).mul_(maskf)
             is_high = above(r, plan.tis_hi).mul_(maskf)
         # without metrics and token-level RS nothing reads r after the bound: bound it in place
@@ -264,10 +285,12 @@ def _token_stage(
             w_tok = clamp(r, max=plan.tis_hi)
         elif plan.tis_mode == "clip":
             w_tok = clamp(r, plan.tis_lo, plan.tis_hi)
-        else:  # mask
+        else:  # mask / icepop: weight 0 outside [L, U]
             outside = torch.maximum(is_low, is_high)
             w_tok = r * (1.0 - outside)
-            rejected.append(outside)
+            if plan.tis_mode == "mask":  # out of the loss mask; icepop keeps the token in it
+                rejected.append(outside)
+            del outside
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level == "token":
@@ -305,6 +328,7 @@ def _token_stage(
         for c, v in ((SequenceSum.N_IS_LOW, is_low), (SequenceSum.N_IS_HIGH, is_high), (SequenceSum.N_RS_LOW, rs_low), (SequenceSum.N_RS_HIGH, rs_high)):
             if v is not None:
                 flags[c] = v
+        flags.update(criterion_flags)
     for c, v in ((SequenceSum.N_RATIO_VETO, ratio_veto), (SequenceSum.N_PROB_VETO, prob_veto)):
         if v is not None:
             flags[c] = v
@@ -322,17 +346,19 @@ def _token_stage(
         # buffer unless the after-bound metric still reads w_tok over all loss-mask tokens
         w_kept = w_tok * keptf if metrics_on and keptf is not maskf else w_tok.mul_(keptf)
         columns[SequenceSum.SUM_W_KEPT] = w_kept
-    k3 = half_abs_em1 = None
+    if k2 is not None and (plan.criteria_of("seq_sum", 2) or plan.criteria_of("seq_mean", 2)):
+        columns[SequenceSum.SUM_K2] = k2
+    if k3 is not None and (metrics_on or plan.criteria_of("seq_sum", 3) or plan.criteria_of("seq_mean", 3)):
+        columns[SequenceSum.SUM_K3] = k3
+    del k2
+    half_abs_em1 = None
     if metrics_on:
         # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
         # r^2 - 1 = (r - 1)(r + 1): the chi-square from log space, accurate for tiny mismatches
         # (float64 when e^(2 bound) exceeds the float32 range)
-        em1 = torch.expm1(log_r)  # 0 where invalid
-        k3 = _metrics.k3_from_log_ratio(log_r, em1)  # 0 where invalid
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
         half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            SequenceSum.SUM_K3: k3,
             SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
         })
         del em1, em1_r2
@@ -344,6 +370,7 @@ def _token_stage(
             columns[SequenceSum.SUM_W_BEFORE] = r_v  # the unbounded token weight is r
             columns[SequenceSum.SUM_W_AFTER] = w_after
             # the hosts' after-bound weight: bounded (truncate / clip), the raw ratio in mask mode
+            # (the hosts keep it at masked tokens), 0 out of band in icepop mode (Miles' weight)
             columns[SequenceSum.SUM_W_HOST] = r * maskf if plan.tis_mode == "mask" else w_after
     order: list[SequenceSum] = []
     unique: list[torch.Tensor] = []
@@ -376,20 +403,40 @@ def _token_stage(
     sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
     sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]
 
-    # ---- per-sequence extrema (token-level IS metrics only) --------------------------------
+    # ---- per-sequence extrema (token-level IS metrics, seq_max_* criteria) -------------------
+    big = 3e38
     if plan.token_is and metrics_on:
-        big = 3e38
         # excluded tokens get +-big by arithmetic (x + 0 = x exactly; every x is finite): cheap
         # passes where a select costs one slow one
         out_valid = (1.0 - validf).mul_(big)
         out_kept = (1.0 - keptf).mul_(big)
-        # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there
-        low = layout.mins([log_r + out_valid, w_kept + out_kept], big)
-        high = layout.maxs([log_r - out_valid, w_kept - out_kept], -big)
-        del out_valid, out_kept
+        # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there.
+        # W_HOST: icepop's weight over the loss-mask tokens (0 out of band); in the other modes the
+        # LOG_R column again (the same tensor: no extra pass; never read)
+        lr_low, lr_high = log_r + out_valid, log_r - out_valid
+        if plan.tis_mode == "icepop":
+            out_mask = (1.0 - maskf).mul_(big)
+            host_low, host_high = columns[SequenceSum.SUM_W_HOST] + out_mask, columns[SequenceSum.SUM_W_HOST] - out_mask
+            del out_mask
+        else:
+            host_low, host_high = lr_low, lr_high
+        low = layout.mins([lr_low, w_kept + out_kept, host_low], big)
+        high = layout.maxs([lr_high, w_kept - out_kept, host_high], -big)
+        del out_valid, out_kept, lr_low, lr_high, host_low, host_high
         low, high = low.to(f64), high.to(f64)
         mins = torch.where(low >= big, BIG, low)
         maxs = torch.where(high <= -big, -BIG, high)
+    elif plan.criteria_of("seq_max"):
+        # the largest k2 / k3 of a sequence is that of its smallest or largest log r (k2 and k3
+        # grow with |log r| on either side of 0), so the extrema of log r serve every seq_max_*
+        out_valid = (1.0 - validf).mul_(big)
+        low = layout.mins([log_r + out_valid], big).to(f64)
+        high = layout.maxs([log_r - out_valid], -big).to(f64)
+        del out_valid
+        mins = torch.full((num_seqs, len(SequenceExtremum)), BIG, dtype=f64, device=train.device)
+        maxs = torch.full((num_seqs, len(SequenceExtremum)), -BIG, dtype=f64, device=train.device)
+        mins[:, SequenceExtremum.LOG_R] = torch.where(low[:, 0] >= big, BIG, low[:, 0])
+        maxs[:, SequenceExtremum.LOG_R] = torch.where(high[:, 0] <= -big, -BIG, high[:, 0])
     else:
         mins = torch.full((num_seqs, len(SequenceExtremum)), BIG, dtype=f64, device=train.device)
         maxs = torch.full((num_seqs, len(SequenceExtremum)), -BIG, dtype=f64, device=train.device)
@@ -414,6 +461,9 @@ def _token_stage(
         )
     return tokens, sums, mins, maxs
 
+
+#: The count column of each token-level divergence criterion (token_k1, token_k2, token_k3).
+_TOKEN_CRITERION_COUNT = {1: SequenceSum.N_TOKEN_K1, 2: SequenceSum.N_TOKEN_K2, 3: SequenceSum.N_TOKEN_K3}
 
 #: Largest log-ratio bound whose r^2 = e^(2 bound) stays inside the float32 range (e^88.7).
 _F32_SAFE_BOUND = 44.0
@@ -457,6 +507,10 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
         rs_high = has_valid & (rs_ratio > plan.rs_hi)
         rejected = rejected | rs_low | rs_high
 
+    criteria = _sequence_criteria(stats, plan, level_log_r, n_valid, has_valid)
+    for failed in criteria.values():
+        rejected = rejected | failed
+
     ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0
     prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0
     rejected = rejected | ratio_vetoed | prob_vetoed
@@ -464,8 +518,44 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
     return SequenceDecisions(
         n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
-        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept,
+        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept, criteria=criteria,
     )
+
+
+def _sequence_criteria(
+    stats: SequenceStatistics, plan: _Plan, level_log_r: dict[str, torch.Tensor], n_valid: torch.Tensor,
+    has_valid: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """``{name: [N] bool}``: the sequences failing each sequence-level divergence criterion of
+    ``rs_criteria``, from the reduced statistics (float64). Over a sequence's valid loss-mask
+    tokens: ``seq_sum_k1`` / ``seq_mean_k1`` compare ``prod r`` / ``exp(mean log r)`` with their
+    band (exactly the sequence / geometric RS band); ``seq_sum_*`` / ``seq_mean_*`` of k2 / k3
+    compare the sum / mean; ``seq_max_*`` the largest token value, which is that of the
+    sequence's smallest or largest log r (k2 and k3 grow with ``|log r|`` on either side of 0).
+    A sequence without a valid token fails nothing."""
+    out: dict[str, torch.Tensor] = {}
+    for name, lo, hi in plan.rs_criteria:
+        reduce, k = name.rsplit("_k", 1)
+        if reduce == "token":
+            continue
+        if k == "1":
+            ratio = torch.exp(level_log_r["sequence" if reduce == "seq_sum" else "geometric"])
+            out[name] = has_valid & ((ratio < lo) | (ratio > hi))
+            continue
+        if reduce == "seq_max":
+            lr_min = stats.mins[:, SequenceExtremum.LOG_R]
+            lr_max = stats.maxs[:, SequenceExtremum.LOG_R]
+            # empty sequences hold +-1e30 there: made finite first (has_valid masks them below)
+            lr_min, lr_max = torch.where(has_valid, lr_min, 0.0), torch.where(has_valid, lr_max, 0.0)
+            if k == "2":
+                value = 0.5 * torch.maximum(lr_min.square(), lr_max.square())
+            else:  # float64 k3 of each end (|log r| <= log_ratio_bound <= 80: e^80 is finite)
+                value = torch.maximum(torch.expm1(lr_min) - lr_min, torch.expm1(lr_max) - lr_max)
+        else:
+            total = stats.col(SequenceSum.SUM_K2 if k == "2" else SequenceSum.SUM_K3)
+            value = total if reduce == "seq_sum" else total / n_valid.clamp_min(1)
+        out[name] = has_valid & (value > hi)
+    return out
 
 
 def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Plan) -> NormalizationStatistics:

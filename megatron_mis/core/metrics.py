@@ -36,16 +36,20 @@ saturate at +-3.4e38 in the ``[T]`` tensors; the float64 summaries stay exact.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from megatron_mis.config.mis import RSCriterion
 from megatron_mis.core.compiling import is_compiling
 from megatron_mis.core.flags import as_factor, finite_or_zero
 from megatron_mis.core.statistics import SequenceExtremum, Plan, SequenceDecisions, SequenceStatistics, SequenceSum, TokenQuantities
 
 
 __all__ = ["masked_log_ratio", "k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_edges", "METRIC_DOCS", "HOST_METRIC_NAMES"]
+
+#: The count column of each token-level divergence criterion.
+_TOKEN_CRITERION_COUNT = {"token_k1": SequenceSum.N_TOKEN_K1, "token_k2": SequenceSum.N_TOKEN_K2, "token_k3": SequenceSum.N_TOKEN_K3}
 
 #: Exponents of ppl-like metrics are capped here so exp() stays finite in float32.
 _EXP_CAP = 80.0
@@ -92,6 +96,16 @@ METRIC_DOCS: dict[str, str] = {
     "mis_tis_mask_fraction_high": "fraction masked above tis_upper_bound (mask mode)",
     "mis_rs_mask_fraction_low": "fraction rejected by RS below rs_lower_bound",
     "mis_rs_mask_fraction_high": "fraction rejected by RS above rs_upper_bound",
+    "mis_tis_zero_weight_fraction_low": "icepop mode: fraction of loss-mask tokens weighted 0 below tis_lower_bound "
+    "(they stay in the loss mask)",
+    "mis_tis_zero_weight_fraction_high": "icepop mode: fraction of loss-mask tokens weighted 0 above tis_upper_bound",
+    **{
+        f"mis_rs_{name}_fraction": (
+            f"token: 1 where the token fails the {name} criterion of rs_criteria" if name.startswith("token_")
+            else f"sequence: 1 where the sequence fails the {name} criterion of rs_criteria"
+        )
+        for name in get_args(RSCriterion)
+    },
     "mis_rs_catastrophic_token_fraction": "token: r below rs_veto_threshold",
     "mis_rs_catastrophic_seq_fraction": "sequence: vetoed by the ratio veto",
     "mis_prob_veto_token_fraction": "token: probability below prob_veto_threshold",
@@ -287,6 +301,7 @@ def build_metrics(
             "truncate": (None, "mis_tis_truncate_fraction"),
             "clip": ("mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"),
             "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
+            "icepop": ("mis_tis_zero_weight_fraction_low", "mis_tis_zero_weight_fraction_high"),
         }[plan.tis_mode]
         if plan.tis_level == "token":
             tok("mis_tis_weight_before_bound", columns[SequenceSum.SUM_W_BEFORE], col(SequenceSum.SUM_W_BEFORE).sum())
@@ -321,6 +336,12 @@ def build_metrics(
         else:
             seq("mis_rs_mask_fraction_low", seqs.rs_low)
             seq("mis_rs_mask_fraction_high", seqs.rs_high)
+    for name, _, _ in plan.rs_criteria:  # divergence criteria: the fraction each one fails
+        if name.startswith("token_"):
+            count = _TOKEN_CRITERION_COUNT[name]
+            indicator(f"mis_rs_{name}_fraction", tokens.flags.get(count), count)
+        else:
+            seq(f"mis_rs_{name}_fraction", seqs.criteria[name])
     if plan.log_ratio_veto is not None:
         indicator("mis_rs_catastrophic_token_fraction", tokens.ratio_veto, SequenceSum.N_RATIO_VETO)
         seq("mis_rs_catastrophic_seq_fraction", seqs.ratio_vetoed)
@@ -341,6 +362,11 @@ def build_metrics(
         # the hosts' definition: over ALL loss-mask tokens of the after-bound weight / normaliser
         if plan.tis_level == "token":
             mean_host = _safe_div(col(SequenceSum.SUM_W_HOST), n_mask) / normalizer
+        if plan.tis_level == "token" and plan.tis_mode == "icepop":
+            # icepop's weight (0 out of band) is not monotone in r: its own extrema over the loss mask
+            min_host = torch.where(has_mask, stats.mins[:, SequenceExtremum.W_HOST] / normalizer, zeros)
+            max_host = torch.where(has_mask, stats.maxs[:, SequenceExtremum.W_HOST] / normalizer, zeros)
+        elif plan.tis_level == "token":
             lo_r = torch.exp(stats.mins[:, SequenceExtremum.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
             hi_r = torch.exp(stats.maxs[:, SequenceExtremum.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
             if plan.tis_mode != "mask":  # truncate / clip are monotone in r

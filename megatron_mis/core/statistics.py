@@ -44,13 +44,18 @@ class SequenceSum(IntEnum):
     SUM_W_BEFORE = 19  # token-level IS: unbounded weight over valid tokens
     SUM_W_AFTER = 20  # token-level IS: bounded weight over loss-mask tokens (0 where IS-masked)
     SUM_W_HOST = 21  # token-level IS: the hosts' after-bound weight over loss-mask tokens (raw in mask mode)
+    SUM_K2 = 22  # (log r)^2 / 2 (clamped log r) over valid tokens: seq_sum_k2 / seq_mean_k2 criteria only
+    N_TOKEN_K1 = 23  # loss-mask tokens rejected by the token_k1 criterion (with metrics)
+    N_TOKEN_K2 = 24  # ... by token_k2
+    N_TOKEN_K3 = 25  # ... by token_k3
 
 
 class SequenceExtremum(IntEnum):
     """Columns of :attr:`SequenceStatistics.mins` / ``maxs``."""
 
-    LOG_R = 0  # clamped token log r over valid tokens
+    LOG_R = 0  # clamped token log r over valid tokens (token-level IS metrics, seq_max_k2 / seq_max_k3)
     W_KEPT = 1  # token-level IS: bounded weight over token-kept tokens
+    W_HOST = 2  # token-level icepop: the weight (0 out of band) over loss-mask tokens
 
 
 #: Former names of :class:`SequenceSum` and :class:`SequenceExtremum`.
@@ -152,6 +157,8 @@ class SequenceDecisions:
     prob_vetoed: torch.Tensor  # bool
     rejected: torch.Tensor  # bool: whole sequence out
     kept: torch.Tensor  # bool: not rejected and at least one kept token
+    #: sequence-level divergence criteria: name -> [N] bool, the sequence fails the criterion
+    criteria: dict = field(default_factory=dict)
 
 
 class Plan(NamedTuple):
@@ -163,7 +170,7 @@ class Plan(NamedTuple):
     tis_mode: str
     tis_lo: float
     tis_hi: float
-    use_rs: bool
+    use_rs: bool  # the ratio band at rs_level (use_rs without rs_criteria)
     rs_level: str
     rs_lo: float
     rs_hi: float
@@ -173,19 +180,30 @@ class Plan(NamedTuple):
     reject_nonfinite: bool
     normalizes: bool
     metrics: str  # "standard" / "full" / "none"
+    #: divergence criteria ``(name, lower, upper)`` (MISConfig.rs_bounds), empty without them
+    rs_criteria: tuple = ()
 
     @staticmethod
     def of(cfg: MISConfig) -> "Plan":
         return Plan(
             bound=float(cfg.log_ratio_bound), use_tis=bool(cfg.use_tis and cfg.apply_is_weights), tis_level=cfg.tis_level, tis_mode=cfg.tis_mode,
-            tis_lo=float(cfg.tis_lower), tis_hi=float(cfg.tis_upper_bound), use_rs=bool(cfg.use_rs),
+            tis_lo=float(cfg.tis_lower), tis_hi=float(cfg.tis_upper_bound), use_rs=bool(cfg.rs_band),
             rs_level=cfg.rs_level, rs_lo=float(cfg.rs_lower), rs_hi=float(cfg.rs_upper),
             log_ratio_veto=None if cfg.rs_veto_threshold is None else math.log(cfg.rs_veto_threshold),
             log_prob_veto=None if cfg.prob_veto_threshold is None else math.log(cfg.prob_veto_threshold),
             prob_veto_train=cfg.prob_veto_source == "train", reject_nonfinite=cfg.nonfinite_policy == "reject",
             normalizes=bool(cfg.normalizes), metrics=getattr(cfg, "mis_metrics", "standard"),
+            rs_criteria=tuple((b.name, b.lower, b.upper) for b in cfg.rs_bounds()),
         )
 
     @property
     def token_is(self) -> bool:
         return self.use_tis and self.tis_level == "token"
+
+    def criteria_of(self, reduce: str | None = None, k: int | None = None) -> tuple:
+        """The ``(name, lower, upper)`` criteria whose name starts with the reduction's prefix
+        (``token``, ``seq_sum``, ``seq_mean``, ``seq_max``) and ends with ``k{k}``."""
+        return tuple(
+            c for c in self.rs_criteria
+            if (reduce is None or c[0].rsplit("_k", 1)[0] == reduce) and (k is None or c[0].endswith(f"_k{k}"))
+        )

@@ -3,8 +3,10 @@
 Each CP rank holds pieces of every sequence (see :mod:`megatron_mis.parallel.layout`). Sequence
 weights, vetoes, rejections, self-normalisation and sequence metrics need only per-sequence sums,
 counts, minima and maxima, so :func:`compute_mis_cp` runs the engine on the local pieces and
-exchanges the per-sequence statistics in **one all-gather** over the CP group (``N x 26``
-float64 values per rank, whatever the sequence lengths). Every rank then reduces the gathered
+exchanges the per-sequence statistics in **one all-gather** over the CP group (``N x 32``
+float64 values per rank, whatever the sequence lengths: 26 sums, 3 minima, 3 maxima — the
+``seq_max_*`` divergence criteria read the log-ratio extrema among them, so they need no second,
+MAX-reducing collective). Every rank then reduces the gathered
 statistics in the same rank order, so all CP ranks derive bitwise-identical sequence decisions.
 
 Faults never hang a rank: before the statistics, every CP rank sends a fixed-size status
@@ -18,7 +20,8 @@ under CP; without CP (the FSDP drop-in, CP = 1) nothing is exchanged or read.
 
 The host needs the modified loss masks at FULL response length on every rank. Sequence-level
 rejections are known everywhere after the statistics exchange; token-level rejections (token RS,
-token-level IS masking, rejected non-finite tokens) are known only where the token lives, so
+token-level IS masking, token criteria of ``rs_criteria``, rejected non-finite tokens; ``icepop``
+rejects nothing) are known only where the token lives, so
 when such rejection is configured and ``cp > 1`` one more collective — an all-reduce of a
 ``uint8`` bit per response token — completes the masks. Nothing else crosses ranks; nothing runs
 per sequence.

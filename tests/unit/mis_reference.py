@@ -7,7 +7,12 @@ loops over floats). It shares no code with ``megatron_mis.core`` — only the sp
   log r with log(threshold); the probability veto compares the raw log-prob of the chosen source;
 - sequence / geometric IS and RS use exp(clamp(sum)) / exp(clamp(sum / n_valid)) of raw log r;
 - self-normalisation divides by the mean bounded weight over kept tokens (token level) or kept
-  sequences (sequence / geometric level).
+  sequences (sequence / geometric level);
+- icepop (token level): weight 0 outside [L, U], the token stays kept;
+- divergence criteria (``rs_criteria`` under ``use_rs``, in place of the ratio band): per token
+  k1 = -log r (a ratio band on r, over loss-mask tokens, ratio 1 where non-finite), k2 = (log r)^2 / 2,
+  k3 = r - 1 - log r of the clamped log r (float64 here); per sequence the sum / mean (over valid
+  tokens) / max of k2, k3, and for k1 the sequence / geometric ratio.
 
 Per-token ratios are evaluated in float32 exactly like an fp32 implementation would (via torch on
 single values), so accept / reject decisions never differ by rounding; every sum is a Python
@@ -34,6 +39,8 @@ def reference_mis(train, rollout, masks, cfg):
     B = cfg.log_ratio_bound
     L, U = cfg.tis_lower, cfg.tis_upper_bound
     rl, ru = cfg.rs_lower, cfg.rs_upper
+    band = cfg.use_rs and not cfg.rs_criteria  # the ratio band at rs_level
+    criteria = [(b.name, b.lower, b.upper) for b in cfg.rs_bounds()]
     seqs = []
     for a_seq, b_seq, m_seq in zip(train, rollout, masks):
         toks = []
@@ -44,7 +51,9 @@ def reference_mis(train, rollout, masks, cfg):
             raw = _f32_sub(a, b) if valid else 0.0
             lrc = max(-B, min(B, raw))
             r = _f32_exp(lrc)
-            toks.append(dict(m=m, valid=valid, nonfinite=m and not finite, raw=raw, lrc=lrc, r=r, a=a, b=b))
+            k2 = 0.5 * lrc * lrc if valid else 0.0
+            k3 = math.expm1(lrc) - lrc if valid else 0.0
+            toks.append(dict(m=m, valid=valid, nonfinite=m and not finite, raw=raw, lrc=lrc, r=r, a=a, b=b, k2=k2, k3=k3))
         seqs.append(toks)
 
     out_weights, out_keep = [], []
@@ -68,7 +77,22 @@ def reference_mis(train, rollout, masks, cfg):
                 w_seq = w_seq_unb if inside else 0.0
                 if n_valid and not inside:
                     seq_rej = True
-        if cfg.use_rs and cfg.rs_level != "token" and n_valid:
+        failed = {}
+        for name, lo, hi in criteria:
+            reduce, k = name.rsplit("_k", 1)
+            if reduce == "token":
+                continue
+            if not n_valid:
+                failed[name] = False
+            elif k == "1":
+                ratio = math.exp(seq_log if reduce == "seq_sum" else geo_log)
+                failed[name] = ratio < lo or ratio > hi
+            else:
+                vals = [t["k" + k] for t in toks if t["valid"]]
+                value = {"seq_sum": sum(vals), "seq_mean": sum(vals) / len(vals), "seq_max": max(vals)}[reduce]
+                failed[name] = value > hi
+            seq_rej = seq_rej or failed[name]
+        if band and cfg.rs_level != "token" and n_valid:
             ratio = math.exp(level_log[cfg.rs_level])
             if ratio < rl or ratio > ru:
                 seq_rej = True
@@ -90,18 +114,27 @@ def reference_mis(train, rollout, masks, cfg):
                     t["w"] = min(w, U)
                 elif cfg.tis_mode == "clip":
                     t["w"] = min(max(w, L), U)
-                else:
+                else:  # mask / icepop
                     inside = L <= w <= U
                     t["w"] = w if inside else 0.0
-                    if t["valid"] and not inside:
+                    if cfg.tis_mode == "mask" and t["valid"] and not inside:
                         tok_rej = True
-            if cfg.use_rs and cfg.rs_level == "token" and t["valid"] and (t["r"] < rl or t["r"] > ru):
+            if band and cfg.rs_level == "token" and t["valid"] and (t["r"] < rl or t["r"] > ru):
                 tok_rej = True
+            t["failed"] = {}
+            for name, lo, hi in criteria:
+                if name == "token_k1":
+                    t["failed"][name] = t["m"] and (t["r"] < lo or t["r"] > hi)
+                elif name in ("token_k2", "token_k3"):
+                    t["failed"][name] = t["valid"] and t["k" + name[-1]] > hi
+                else:
+                    continue
+                tok_rej = tok_rej or t["failed"][name]
             t["tok_kept"] = t["m"] and not tok_rej
             t["keep"] = t["tok_kept"] and not seq_rej
         kept_seq = (not seq_rej) and any(t["tok_kept"] for t in toks)
         seq_info.append(dict(n_valid=n_valid, s=s, seq_log=seq_log, geo_log=geo_log, rej=seq_rej, kept=kept_seq,
-                             w_seq=w_seq, w_seq_unb=w_seq_unb))
+                             w_seq=w_seq, w_seq_unb=w_seq_unb, failed=failed))
 
     # normalisation
     mean = 1.0
@@ -181,7 +214,12 @@ def reference_mis(train, rollout, masks, cfg):
     metrics["num_kept_sequences"] = float(sum(info["kept"] for info in seq_info))
     full = getattr(cfg, "mis_metrics", "standard") == "full"
 
-    if cfg.use_rs:
+    for name, _, _ in criteria:
+        if name.startswith("token_"):
+            metrics[f"mis_rs_{name}_fraction"] = tok_mean(lambda t, name=name: float(t["failed"][name]))
+        else:
+            metrics[f"mis_rs_{name}_fraction"] = seq_mean(lambda toks, info, name=name: float(info["failed"][name]))
+    if band:
         if cfg.rs_level == "token":
             metrics["mis_rs_mask_fraction_low"] = tok_mean(lambda t: float(t["r"] < rl))
             metrics["mis_rs_mask_fraction_high"] = tok_mean(lambda t: float(t["r"] > ru))
@@ -212,7 +250,8 @@ def reference_mis(train, rollout, masks, cfg):
 
         low_name, high_name = {"truncate": (None, "mis_tis_truncate_fraction"),
                                "clip": ("mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"),
-                               "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high")}[cfg.tis_mode]
+                               "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
+                               "icepop": ("mis_tis_zero_weight_fraction_low", "mis_tis_zero_weight_fraction_high")}[cfg.tis_mode]
         if cfg.tis_level == "token":
             # a loss-mask token with a non-finite log-prob counts with ratio 1 (t["r"] is 1 there)
             host = lambda t: t["r"] if cfg.tis_mode == "mask" else bound(t["r"])  # noqa: E731
