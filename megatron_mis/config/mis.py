@@ -401,6 +401,7 @@ class MISConfig(ConfigBase):
 
         _check_namespace(args)
         problems: list[str] = []
+        data: dict = {}
         path = getattr(args, "custom_config_path", None)
         if path:
             try:
@@ -412,7 +413,8 @@ class MISConfig(ConfigBase):
         values = {n: getattr(args, n) for n in cls.field_names() if getattr(args, n, None) is not None}
         flags = {
             flag: getattr(args, flag) for flag, (default, _) in HOST_BOUND_FLAGS.items()
-            if getattr(args, flag, None) is not None and not _same_number(getattr(args, flag), default)
+            # set: named in the YAML (even at the host's default value), or changed on the command line
+            if getattr(args, flag, None) is not None and (flag in data or not _same_number(getattr(args, flag), default))
         }
         changes, flag_problems = resolve_host_bound_flags(values, flags)
         problems += flag_problems

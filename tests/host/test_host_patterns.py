@@ -482,16 +482,12 @@ def test_yaml_keys_that_would_be_silently_ignored_are_errors(tmp_path, inline):
         _call(args, [t], [r])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "config/mis.py:303-306 (MISConfig.from_host_args) counts tis_clip / tis_clip_low as set only "
-    "when the value on args differs from the host default, ignoring that the YAML it has just "
-    "loaded (line 297) names the key; docs/hosts.md's contract: 'A flag counts as set when it "
-    "differs from its default (on args) or is present (in the YAML)'"))
 def test_yaml_tis_clip_at_its_default_beside_another_upper_bound_is_an_error(tmp_path):
     """``tis_clip: 2.0`` and ``tis_upper_bound: 3.0`` in one YAML (set on args by slime
     arguments.py:2013-2019): two upper bounds that disagree. docs/hosts.md counts a YAML key as
-    set when present, so this must be refused naming both; the drop-in silently used 3.0
-    (weight e for ratio e) because 2.0 equals the command-line default."""
+    set when present, so this must be refused naming both (the drop-in used to take 3.0 silently,
+    weight e for ratio e, because 2.0 equals the command-line default; MISConfig.from_host_args
+    now counts a YAML key as set)."""
     args = _launch(tmp_path, dict(use_tis=True), "tis_clip: 2.0\ntis_upper_bound: 3.0\n")
     t, r = _lp(1.0)
     with pytest.raises(ConfigError, match=r"tis_clip=2.0 .*tis_upper_bound=3.0 disagree"):
