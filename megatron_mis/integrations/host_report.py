@@ -48,7 +48,7 @@ HOSTS = ("slime", "miles")
 SEQUENCE_RATIO_ESTIMATORS = ("gspo",)
 #: Shipped presets whose IS weights and rejection are all per sequence (configs/presets/), named
 #: by the drop-in's warning and by ``validate --host`` for a sequence-level ratio.
-SEQUENCE_LEVEL_PRESETS = ("geometric_rs", "sequence_tis", "sequence_mis")
+SEQUENCE_LEVEL_PRESETS = ("geometric_tis", "geometric_rs", "sequence_tis", "sequence_mis")
 NoteKind = Literal["inert", "overrides_flag", "ignored_bound", "host_meaning", "needs_hook", "error"]
 
 #: ``fact -> {host: "path:line"}``, the host code each note rests on.
@@ -456,8 +456,8 @@ def host_report(data: Mapping[str, Any], host: str, *, flags: Mapping[str, Any] 
         add(HostNote(
             "host_meaning", "tis_mode",
             "mask removes an out-of-band token / sequence from the loss mask (no denominator, entropy or KL "
-            f"term); {_POSS[host]} IcePop keeps it in the mask with weight 0, which megatron-mis does not offer yet "
-            "(with an entropy bonus, a KL loss or Miles without rollout_mask_sums the two losses differ)",
+            f"term); {_POSS[host]} IcePop keeps it in the mask with weight 0: that is tis_mode: icepop "
+            "(token level; with an entropy bonus, a KL loss or Miles without rollout_mask_sums the two losses differ)",
             _src("icepop_keeps_mask", host) + "; docs/hosts.md host_meanings.tis_mode",
         ))
 

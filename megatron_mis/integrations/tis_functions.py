@@ -196,6 +196,7 @@ def _rejection_only_config(args: Any, cfg: MISConfig) -> MISConfig:
     inert = [n for n, on in (
         ("tis_batch_normalize", cfg.tis_batch_normalize),
         ("tis_mode='mask'", cfg.tis_mode == "mask"),
+        ("tis_mode='icepop'", cfg.tis_mode == "icepop"),
     ) if on]
     why = (
         "--use-rollout-logprobs is set, so the PPO ratio is already pi_theta / pi_rollout and an IS weight "

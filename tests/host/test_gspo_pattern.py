@@ -197,7 +197,7 @@ def test_token_weights_under_gspo_warn_once_and_scale_by_their_mean(cp2):
         hits = [m for m in caught if "one per sequence" in m]
         assert len(hits) == 1, caught
         assert "advantage_estimator='gspo'" in hits[0] and "mean of its token weights" in hits[0]
-        assert "tis_level: geometric" in hits[0] and "geometric_rs, sequence_tis, sequence_mis" in hits[0]
+        assert "tis_level: geometric" in hits[0] and "geometric_tis, geometric_rs, sequence_tis, sequence_mis" in hits[0]
 
 
 def test_token_rejection_under_gspo_warns_that_the_token_stays_in_the_ratio(cp2):

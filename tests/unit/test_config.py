@@ -44,7 +44,7 @@ def test_every_problem_reported_at_once():
     text = str(info.value)
     assert "x.yaml" in text
     assert "unknown key 'tis_levle' (did you mean 'tis_level'?); valid keys:" in text
-    assert "tis_mode='trunc' is not one of 'truncate', 'clip', 'mask' (did you mean 'truncate'?)" in text
+    assert "tis_mode='trunc' is not one of 'truncate', 'clip', 'mask', 'icepop' (did you mean 'truncate'?)" in text
     assert "tis_upper_bound=-1.0 must be > 0" in text
     assert "rs_veto_threshold=1.5 must lie in the open interval (0, 1)" in text
     assert "nothing to normalise" in text
@@ -108,11 +108,12 @@ SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
 
 
 def test_shipped_yaml_count():
-    # configs/mis.yaml + 7 presets; update this number deliberately when adding one.
+    # configs/mis.yaml + 10 presets; update this number deliberately when adding one.
     mis_files = [p for p in SHIPPED if p.name == "mis.yaml" or p.parent.name == "presets"]
-    assert len(mis_files) == 8, [str(p) for p in mis_files]
+    assert len(mis_files) == 11, [str(p) for p in mis_files]
     assert preset_names() == sorted(
-        ["token_tis", "token_mis", "sequence_tis", "sequence_mis", "geometric_rs", "geometric_rs_token_tis", "seed000_default"]
+        ["token_tis", "token_mis", "sequence_tis", "sequence_mis", "geometric_tis", "geometric_rs", "geometric_rs_token_tis",
+         "seed000_default", "seq_mean_k3", "k3_rs_token_tis"]
     )
 
 

@@ -123,7 +123,7 @@ def test_host_meanings(host):
     assert not host_report({"rs_veto_threshold": 1e-4, "use_rs": True}, host)
     assert not host_report({"rs_veto_threshold": 1e-4, "rs_veto_without_rs": True}, host)
     icepop = one(host_report({"tis_mode": "mask"}, host), "host_meaning", "tis_mode")
-    assert "weight 0, which megatron-mis does not offer yet" in icepop.message
+    assert "weight 0: that is tis_mode: icepop (token level" in icepop.message
     assert HOST_FACTS["icepop_keeps_mask"][host] in icepop.source
 
 
@@ -160,7 +160,7 @@ def test_token_level_settings_under_gspo(host):
     level = one(notes, "host_meaning", "tis_level")
     assert "one per sequence" in level.message and "tis_level: token, the default" in level.message
     assert "mean of its token weights" in level.message and "tis_level: geometric" in level.message
-    assert "geometric_rs, sequence_tis, sequence_mis" in level.message
+    assert "geometric_tis, geometric_rs, sequence_tis, sequence_mis" in level.message
     assert HOST_FACTS["sequence_level_ratio"][host] in level.source and "docs/hosts.md sequence_level_ratio" in level.source
     rejection = {"use_tis": True, "tis_level": "geometric", "use_rs": True, "rs_lower_bound": 0.5, "rs_upper_bound": 2.0,
                  "tis_mode": "mask"}
