@@ -6,25 +6,41 @@ counts, minima and maxima, so :func:`compute_mis_cp` runs the engine on the loca
 exchanges the per-sequence statistics in **one all-gather** over the CP group (``N x 32``
 float64 values per rank, whatever the sequence lengths: 26 sums, 3 minima, 3 maxima — the
 ``seq_max_*`` divergence criteria read the log-ratio extrema among them, so they need no second,
-MAX-reducing collective). Every rank then reduces the gathered
-statistics in the same rank order, so all CP ranks derive bitwise-identical sequence decisions.
+MAX-reducing collective), with this rank's **status** (11 float64: a fault code, its number of
+pieces, the sequence at fault and details, a fingerprint of the lengths, the non-finite counts)
+appended to the same buffer. Every rank then reduces the gathered statistics in the same rank
+order, so all CP ranks derive bitwise-identical sequence decisions.
 
-Faults never hang a rank: before the statistics, every CP rank sends a fixed-size status
-(``8`` int64: a fault code, its number of sequences, the sequence at fault and two details) in one
-small all-gather, WHATEVER its data — malformed pieces, NaN log-probs or NaN / inf loss-mask
-values under ``nonfinite_policy: error``, an empty micro-batch. A fixed size is what makes this possible: the
-statistics' size depends on ``N``, and a collective whose sizes differ across ranks aborts the
-process (gloo) or hangs. Every rank then raises the same error naming the rank(s) and the
-sequence, or all go on to the statistics. Reading the status is one host synchronisation per call
-under CP; without CP (the FSDP drop-in, CP = 1) nothing is exchanged or read.
+Faults never hang a rank. The buffer's size, ``N x 32 + 11``, comes from metadata every CP rank
+holds identically — ``N = len(response_lengths)``, which slime and Miles pass unchanged to every
+CP rank (the micro-batch's lengths, not the rank's pieces) — so every rank sends it WHATEVER its
+data: a rank whose pieces are malformed, whose log-probs or loss masks hold NaN / inf under
+``nonfinite_policy: error``, or that got no pieces at all sends its fault code and zeros. After
+the all-gather every rank reads the gathered status column once — **the one host read of a CP
+call** — and either all raise the same :class:`CPFaultError`, naming the rank(s) and the
+sequence, or all go on with the statistics. The non-finite counts are computed on the device and
+ride in the status, so ``nonfinite_policy: error`` adds no read of its own (the engine runs with
+its local check off: a local raise would leave the peers waiting). The fingerprint (a hash of
+``total_lengths`` and ``response_lengths``) turns ranks that were given the same number of
+sequences but different lengths into the same error on every rank instead of silently wrong
+weights.
+
+What one collective cannot guard against: ranks given different NUMBERS of sequences (a host
+that breaks the contract above) send buffers of different sizes, which aborts the process
+(gloo: "Received data size doesn't match expected size") or hangs (NCCL). With
+``MEGATRON_MIS_DEBUG_CHECKS=1`` (:mod:`megatron_mis.core.checks`) every call first all-gathers
+the number of sequences in a fixed-size buffer (one more collective and one more read), so even
+that case raises the same error on every rank. Without CP (the FSDP drop-in, CP = 1) nothing is
+exchanged or read, except under ``nonfinite_policy: error``, which must read to raise.
 
 The host needs the modified loss masks at FULL response length on every rank. Sequence-level
 rejections are known everywhere after the statistics exchange; token-level rejections (token RS,
 token-level IS masking, token criteria of ``rs_criteria``, rejected non-finite tokens; ``icepop``
 rejects nothing) are known only where the token lives, so
 when such rejection is configured and ``cp > 1`` one more collective — an all-reduce of a
-``uint8`` bit per response token — completes the masks. Nothing else crosses ranks; nothing runs
-per sequence.
+``uint8`` bit per response token — completes the masks. So: **1** collective per call, **2**
+with token-level rejection, whatever ``N``; nothing else crosses ranks; nothing runs per
+sequence.
 
 Gradients: none. The weights and masks are detached; the caller multiplies its local per-token
 loss by the local weights.
@@ -33,6 +49,7 @@ loss by the local weights.
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 import math
 import operator
@@ -44,14 +61,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_mis.config.mis import MISConfig
+from megatron_mis.core.checks import debug_checks
 from megatron_mis.core.engine import (
     MISResult,
     NormalizationStatistics,
     SequenceStatistics,
     StatsReducer,
+    check_normalizer,
     compute_mis,
     normalization_statistics,
 )
+from megatron_mis.core.statistics import BIG, SequenceExtremum, SequenceSum
 from megatron_mis.core.segments import concat_sequences, to_device
 from megatron_mis.parallel.layout import CPLayout, LocalResponseLayout, check_max_seq_lens, local_response_layout, validate_lengths
 from megatron_mis.parallel.state import GroupView
@@ -64,36 +84,60 @@ def _all_gather_into(output: torch.Tensor, local: torch.Tensor, group: Any) -> N
     gather(output, local, group=group)
 
 
+#: columns of one sequence's statistics: ``len(SequenceSum)`` sums, then the minima and maxima
+_STATS_WIDTH = len(SequenceSum) + 2 * len(SequenceExtremum)
+
+
+def _pack(stats: SequenceStatistics, *extra: torch.Tensor) -> torch.Tensor:
+    """``[N * 32 + len(extra)]``: the statistics row by row (sums, minima, maxima), then ``extra``."""
+    body = torch.cat([stats.sums, stats.mins, stats.maxs], 1)
+    return torch.cat([body.reshape(-1), *extra]) if extra else body.reshape(-1)
+
+
+def _reduce_gathered(gathered: torch.Tensor, num_seqs: int, k: int, e: int) -> SequenceStatistics:
+    """The reduction every rank runs on the same ``[cp, >= N * (k + 2e)]`` gathered buffer."""
+    rows = gathered[:, : num_seqs * (k + 2 * e)].reshape(gathered.shape[0], num_seqs, k + 2 * e)
+    return SequenceStatistics(
+        sums=rows[..., :k].sum(0),
+        mins=rows[..., k : k + e].amin(0),
+        maxs=rows[..., k + e :].amax(0),
+    )
+
+
 def cp_stats_reducer(cp: GroupView) -> StatsReducer | None:
     """A reducer that all-gathers per-sequence statistics over ``cp.group`` (one collective) and
     combines them identically on every rank. ``None`` when ``cp.size == 1``.
 
-    All CP ranks of a micro-batch hold the same sequences, so ``N`` agrees across the group (the
-    status exchange of :func:`compute_mis_cp` checks it first); a rank holding no token of a
-    sequence contributes zeros / empty extrema and still takes part.
+    The bare reducer for callers of :func:`~megatron_mis.core.engine.compute_mis` that guarantee
+    the same ``N`` on every rank themselves: it carries no status (:func:`compute_mis_cp` appends
+    one to the same collective) and, with ``N = 0``, does not communicate. A rank holding no token
+    of a sequence contributes zeros / empty extrema and still takes part.
     """
     if cp.size == 1:
         return None
 
     def reduce(stats: SequenceStatistics) -> SequenceStatistics:
-        if stats.num_sequences == 0:  # the same on every rank of the group (status checked): nobody communicates
+        if stats.num_sequences == 0:  # the caller guarantees the same N on every rank: nobody communicates
             return stats
         k, e = stats.sums.shape[1], stats.mins.shape[1]
-        local = torch.cat([stats.sums, stats.mins, stats.maxs], 1).contiguous()  # [N, k + 2e]
-        gathered = local.new_empty((cp.size,) + tuple(local.shape))
-        _all_gather_into(gathered.view(cp.size * local.shape[0], local.shape[1]), local, cp.group)
-        return SequenceStatistics(
-            sums=gathered[..., :k].sum(0),
-            mins=gathered[..., k : k + e].amin(0),
-            maxs=gathered[..., k + e :].amax(0),
-        )
+        local = _pack(stats)
+        gathered = local.new_empty(cp.size * local.numel())
+        _all_gather_into(gathered, local, cp.group)
+        return _reduce_gathered(gathered.view(cp.size, -1), stats.num_sequences, k, e)
 
     return reduce
 
 
 # ------------------------------------------------------------------------- fault status
 _OK, _BAD_INPUT, _BAD_PIECE, _NONFINITE, _NONFINITE_MASK = 0, 1, 2, 3, 4
-_STATUS_SIZE = 8
+# The status row appended to the statistics (float64; every value an integer below 2**53, exact).
+# The first six fields are host values; the last five are computed on the device (non-finite
+# log-probs and mask values under nonfinite_policy='error', zeros otherwise).
+(_CODE, _NUM_PIECES, _SEQ, _GOT, _EXPECTED, _FINGERPRINT,
+ _NF_COUNT, _NF_SEQ, _MASK_NF_COUNT, _MASK_NF_SEQ, _MASK_NF_TOKEN) = range(11)
+_HOST_FIELDS = 6
+_STATUS_SIZE = 11
+_FINGERPRINT_BITS = (1 << 52) - 1
 
 
 class CPFaultError(ValueError):
@@ -101,6 +145,8 @@ class CPFaultError(ValueError):
 
 
 def _collective_device(cp: GroupView, fallback: torch.device) -> torch.device:
+    if fallback.type != "cpu":
+        return fallback
     try:
         if dist.get_backend(cp.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
@@ -109,38 +155,179 @@ def _collective_device(cp: GroupView, fallback: torch.device) -> torch.device:
     return fallback
 
 
-def _exchange_status(cp: GroupView, status: list[int], device: torch.device) -> list[list[int]]:
-    """One fixed-size all-gather of every rank's status (``[cp, 8]`` int64), read on the host."""
-    local = torch.tensor(status + [0] * (_STATUS_SIZE - len(status)), dtype=torch.long)
-    local = _on(local, _collective_device(cp, device))  # pinned, non-blocking: the read below is the one wait
-    gathered = local.new_empty(cp.size * _STATUS_SIZE)
-    _all_gather_into(gathered, local, cp.group)
-    rows = gathered.cpu().tolist()  # the one host read of a CP call: raising needs to know
-    return [rows[i * _STATUS_SIZE : (i + 1) * _STATUS_SIZE] for i in range(cp.size)]
+def _agreed_count(inputs: "CPInputs") -> int:
+    """``N`` as every CP rank of a micro-batch knows it: the number of ``response_lengths`` (the
+    host's per-micro-batch metadata, the same on every CP rank), else of ``total_lengths``, else
+    of the pieces. Only a rank whose input is at fault can reach the fallbacks."""
+    for value in (inputs.response_lengths, inputs.total_lengths, inputs.rollout_log_probs):
+        try:
+            return len(value)
+        except TypeError:
+            continue
+    return 0
+
+
+class _StatusExchange:
+    """The one collective of a CP call: this rank's statistics with its status appended
+    (``N x 32 + 11`` float64, the size known to every rank from the host metadata), all-gathered
+    over ``cp.group``, and the one host read of the gathered status column.
+
+    Use: :meth:`resolve` (never raises for bad input: it records the fault), then either run the
+    engine with :meth:`reduce` as its ``reduce_stats`` or, on a recorded fault, :meth:`fail`.
+    Either way every rank of the group takes part in the same all-gather and raises the same
+    :class:`CPFaultError` if any rank reported a fault.
+    """
+
+    def __init__(self, cp: GroupView, inputs: "CPInputs") -> None:
+        self.cp = cp
+        self.inputs = inputs
+        self.num_seqs = _agreed_count(inputs)
+        self.host = [float(_OK), float(_count(inputs)), 0.0, 0.0, 0.0, -1.0]
+        self.on_device: torch.Tensor | None = None  # [5] float64: non-finite counts (policy 'error')
+        self.local_error: BaseException | None = None
+        self.sent = False
+        self.num_collectives = 0
+
+    def resolve(self, config: MISConfig, global_normalizer: Any = None):
+        """``inputs.resolve(cp)``, or ``None`` with the fault recorded."""
+        try:
+            resolved = self.inputs.resolve(self.cp)
+            _, train, rollout, local_mask, full_mask, _, local_lengths, resp = resolved
+            if not train.is_floating_point() or not rollout.is_floating_point():
+                raise TypeError(f"log-probs must be floating point, got {train.dtype} and {rollout.dtype}")
+            if global_normalizer is not None and config.normalizes and config.tis_batch_normalize_scope == "global":
+                check_normalizer(global_normalizer, rollout.device)  # host values only: no read
+            total = _int_list("total_lengths", self.inputs.total_lengths, len(resp))
+            self.host[_FINGERPRINT] = float(hash((tuple(resp), tuple(total))) & _FINGERPRINT_BITS)
+            if config.nonfinite_policy == "error":
+                self.on_device = _nonfinite_status(train, rollout, local_mask, full_mask, local_lengths, resp)
+            return resolved
+        except _PieceError as exc:
+            self.record(_BAD_PIECE, exc, exc.seq, exc.got, exc.expected)
+        except Exception as exc:  # whatever it is, the peers must hear of it (never hang them)
+            self.record(_BAD_INPUT, exc)
+        return None
+
+    def record(self, code: int, exc: BaseException, seq: int = 0, got: int = 0, expected: int = 0) -> None:
+        self.local_error = exc
+        self.host[:_FINGERPRINT] = [float(code), float(_count(self.inputs)), float(seq), float(got), float(expected)]
+        self.on_device = None
+
+    def reduce(self, stats: SequenceStatistics) -> SequenceStatistics:
+        """The engine's ``reduce_stats``: one all-gather of statistics and status, one read."""
+        assert not self.sent, "one exchange per call"
+        assert stats.num_sequences == self.num_seqs and stats.sums.shape[1] + 2 * stats.mins.shape[1] == _STATS_WIDTH
+        self.sent = True
+        device = _collective_device(self.cp, stats.sums.device)
+        status = _on(torch.tensor(self.host, dtype=torch.float64), device)
+        extra = [status] if self.on_device is None else [status, self.on_device.to(device)]
+        if self.on_device is None:
+            extra.append(torch.zeros(_STATUS_SIZE - _HOST_FIELDS, dtype=torch.float64, device=device))
+        local = _pack(SequenceStatistics(stats.sums.to(device), stats.mins.to(device), stats.maxs.to(device)), *extra)
+        gathered = local.new_empty(self.cp.size * local.numel()).view(self.cp.size, -1)
+        _all_gather_into(gathered.view(-1), local, self.cp.group)
+        self.num_collectives += 1
+        k, e = stats.sums.shape[1], stats.mins.shape[1]
+        reduced = _reduce_gathered(gathered, self.num_seqs, k, e)  # queued before the read: it overlaps
+        _raise_on_fault(self.cp, _read_status(gathered), self.local_error)
+        if reduced.sums.device != stats.sums.device:
+            reduced = SequenceStatistics(*(t.to(stats.sums.device) for t in (reduced.sums, reduced.mins, reduced.maxs)))
+        return reduced
+
+    def fail(self) -> None:
+        """After a recorded fault: send zeros of the agreed size with the fault, read, raise."""
+        assert self.local_error is not None and not self.sent
+        device = _collective_device(self.cp, _device_hint(self.inputs))
+        n, s, e = self.num_seqs, len(SequenceSum), len(SequenceExtremum)
+        zeros = torch.zeros(n, s, dtype=torch.float64, device=device)
+        self.reduce(SequenceStatistics(zeros, torch.full((n, e), BIG, dtype=torch.float64, device=device),
+                                       torch.full((n, e), -BIG, dtype=torch.float64, device=device)))
+        raise AssertionError("unreachable: the status exchange raises on a recorded fault") from self.local_error
+
+    def check_counts(self, device: torch.device) -> None:
+        """``MEGATRON_MIS_DEBUG_CHECKS=1`` only: a fixed-size all-gather of ``N`` (one more
+        collective and read), so that ranks given different numbers of sequences raise the same
+        error instead of sending statistics of different sizes."""
+        local = _on(torch.tensor([self.num_seqs, _count(self.inputs)], dtype=torch.long), _collective_device(self.cp, device))
+        gathered = local.new_empty(self.cp.size * 2)
+        _all_gather_into(gathered, local, self.cp.group)
+        self.num_collectives += 1
+        rows = gathered.view(self.cp.size, 2).cpu().tolist()  # the debug read
+        if len({r[0] for r in rows}) > 1:
+            raise CPFaultError(
+                f"megatron-mis CP group of {self.cp.size} (this is rank {self.cp.rank}): the CP ranks disagree on the "
+                "number of sequences in this micro-batch (response_lengths): "
+                + ", ".join(f"rank {r} has {n}" for r, (n, _) in enumerate(rows))
+                + " (every CP rank must pass the host's same lengths, its own pieces of the sequences)"
+            )
+
+
+def _read_status(gathered: torch.Tensor) -> list[list[int]]:
+    """The one host read of a CP call: every rank's status row, as Python ints."""
+    rows = gathered[:, -_STATUS_SIZE:].cpu().tolist()  # the documented read: raising needs to know
+    return [[int(v) for v in row] for row in rows]
+
+
+def _nonfinite_status(
+    train: torch.Tensor, rollout: torch.Tensor, local_mask: torch.Tensor, full_mask: torch.Tensor,
+    local_lengths: list[int], resp: list[int],
+) -> torch.Tensor:
+    """``[5]`` float64 on the data's device, without a read: the count of loss-mask tokens with
+    NaN / inf log-probs among this rank's tokens and the sequence of the first; the count of NaN /
+    inf values in the full loss masks, the sequence and the token of the first."""
+    device = rollout.device
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    count = seq = mask_count = mask_seq = mask_token = zero
+    if train.numel():
+        bad = _in_loss(local_mask) & ~(torch.isfinite(train) & torch.isfinite(rollout))
+        count = bad.sum()
+        first = torch.argmax(bad.to(torch.uint8)).reshape(1)  # the first True (0 when none)
+        ends = _on(torch.tensor(_offsets(local_lengths)[1:], dtype=torch.long), device)
+        seq = torch.searchsorted(ends, first, right=True).reshape(())
+    if full_mask.is_floating_point() and full_mask.numel():
+        bad = ~torch.isfinite(full_mask)
+        mask_count = bad.sum()
+        first = torch.argmax(bad.to(torch.uint8)).reshape(1)
+        cu = _on(torch.tensor(_offsets(resp), dtype=torch.long), device)
+        mask_seq = torch.searchsorted(cu[1:], first, right=True)
+        mask_token = (first - cu.index_select(0, mask_seq)).reshape(())
+        mask_seq = mask_seq.reshape(())
+    return torch.stack([count, seq, mask_count, mask_seq, mask_token]).to(torch.float64)
 
 
 def _raise_on_fault(cp: GroupView, rows: list[list[int]], local_error: BaseException | None) -> None:
-    counts = [row[1] for row in rows]
     problems = []
-    for rank, (code, n, seq, a, b, *_) in enumerate(rows):
+    for rank, row in enumerate(rows):
+        code, seq, got, expected = row[_CODE], row[_SEQ], row[_GOT], row[_EXPECTED]
         if code == _BAD_INPUT:
             problems.append(f"CP rank {rank}: invalid input ({'see its own error' if rank != cp.rank else local_error})")
         elif code == _BAD_PIECE and rank == cp.rank and local_error is not None:
             problems.append(f"CP rank {rank}: {local_error}")
         elif code == _BAD_PIECE:
-            problems.append(f"CP rank {rank}: sequence {seq} has a local piece of {a} values where the layout holds {b}")
-        elif code == _NONFINITE_MASK:
-            problems.append(f"CP rank {rank}: sequence {seq}: {_mask_message(seq, a)}")
-        elif code == _NONFINITE:
+            problems.append(f"CP rank {rank}: sequence {seq} has a local piece of {got} values where the layout holds {expected}")
+        elif row[_MASK_NF_COUNT]:
+            problems.append(f"CP rank {rank}: sequence {row[_MASK_NF_SEQ]}: {_mask_message(row[_MASK_NF_SEQ], row[_MASK_NF_TOKEN])}")
+        elif row[_NF_COUNT]:
             problems.append(
-                f"CP rank {rank}: sequence {seq} has {a} loss-mask token(s) with NaN or inf log-probs "
-                "(nonfinite_policy='error'; use 'neutralize' or 'reject' to continue)"
+                f"CP rank {rank}: {row[_NF_COUNT]} loss-mask token(s) with NaN or inf log-probs, the first in sequence "
+                f"{row[_NF_SEQ]} (nonfinite_policy='error'; use 'neutralize' or 'reject' to continue)"
             )
+    counts = [row[_NUM_PIECES] for row in rows]
     if len(set(counts)) > 1:
         problems.append(
             "the CP ranks disagree on the number of sequences in this micro-batch: "
             + ", ".join(f"rank {r} has {n}" for r, n in enumerate(counts))
             + " (every CP rank must pass the same sequences, its own pieces of them; an empty micro-batch on one rank?)"
+        )
+    prints = [row[_FINGERPRINT] for row in rows]
+    if not problems and len(set(prints)) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, f in enumerate(prints):
+            groups.setdefault(f, []).append(r)
+        problems.append(
+            "the CP ranks were given different total_lengths / response_lengths (the same number of sequences): "
+            + " vs ".join("ranks " + ", ".join(map(str, g)) for g in groups.values())
+            + " (every CP rank must pass the host's same lengths)"
         )
     if problems:
         err = CPFaultError(
@@ -346,22 +533,40 @@ def compute_mis_cp(
 ) -> CPMISResult:
     """Run the MIS engine on CP shards.
 
-    Collectives over ``cp.group`` (none when ``cp.size == 1``): one fixed-size status all-gather
-    (see the module docstring), one all-gather of the per-sequence statistics; plus, only if
-    ``config.token_rejects``, one ``uint8`` all-reduce of the full-length rejection bits. Every
-    rank of the CP group must call this with the same sequences (their own pieces); ranks holding
+    Collectives over ``cp.group`` (none when ``cp.size == 1``): one all-gather of the
+    per-sequence statistics with every rank's status appended (see the module docstring), read
+    once on the host; plus, only if ``config.token_rejects``, one ``uint8`` all-reduce of the
+    full-length rejection bits. One more fixed-size all-gather and read runs first under
+    ``MEGATRON_MIS_DEBUG_CHECKS=1``. Every rank of the CP group must call this with the same
+    sequences (their own pieces; the same ``response_lengths`` / ``total_lengths``); ranks holding
     no token of a sequence still take part, and a rank whose input is at fault still sends its
     status, so every rank raises the same :class:`CPFaultError`.
     """
-    resolved = _resolve_with_status(inputs, config, cp)
+    if not _exchanges(cp):
+        resolved = _resolve_local(inputs, config, cp)
+        exchange, engine_config, reducer = None, config, cp_stats_reducer(cp)
+    else:
+        exchange, resolved = _start_exchange(inputs, config, cp, global_normalizer)
+        engine_config, reducer = _without_local_check(config), exchange.reduce
     lay, train, rollout, local_mask, full_mask, index, local_lengths, resp = resolved
     num_seqs = len(resp)
     cu = _offsets(local_lengths)
-    result = compute_mis(
-        train, rollout, local_mask, cu, config,
-        reduce_stats=cp_stats_reducer(cp), global_normalizer=global_normalizer,
-    )
-    collectives = 2 if cp.size > 1 and num_seqs else (1 if cp.size > 1 else 0)
+    try:
+        result = compute_mis(
+            train, rollout, local_mask, cu, engine_config,
+            reduce_stats=reducer, global_normalizer=global_normalizer,
+        )
+    except Exception as exc:
+        if exchange is None or exchange.sent:
+            raise
+        exchange.record(_BAD_INPUT, exc)  # failed before the exchange: the peers must still hear of it
+        exchange.fail()
+    result.config = config
+    if exchange is not None:
+        assert exchange.sent, "the engine called reduce_stats"
+    collectives = 0 if exchange is None else exchange.num_collectives
+    if cp.size > 1 and exchange is None:
+        collectives = 1 if num_seqs else 0  # the bare reducer (no process group initialised)
 
     if cp.size == 1:
         full_keep = result.keep_mask  # local pieces are the full responses
@@ -383,6 +588,36 @@ def compute_mis_cp(
     modified = full_keep if full_mask.dtype == torch.bool else full_keep.to(full_mask.dtype)
     masks = list(torch.split(modified, resp)) if resp else []
     return CPMISResult(result=result, modified_masks=masks, layout=lay, num_collectives=collectives)
+
+
+def _exchanges(cp: GroupView) -> bool:
+    """Whether this call talks to CP peers (``cp > 1`` with a process group initialised)."""
+    return cp.size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _start_exchange(inputs: CPInputs, config: MISConfig, cp: GroupView, global_normalizer: Any = None):
+    """``(exchange, resolved inputs)``; on a fault of this rank, the exchange is sent and every
+    rank raises (so this returns only with valid inputs)."""
+    exchange = _StatusExchange(cp, inputs)
+    if debug_checks():
+        exchange.check_counts(_device_hint(inputs))
+    resolved = exchange.resolve(config, global_normalizer)
+    if resolved is None:
+        exchange.fail()
+    return exchange, resolved
+
+
+def _without_local_check(config: MISConfig) -> MISConfig:
+    """The engine's configuration under CP: with ``nonfinite_policy: error`` the engine would
+    read and raise on this rank alone, leaving its peers in the collective; the count rides in
+    the status instead, and with no non-finite token ``neutralize`` computes exactly what
+    ``error`` does. A shallow copy with that one field changed (valid whenever ``error`` is; no
+    re-validation, which costs ~0.4 ms per call)."""
+    if config.nonfinite_policy != "error":
+        return config
+    engine_config = copy.copy(config)
+    engine_config.nonfinite_policy = "neutralize"
+    return engine_config
 
 
 def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -424,39 +659,13 @@ def _offsets(lengths: list[int]) -> list[int]:
     return list(itertools.accumulate(lengths, initial=0))
 
 
-def _resolve_with_status(inputs: CPInputs, config: MISConfig, cp: GroupView):
-    """``inputs.resolve(cp)``; under CP, first every rank's status in one fixed-size all-gather,
-    so a fault on any rank raises the same error on all of them instead of hanging the others."""
-    if cp.size == 1 or not (dist.is_available() and dist.is_initialized()):
-        resolved = inputs.resolve(cp)  # no peers to inform
-        at = _nonfinite_mask_at(resolved[4], resolved[7]) if config.nonfinite_policy == "error" else None
-        if at is not None:
-            raise ValueError(_mask_message(*at))
-        return resolved
-    status, local_error, resolved = [_OK, 0], None, None
-    try:
-        resolved = inputs.resolve(cp)
-        status = [_OK, len(resolved[7])]
-        at = _nonfinite_mask_at(resolved[4], resolved[7]) if config.nonfinite_policy == "error" else None
-        if at is not None:
-            status = [_NONFINITE_MASK, len(resolved[7]), *at]
-        elif config.nonfinite_policy == "error":
-            _, train, rollout, local_mask, *_ = resolved
-            bad = _in_loss(local_mask) & ~(torch.isfinite(train) & torch.isfinite(rollout))
-            count = int(bad.sum())  # nonfinite_policy='error' must read it
-            if count:
-                first = int(bad.nonzero()[0, 0])
-                seq = bisect.bisect_right(_offsets(resolved[6]), first) - 1
-                status = [_NONFINITE, len(resolved[7]), seq, count]
-    except _PieceError as exc:
-        local_error = exc
-        status = [_BAD_PIECE, _count(inputs), exc.seq, exc.got, exc.expected]
-    except (TypeError, ValueError) as exc:
-        local_error = exc
-        status = [_BAD_INPUT, _count(inputs)]
-    device = resolved[2].device if resolved is not None else _device_hint(inputs)
-    rows = _exchange_status(cp, status, device)
-    _raise_on_fault(cp, rows, local_error)
+def _resolve_local(inputs: CPInputs, config: MISConfig, cp: GroupView):
+    """``inputs.resolve(cp)`` with no peers to inform (CP = 1, or no process group): errors are
+    raised here, on this rank."""
+    resolved = inputs.resolve(cp)
+    at = _nonfinite_mask_at(resolved[4], resolved[7]) if config.nonfinite_policy == "error" else None
+    if at is not None:
+        raise ValueError(_mask_message(*at))
     return resolved
 
 
@@ -482,9 +691,22 @@ def _scatter_bits(local_bits: torch.Tensor, index: torch.Tensor, size: int) -> t
 
 
 def cp_normalization_statistics(inputs: CPInputs, config: MISConfig, cp: GroupView) -> NormalizationStatistics:
-    """Self-normalisation sum and count of these sequences (the status and one statistics
-    all-gather under CP). The result is identical on every CP rank; add it over micro-batches,
-    then all-reduce over the data-parallel group WITHOUT context parallelism (see
-    :mod:`megatron_mis.parallel.global_norm`)."""
-    _, train, rollout, local_mask, _, _, local_lengths, _ = _resolve_with_status(inputs, config, cp)
-    return normalization_statistics(train, rollout, local_mask, _offsets(local_lengths), config, reduce_stats=cp_stats_reducer(cp))
+    """Self-normalisation sum and count of these sequences (under CP one all-gather of the
+    statistics with the status, read once, as in :func:`compute_mis_cp`). The result is
+    identical on every CP rank; add it over micro-batches, then all-reduce over the data-parallel
+    group WITHOUT context parallelism (see :mod:`megatron_mis.parallel.global_norm`)."""
+    if not _exchanges(cp):
+        _, train, rollout, local_mask, _, _, local_lengths, _ = _resolve_local(inputs, config, cp)
+        return normalization_statistics(train, rollout, local_mask, _offsets(local_lengths), config, reduce_stats=cp_stats_reducer(cp))
+    exchange, resolved = _start_exchange(inputs, config, cp)
+    _, train, rollout, local_mask, _, _, local_lengths, _ = resolved
+    try:
+        stats = normalization_statistics(
+            train, rollout, local_mask, _offsets(local_lengths), _without_local_check(config), reduce_stats=exchange.reduce
+        )
+    except Exception as exc:
+        if exchange.sent:
+            raise
+        exchange.record(_BAD_INPUT, exc)
+        exchange.fail()
+    return stats

@@ -190,9 +190,9 @@ def test_sharded_equals_unsharded(light_pool8, cfg_name):
                 expected_masks = [m * k.long() for m, k in zip(masks, ref.split(ref.keep_mask, resps))]
                 for got, want in zip(r0["masks"], expected_masks):
                     assert torch.equal(got, want), (cp, tp, dp, c)
-                # statistics cross CP ranks in one all-gather, plus one uint8 all-reduce only for
-                # token-level rejection, after one fixed-size status all-gather (issue 12)
-                expected = 0 if cp == 1 else (3 if cfg.token_rejects else 2)
+                # statistics cross CP ranks in one all-gather that carries every rank's status too
+                # (issue 28), plus one uint8 all-reduce only for token-level rejection
+                expected = 0 if cp == 1 else (2 if cfg.token_rejects else 1)
                 assert r0["collectives"] == expected
             assert torch.equal(full_k, ref.keep_mask), (cp, tp, dp)
             # fp32 per-sequence partial sums across ranks vs one pass: rounding only (~1e-7)
@@ -243,12 +243,15 @@ def count_collectives(n: int, cfg_name: str):
     return calls
 
 
-@pytest.mark.parametrize("cfg_name, expected", [("token_tis_bn", 2), ("geo_rs_token_mask_veto", 3)])
+@pytest.mark.parametrize("cfg_name, expected", [("token_tis_bn", 1), ("geo_rs_token_mask_veto", 2)])
 def test_collectives_do_not_grow_with_batch(pool2, cfg_name, expected):
-    small = pool2.run(count_collectives, 8, cfg_name)
-    large = pool2.run(count_collectives, 256, cfg_name)
-    for calls_small, calls_large in zip(small, large):
-        assert len(calls_small) == len(calls_large) == expected, (calls_small, calls_large)
+    """1 collective per call for sequence-level statistics (the status rides in it), 2 with
+    token-level rejection, at N = 0, 8 and 256 (issue 28: it was 2 and 3)."""
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    for n in (0, 8, 256):
+        for calls in pool2.run(count_collectives, n, cfg_name):
+            want = [gather] + (["all_reduce"] if expected == 2 and n else [])
+            assert calls == want, (n, calls)
 
 
 # ------------------------------------------------ real Megatron parallel state, slime-style

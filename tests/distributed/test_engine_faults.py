@@ -166,7 +166,10 @@ def _subgroup(size: int):
     return GroupView(rank=rank, size=size, group=groups[key])
 
 
-def fault_case(size: int, bad_rank: int, kind: str):
+def fault_case(size: int, bad_rank: int, kind: str, debug: bool = False):
+    import os
+
+    from megatron_mis.core.checks import DEBUG_ENV
     from megatron_mis.parallel.cp_mis import CPFaultError, CPInputs, compute_mis_cp
     from megatron_mis.parallel.layout import local_response_layout
 
@@ -189,30 +192,62 @@ def fault_case(size: int, bad_rank: int, kind: str):
         elif kind == "length":
             rollout[1] = torch.cat([rollout[1], torch.zeros(1)])
             train[1] = rollout[1].clone()
-        elif kind == "empty":
+        elif kind == "empty":  # no pieces on this rank; the micro-batch's lengths are the host's
+            train, rollout, masks = [], [], []
+        elif kind == "empty_metadata":  # a host bug: this rank's lengths say 0 sequences
             train, rollout, masks, totals, resps = [], [], [], [], []
         elif kind == "mask_nan":  # a host bug: this rank's copy of the full masks differs
             masks[2][1] = float("nan")
+        elif kind == "lengths":  # a host bug: same number of sequences, other lengths
+            totals = [12, 30, 10]
+            resps = [5, 20, 5]
+            lay = local_response_layout(totals, resps, cp.size, cp.rank)
+            full = [-torch.rand(r, generator=g) for r in resps]
+            train = [torch.cat([f[s:e] for s, e in lay.ranges[i].tolist()]) for i, f in enumerate(full)]
+            rollout, masks = [t + 0.01 for t in train], [torch.ones(r) for r in resps]
+        elif kind == "int_log_probs":
+            train = [t.to(torch.int64) for t in train]
+    saved = os.environ.get(DEBUG_ENV)
+    os.environ[DEBUG_ENV] = "1" if debug else "0"
     try:
         compute_mis_cp(CPInputs(train, rollout, masks, totals, resps), cfg, cp)
     except CPFaultError as exc:
         return str(exc)
+    finally:
+        if saved is None:
+            del os.environ[DEBUG_ENV]
+        else:
+            os.environ[DEBUG_ENV] = saved
     return "no error"
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("kind", ["nan", "length", "empty", "mask_nan"])
+@pytest.mark.parametrize("kind", ["nan", "length", "empty", "mask_nan", "lengths", "int_log_probs", "empty_metadata"])
 def test_a_fault_on_one_cp_rank_raises_the_same_error_on_every_rank(fault_pool4, size, kind):
+    """One all-gather carries the statistics and every rank's status (issue 28): a rank at fault
+    still sends a buffer of the size the host's lengths give, so nobody is left waiting. Ranks
+    given different NUMBERS of sequences ("empty_metadata", a host bug) would send different sizes:
+    that case is guarded only under MEGATRON_MIS_DEBUG_CHECKS=1 (a fixed-size count exchange)."""
+    debug = kind == "empty_metadata"
     for bad in range(size):
-        out = [r for r in fault_pool4.run(fault_case, size, bad, kind) if r is not None]
+        out = [r for r in fault_pool4.run(fault_case, size, bad, kind, debug) if r is not None]
         assert len(out) == size
         for rank, message in enumerate(out):
             assert message != "no error", (kind, size, bad, rank)
-            if kind == "empty":
-                assert f"rank {bad} has 0" in message
+            if kind in ("empty", "empty_metadata"):
+                assert f"rank {bad} has 0" in message, message
+            elif kind == "lengths":
+                assert "different total_lengths / response_lengths" in message and f"ranks {bad}" in message, message
+            elif kind == "int_log_probs":
+                assert f"CP rank {bad}: invalid input" in message, message
             else:
                 assert f"CP rank {bad}:" in message and "sequence" in message, message
             if kind == "nan":
                 assert "NaN or inf" in message
             if kind == "mask_nan":
                 assert f"CP rank {bad}: sequence 2: loss_masks[2] holds a NaN or inf value at token 1" in message
+            if kind == "int_log_probs" and rank == bad:
+                assert "floating point" in message
+        # the same text on every rank, up to "this is rank r" and the rank's own error
+        if kind in ("nan", "mask_nan", "lengths"):
+            assert len({m.split("): ", 1)[1] for m in out}) == 1, out
