@@ -251,3 +251,74 @@ def test_a_fault_on_one_cp_rank_raises_the_same_error_on_every_rank(fault_pool4,
         # the same text on every rank, up to "this is rank r" and the rank's own error
         if kind in ("nan", "mask_nan", "lengths"):
             assert len({m.split("): ", 1)[1] for m in out}) == 1, out
+
+
+def error_policy_case(size: int, seed: int):
+    """nonfinite_policy='error' under CP with finite data: the engine runs with its local check
+    off (the count rides in the status), so the result must equal the single-process engine's."""
+    from megatron_mis.parallel.cp_mis import CPInputs, compute_mis_cp, cp_normalization_statistics
+    from megatron_mis.parallel.layout import local_response_layout
+
+    cp = _subgroup(size)
+    if cp is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    resps = [int(x) for x in torch.randint(0, 25, (9,), generator=g)]
+    totals = [r + int(p) for r, p in zip(resps, torch.randint(1, 9, (9,), generator=g))]
+    train = [-torch.rand(r, generator=g) * 2 for r in resps]
+    rollout = [t + torch.randn(t.shape, generator=g) * 0.2 for t in train]
+    masks = [(torch.rand(r, generator=g) > 0.2).float() for r in resps]
+    cfg = _cfg(use_tis=True, tis_level="geometric", tis_mode="mask", tis_lower_bound=0.8, tis_upper_bound=1.25,
+               use_rs=True, rs_level="token", rs_lower_bound=0.6, rs_upper_bound=1.6, tis_batch_normalize=True,
+               nonfinite_policy="error")
+    lay = local_response_layout(totals, resps, cp.size, cp.rank)
+    piece = lambda full, i: torch.cat([full[i][s:e] for s, e in lay.ranges[i].tolist()] or [full[i][:0]])  # noqa: E731
+    inputs = CPInputs([piece(train, i) for i in range(9)], [piece(rollout, i) for i in range(9)], masks, totals, resps)
+    out = compute_mis_cp(inputs, cfg, cp)
+    norm = cp_normalization_statistics(inputs, cfg, cp)
+    ref = compute_mis_from_lists(train, rollout, masks, cfg)
+    idx = lay.local_to_full_index()
+    return dict(
+        config_kept=out.result.config is cfg,
+        weights=torch.allclose(out.result.weights, ref.weights[idx], rtol=1e-6, atol=1e-7),
+        keep=torch.equal(out.result.keep_mask, ref.keep_mask[idx]),
+        masks=all(torch.equal(a, m * k.float()) for a, m, k in zip(out.modified_masks, masks, ref.split(ref.keep_mask, resps))),
+        norm=torch.allclose(norm.weight_sum, ref.normalization.weight_sum) and torch.equal(norm.count, ref.normalization.count),
+        collectives=out.num_collectives,
+    )
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_error_policy_without_a_nonfinite_value_equals_one_process(fault_pool4, size):
+    out = [r for r in fault_pool4.run(error_policy_case, size, 3) if r is not None]
+    assert len(out) == size
+    for r in out:
+        assert r == dict(config_kept=True, weights=True, keep=True, masks=True, norm=True, collectives=2), r
+
+
+def normalization_fault_case(size: int, bad_rank: int):
+    """cp_normalization_statistics (the global normaliser's path) under a fault on one rank."""
+    from megatron_mis.parallel.cp_mis import CPFaultError, CPInputs, cp_normalization_statistics
+
+    cp = _subgroup(size)
+    if cp is None:
+        return None
+    from megatron_mis.parallel.layout import local_response_layout
+
+    totals, resps = [12, 30, 9], [5, 20, 4]
+    lay = local_response_layout(totals, resps, cp.size, cp.rank)
+    pieces = [torch.full((int(n),), -1.0) for n in lay.local_lengths.tolist()]
+    if cp.rank == bad_rank:
+        pieces[1] = torch.cat([pieces[1], torch.zeros(2)])
+    try:
+        cp_normalization_statistics(CPInputs(pieces, [p - 0.1 for p in pieces], [torch.ones(r) for r in resps], totals, resps),
+                                    _cfg(use_tis=True, tis_batch_normalize=True), cp)
+    except CPFaultError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_normalization_statistics_fault_raises_on_every_rank(fault_pool4):
+    for bad in range(2):
+        out = [r for r in fault_pool4.run(normalization_fault_case, 2, bad) if r is not None]
+        assert len(out) == 2 and all(f"CP rank {bad}: sequence 1" in m for m in out), out
