@@ -5,7 +5,8 @@ over the global batch can be computed once per step, before the micro-batches ru
 every micro-batch's call (``tis_batch_normalize_scope: global``).
 
 Collectives: with the thd / bshd layouts, one CP all-gather for all the step's sequences on this
-rank together, then one all-reduce of two float64 numbers over the data-parallel group WITHOUT
+rank together (every CP rank's fault status rides in it, read once: see
+:mod:`megatron_mis.parallel.cp_mis`), then one all-reduce of two float64 numbers over the data-parallel group WITHOUT
 context parallelism (CP ranks already hold identical statistics after the all-gather; summing
 over them would count every sequence ``cp`` times). With the allgather-CP layout the statistics
 are gathered once per micro-batch (its packing defines the split).
