@@ -218,20 +218,23 @@ class _StatusExchange:
         assert not self.sent, "one exchange per call"
         assert stats.num_sequences == self.num_seqs and stats.sums.shape[1] + 2 * stats.mins.shape[1] == _STATS_WIDTH
         self.sent = True
-        device = _collective_device(self.cp, stats.sums.device)
-        status = _on(torch.tensor(self.host, dtype=torch.float64), device)
-        extra = [status] if self.on_device is None else [status, self.on_device.to(device)]
-        if self.on_device is None:
-            extra.append(torch.zeros(_STATUS_SIZE - _HOST_FIELDS, dtype=torch.float64, device=device))
-        local = _pack(SequenceStatistics(stats.sums.to(device), stats.mins.to(device), stats.maxs.to(device)), *extra)
+        home = stats.sums.device
+        device = _collective_device(self.cp, home)
+        if self.on_device is None:  # the whole status is host data: one pinned, non-blocking copy
+            extra = [_on(torch.tensor(self.host + [0.0] * (_STATUS_SIZE - _HOST_FIELDS), dtype=torch.float64), device)]
+        else:
+            extra = [_on(torch.tensor(self.host, dtype=torch.float64), device), self.on_device.to(device)]
+        if home != device:  # NCCL with statistics on the CPU
+            stats = SequenceStatistics(stats.sums.to(device), stats.mins.to(device), stats.maxs.to(device))
+        local = _pack(stats, *extra)
         gathered = local.new_empty(self.cp.size * local.numel()).view(self.cp.size, -1)
         _all_gather_into(gathered.view(-1), local, self.cp.group)
         self.num_collectives += 1
         k, e = stats.sums.shape[1], stats.mins.shape[1]
         reduced = _reduce_gathered(gathered, self.num_seqs, k, e)  # queued before the read: it overlaps
         _raise_on_fault(self.cp, _read_status(gathered), self.local_error)
-        if reduced.sums.device != stats.sums.device:
-            reduced = SequenceStatistics(*(t.to(stats.sums.device) for t in (reduced.sums, reduced.mins, reduced.maxs)))
+        if home != device:
+            reduced = SequenceStatistics(reduced.sums.to(home), reduced.mins.to(home), reduced.maxs.to(home))
         return reduced
 
     def fail(self) -> None:
