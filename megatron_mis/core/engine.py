@@ -382,26 +382,32 @@ def _token_stage(
             unique.append(v)
         order.append(c)
         slots.append(position[id(v)])
-    # 0/1 counts sum exactly in float32 chunks; values are summed in float64 so that a sequence's
-    # statistics do not depend on its place in the batch
-    num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))
-    reduced = torch.cat([layout.sums(unique[:num_counts], float64=False), layout.sums(unique[num_counts:])], 1)
+    # one reduction for every column, in float64: values so that a sequence's statistics do not
+    # depend on its place in the batch, 0/1 counts exactly (as in float32; one block of ops for
+    # both instead of one per dtype)
+    reduced = layout.sums(unique)  # [N, K]
     del unique
-    # every statistic column from its reduced slot (an absent one from an appended zero column):
-    # one index_select with a host-built index moved without blocking (a Python-list index on
-    # an accelerator tensor would be a blocking copy)
-    source = [reduced.shape[1]] * len(SequenceSum)
-    for c, s in zip(order, slots):
-        source[int(c)] = s
-    sums = torch.cat([reduced, reduced.new_zeros(num_seqs, 1)], 1).index_select(
-        1, to_device(torch.tensor(source, dtype=torch.long), train.device)
-    )
-    sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
-    # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values
-    sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]
+    # every statistic column from the reduced ones, as sums[:, c] = ext[:, a_c] + ext[:, b_c] over
+    # ext = [reduced | 0 | -reduced | -0]: a column is x + (-0) (exactly x), an absent one 0 + 0,
+    # a difference x + (-y) (exactly x - y), the doubled |r - 1| / 2 h + h (exactly 2h). One
+    # index_select with a host-built index moved without blocking (a Python-list index on an
+    # accelerator tensor would be a blocking copy), one addition.
+    width = reduced.shape[1] + 1
+    slot = dict(zip(order, slots))
+    zero, neg_zero = width - 1, 2 * width - 1
+    pick = {int(c): (slot[c], neg_zero) for c in order}
+    # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values (exact to float64 rounding)
+    pick[int(SequenceSum.SUM_LOG_R)] = (slot[SequenceSum.SUM_TRAIN_LP], width + slot[SequenceSum.SUM_ROLLOUT_LP])
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
-    sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
-    sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]
+    pick[int(SequenceSum.N_NONFINITE)] = (slot[SequenceSum.N_MASK], width + slot[SequenceSum.N_VALID])
+    pick[int(SequenceSum.N_TOK_REJECTED)] = (slot[SequenceSum.N_MASK], width + slot[SequenceSum.N_TOK_KEPT])
+    if SequenceSum.SUM_ABS_R1 in slot:  # the column held |r - 1| / 2
+        pick[int(SequenceSum.SUM_ABS_R1)] = (slot[SequenceSum.SUM_ABS_R1],) * 2
+    source = [pick.get(c, (zero, zero)) for c in range(len(SequenceSum))]
+    index = to_device(torch.tensor([a for a, _ in source] + [b for _, b in source], dtype=torch.long), train.device)
+    ext = torch.cat([reduced, reduced.new_zeros(num_seqs, 1)], 1)
+    both = torch.cat([ext, ext.neg()], 1).index_select(1, index)
+    sums = both[:, : len(SequenceSum)] + both[:, len(SequenceSum) :]
 
     # ---- per-sequence extrema (token-level IS metrics, seq_max_* criteria) -------------------
     big = 3e38
@@ -412,20 +418,21 @@ def _token_stage(
         out_kept = (1.0 - keptf).mul_(big)
         # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there.
         # W_HOST: icepop's weight over the loss-mask tokens (0 out of band); in the other modes the
-        # LOG_R column again (the same tensor: no extra pass; never read)
-        lr_low, lr_high = log_r + out_valid, log_r - out_valid
+        # LOG_R column again (the same tensor: no extra pass; never read). The maxima are minima
+        # of the negated values (x - big = -(big - x) exactly): one reduction for both
+        lr_low, lr_high_neg = log_r + out_valid, out_valid - log_r
         if plan.tis_mode == "icepop":
             out_mask = (1.0 - maskf).mul_(big)
-            host_low, host_high = columns[SequenceSum.SUM_W_HOST] + out_mask, columns[SequenceSum.SUM_W_HOST] - out_mask
+            host = columns[SequenceSum.SUM_W_HOST]
+            host_low, host_high_neg = host + out_mask, out_mask - host
             del out_mask
         else:
-            host_low, host_high = lr_low, lr_high
-        low = layout.mins([lr_low, w_kept + out_kept, host_low], big)
-        high = layout.maxs([lr_high, w_kept - out_kept, host_high], -big)
-        del out_valid, out_kept, lr_low, lr_high, host_low, host_high
-        low, high = low.to(f64), high.to(f64)
-        mins = torch.where(low >= big, BIG, low)
-        maxs = torch.where(high <= -big, -BIG, high)
+            host_low, host_high_neg = lr_low, lr_high_neg
+        ext = layout.mins([lr_low, w_kept + out_kept, host_low, lr_high_neg, out_kept - w_kept, host_high_neg], big)
+        del out_valid, out_kept, lr_low, lr_high_neg, host_low, host_high_neg
+        ext = ext.to(f64)
+        ext = torch.where(ext >= big, BIG, ext)  # [N, 6]: minima, negated maxima (+BIG where empty)
+        mins, maxs = ext[:, :3], ext[:, 3:].neg()
     elif plan.criteria_of("seq_max"):
         # the largest k2 / k3 of a sequence is that of its smallest or largest log r (k2 and k3
         # grow with |log r| on either side of 0), so the extrema of log r serve every seq_max_*
@@ -600,7 +607,12 @@ def _outputs(
     f32 = torch.float32
     layout = tokens.layout
     alive = ~seqs.rejected
-    keepf = tokens.tok_kept * layout.expand(as_factor(alive))
+    if plan.metrics == "none":
+        token_metrics: dict[str, torch.Tensor] = {}
+        summary: dict[str, torch.Tensor] = {}
+        keepf = tokens.tok_kept * layout.expand(as_factor(alive))
+    else:  # the metrics expand alive together with their sequence metrics (one expansion)
+        token_metrics, summary, keepf = _metrics.build_metrics(tokens, stats, seqs, plan, norm, norm_stats, as_factor(alive))
     keep = as_bool(keepf)
     norm32 = norm.to(f32)
     # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
@@ -622,11 +634,6 @@ def _outputs(
             seq_mean = torch.ones_like(kept_count)
         seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
 
-    if plan.metrics == "none":
-        token_metrics: dict[str, torch.Tensor] = {}
-        summary: dict[str, torch.Tensor] = {}
-    else:
-        token_metrics, summary = _metrics.build_metrics(tokens, stats, seqs, plan, norm, keepf)
     return dict(
         seqs=seqs, norm_stats=norm_stats, normalizer=norm32, weights=weights, keep=keep, seq_weights=seq_weights,
         token_metrics=token_metrics, summary=summary,
