@@ -67,7 +67,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
-from megatron_mis.core.flags import above, as_bool, as_factor, below
+from megatron_mis.core.flags import above, as_bool, as_factor, below, scaled_complement
 from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout, to_device
 from megatron_mis.core.statistics import (
     BIG,
@@ -277,8 +277,7 @@ def _token_stage(
     w_tok = is_low = is_high = None
     if plan.token_is:
         if metrics_on or plan.tis_mode in ("mask", "icepop"):
-            is_low = below(r, plan.tis_lo).mul_(maskf)
-            is_high = above(r, plan.tis_hi).mul_(maskf)
+            is_low, is_high = _band_flags(r, maskf, plan.tis_lo, plan.tis_hi)
         # without metrics and token-level RS nothing reads r after the bound: bound it in place
         clamp = torch.clamp if metrics_on or (plan.use_rs and plan.rs_level == "token") else torch.clamp_
         if plan.tis_mode == "truncate":
@@ -287,15 +286,14 @@ def _token_stage(
             w_tok = clamp(r, plan.tis_lo, plan.tis_hi)
         else:  # mask / icepop: weight 0 outside [L, U]
             outside = torch.maximum(is_low, is_high)
-            w_tok = r * (1.0 - outside)
+            w_tok = torch.addcmul(r, r, outside, value=-1.0)  # r - r * outside: r or exactly 0
             if plan.tis_mode == "mask":  # out of the loss mask; icepop keeps the token in it
                 rejected.append(outside)
             del outside
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level == "token":
-        rs_low = below(r, plan.rs_lo).mul_(maskf)
-        rs_high = above(r, plan.rs_hi).mul_(maskf)
+        rs_low, rs_high = _band_flags(r, maskf, plan.rs_lo, plan.rs_hi)
         rejected.append(torch.maximum(rs_low, rs_high))
 
     ratio_veto = prob_veto = None
@@ -319,7 +317,7 @@ def _token_stage(
         tok_rejected = rejected[0]
         for extra in rejected[1:]:
             tok_rejected = torch.maximum(tok_rejected, extra)
-        keptf = maskf * (1.0 - tok_rejected)
+        keptf = torch.addcmul(maskf, maskf, tok_rejected, value=-1.0)  # mask AND NOT rejected
 
     # ---- the columns to reduce per sequence (a tensor shared by two columns is reduced once;
     # columns that are also token metrics are kept for them) --------------------------------
@@ -414,15 +412,15 @@ def _token_stage(
     if plan.token_is and metrics_on:
         # excluded tokens get +-big by arithmetic (x + 0 = x exactly; every x is finite): cheap
         # passes where a select costs one slow one
-        out_valid = (1.0 - validf).mul_(big)
-        out_kept = (1.0 - keptf).mul_(big)
+        out_valid = scaled_complement(validf, big)
+        out_kept = scaled_complement(keptf, big)
         # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there.
         # W_HOST: icepop's weight over the loss-mask tokens (0 out of band); in the other modes the
         # LOG_R column again (the same tensor: no extra pass; never read). The maxima are minima
         # of the negated values (x - big = -(big - x) exactly): one reduction for both
         lr_low, lr_high_neg = log_r + out_valid, out_valid - log_r
         if plan.tis_mode == "icepop":
-            out_mask = (1.0 - maskf).mul_(big)
+            out_mask = scaled_complement(maskf, big)
             host = columns[SequenceSum.SUM_W_HOST]
             host_low, host_high_neg = host + out_mask, out_mask - host
             del out_mask
@@ -436,7 +434,7 @@ def _token_stage(
     elif plan.criteria_of("seq_max"):
         # the largest k2 / k3 of a sequence is that of its smallest or largest log r (k2 and k3
         # grow with |log r| on either side of 0), so the extrema of log r serve every seq_max_*
-        out_valid = (1.0 - validf).mul_(big)
+        out_valid = scaled_complement(validf, big)
         low = layout.mins([log_r + out_valid], big).to(f64)
         high = layout.maxs([log_r - out_valid], -big).to(f64)
         del out_valid
@@ -469,6 +467,17 @@ def _token_stage(
     return tokens, sums, mins, maxs
 
 
+def _band_flags(r: torch.Tensor, maskf: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(r < lo, r > hi)`` over the loss-mask tokens, float32 0/1 ``[T]``. ``r`` is exactly 1 at
+    every other token (log r is 0 there), so a bound on the far side of 1 needs no mask pass."""
+    low, high = below(r, lo), above(r, hi)
+    if not lo <= 1.0:
+        low.mul_(maskf)
+    if not hi >= 1.0:
+        high.mul_(maskf)
+    return low, high
+
+
 #: The count column of each token-level divergence criterion (token_k1, token_k2, token_k3).
 _TOKEN_CRITERION_COUNT = {1: SequenceSum.N_TOKEN_K1, 2: SequenceSum.N_TOKEN_K2, 3: SequenceSum.N_TOKEN_K3}
 
@@ -493,11 +502,11 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
     n_valid = stats.col(SequenceSum.N_VALID)
     has_valid = n_valid > 0
     log_sum = stats.col(SequenceSum.SUM_LOG_R)
-    level_log_r = {
-        "sequence": log_sum.clamp(-bound, bound),
-        "geometric": (log_sum / n_valid.clamp_min(1)).clamp(-bound, bound),
-    }
-    rejected = torch.zeros_like(has_valid)
+    level_log_r = {}  # the levels something reads: the metrics read "sequence"
+    for level in _levels_read(plan):
+        mean = log_sum if level == "sequence" else log_sum / n_valid.clamp_min(1)
+        level_log_r[level] = mean.clamp(-bound, bound)
+    failing: list[torch.Tensor] = []  # [N] bool: the sequence-level rejections, OR-ed at the end
 
     w_unb = w_seq = is_low = is_high = None
     if plan.use_tis and plan.tis_level != "token":
@@ -505,28 +514,48 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
         w_seq, is_low, is_high = _bound(w_unb, plan)
         is_low, is_high = is_low & has_valid, is_high & has_valid
         if plan.tis_mode == "mask":
-            rejected = rejected | is_low | is_high
+            failing += [is_low, is_high]
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level != "token":
         rs_ratio = torch.exp(level_log_r[plan.rs_level])
         rs_low = has_valid & (rs_ratio < plan.rs_lo)
         rs_high = has_valid & (rs_ratio > plan.rs_hi)
-        rejected = rejected | rs_low | rs_high
+        failing += [rs_low, rs_high]
 
     criteria = _sequence_criteria(stats, plan, level_log_r, n_valid, has_valid)
-    for failed in criteria.values():
-        rejected = rejected | failed
+    failing += list(criteria.values())
 
-    ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0
-    prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0
-    rejected = rejected | ratio_vetoed | prob_vetoed
-    kept = ~rejected & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
+    # a veto column is all zeros without its veto: nothing to compare
+    ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0 if plan.log_ratio_veto is not None else None
+    prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0 if plan.log_prob_veto is not None else None
+    failing += [v for v in (ratio_vetoed, prob_vetoed) if v is not None]
+    if failing:
+        rejected = failing[0]
+        for failed in failing[1:]:
+            rejected = rejected | failed
+    else:
+        rejected = torch.zeros_like(has_valid)
+    alive = ~rejected
+    kept = alive & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
     return SequenceDecisions(
         n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
-        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept, criteria=criteria,
+        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept, criteria=criteria, alive=alive,
     )
+
+
+def _levels_read(plan: _Plan) -> tuple[str, ...]:
+    """The sequence-level log-ratios (``"sequence"``, ``"geometric"``) the decisions and metrics read."""
+    levels = {plan.tis_level} if plan.use_tis else set()
+    if plan.use_rs:
+        levels.add(plan.rs_level)
+    if plan.metrics != "none":
+        levels.add("sequence")
+    for name, _, _ in plan.rs_criteria:
+        if name in ("seq_sum_k1", "seq_mean_k1"):
+            levels.add("sequence" if name == "seq_sum_k1" else "geometric")
+    return tuple(level for level in ("sequence", "geometric") if level in levels)
 
 
 def _sequence_criteria(
@@ -567,7 +596,7 @@ def _sequence_criteria(
 
 def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Plan) -> NormalizationStatistics:
     if plan.token_is:
-        alive = (~seqs.rejected).to(torch.float64)
+        alive = seqs.alive.to(torch.float64)
         weight_sum = (stats.col(SequenceSum.SUM_W_KEPT) * alive).sum()
         count = (stats.col(SequenceSum.N_TOK_KEPT) * alive).sum()
     elif plan.use_tis:
@@ -575,7 +604,7 @@ def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Pl
         weight_sum = (seqs.w_seq * keptf).sum()
         count = keptf.sum()
     else:
-        count = (stats.col(SequenceSum.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
+        count = (stats.col(SequenceSum.N_TOK_KEPT) * seqs.alive.to(torch.float64)).sum()
         weight_sum = count.clone()
     return NormalizationStatistics(weight_sum, count)
 
@@ -606,7 +635,7 @@ def _outputs(
     seqs, norm_stats, norm = sequence_decisions(stats, normalizer, plan)
     f32 = torch.float32
     layout = tokens.layout
-    alive = ~seqs.rejected
+    alive = seqs.alive
     if plan.metrics == "none":
         token_metrics: dict[str, torch.Tensor] = {}
         summary: dict[str, torch.Tensor] = {}
@@ -681,13 +710,18 @@ def _prepare(
     num_tokens = int(train_log_probs.shape[0])
     device = train_log_probs.device
     cu = as_cu_seqlens(cu_seqlens, num_tokens, device)
-    train = train_log_probs.detach().to(torch.float32)
-    rollout = rollout_log_probs.detach().to(device=device, dtype=torch.float32)
-    mask = loss_mask.detach().to(device)
+    # detached (a detach is a dispatched op: only where there is a graph to leave)
+    train = _detached(train_log_probs).to(torch.float32)
+    rollout = _detached(rollout_log_probs).to(device=device, dtype=torch.float32)
+    mask = _detached(loss_mask).to(device)
     # exact conversion: a token is in the loss iff its mask value is > 0 (NaN, 0 and negative
     # values are out); no value passes through to the returned masks
     mask = mask if mask.dtype == torch.bool else mask > 0
     return train, rollout, mask, cu, num_tokens
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
 
 
 def _check_config(config: Any) -> MISConfig:

@@ -377,7 +377,7 @@ def build_metrics(
     if token_is or not plan.use_tis:
         num_kept_tokens = norm_stats.count
     else:
-        num_kept_tokens = (col(SequenceSum.N_TOK_KEPT) * (~seqs.rejected).to(f64)).sum()
+        num_kept_tokens = (col(SequenceSum.N_TOK_KEPT) * seqs.alive.to(f64)).sum()
     # mis_rejected_token_fraction: its [T] values are set below, once keepf is expanded
     tok("mis_rejected_token_fraction", tokens.flags[SequenceSum.N_MASK], total_mask - num_kept_tokens)
     kept = seqs.kept
@@ -440,41 +440,31 @@ def build_metrics(
     )  # [S, N] float64
     base = {"part": 0, "row": num_part_rows, "flag": num_part_rows + len(rows)}
     index = [base[kind] + i for kind, i in where]
-    # the seq metrics' summaries: means over sequences with loss tokens
-    seq_means = _safe_div((block * has_mask.to(f64)).sum(1), has_mask.to(f64).sum()).unbind(0)
     expanded = layout.expand(torch.cat([alive.unsqueeze(0), _f32(block)])).unbind(0)  # [1 + S, T]
     keepf = tokens.tok_kept * expanded[0]
     token_metrics["mis_rejected_token_fraction"] = tokens.flags[SequenceSum.N_MASK] - keepf  # 1 at loss-mask tokens not kept
     for (name, _, _), i in zip(seq_rows, index):
         token_metrics[name] = expanded[1 + i]
-        summary[name] = seq_means[i]
-    # token metrics' summaries: means over loss-mask tokens
-    tok_means = _safe_div(torch.stack([v for _, v in tok_totals]), total_mask).unbind(0)
-    for (name, _), value in zip(tok_totals, tok_means):
-        summary[name] = value
     # batch metrics: one value for every token, a stride-0 view (no [T] buffer)
-    values64 = torch.stack([v.to(f64).reshape(()) for _, v in batch_values])
+    values64 = torch.stack([v for _, v in batch_values])  # 0-dim float64 each
     values32 = _f32(values64).unsqueeze(1).expand(len(batch_values), num_tokens).unbind(0)
     for (name, _), v64, v32 in zip(batch_values, values64.unbind(0), values32):
         token_metrics[name] = v32
         summary[name] = v64
 
-    # ---- summary-only batch statistics ---------------------------------------------------
-    summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)
-    summary["num_loss_tokens"] = total_mask
-    summary["num_kept_tokens"] = num_kept_tokens
-    summary["num_kept_sequences"] = norm_stats.count if plan.use_tis and not token_is else kept.to(f64).sum()
+    # ---- the weights' batch statistics (use_tis): before bound over the valid tokens /
+    # sequences, after bound over the kept tokens of alive sequences (the normalisation's own sum
+    # and count) / the kept sequences; sums and counts here, divided with the summaries below
+    weight_sums: list[torch.Tensor] = []
+    weight_counts: list[torch.Tensor] = []
     if plan.use_tis:
-        # [before-bound mean, min, max, after-bound mean, min, max]: before bound over the valid
-        # tokens / sequences, after bound over the kept tokens of alive sequences (the
-        # normalisation's own sum and count) / kept sequences
         if token_is:
             count = norm_stats.count
-            means_b = torch.stack([total[int(SequenceSum.SUM_W_BEFORE)], norm_stats.weight_sum])
-            counts_b = torch.stack([nv, count])
+            weight_sums = [total[int(SequenceSum.SUM_W_BEFORE)], norm_stats.weight_sum]
+            weight_counts = [nv, count]
             # per-sequence extrema of log r (every sequence: empty ones hold +-BIG) and of the
             # bounded weight (alive sequences), as rows
-            over = torch.stack([has_valid, ~seqs.rejected, has_mask])
+            over = torch.stack([has_valid, seqs.alive, has_mask])
             low = _batch_extreme(torch.where(over, stats.mins.t(), BIG), "amin")  # [3]
             high = _batch_extreme(torch.where(over, stats.maxs.t(), -BIG), "amax")
             ext = torch.stack([low, high], 1)  # [3, 2]: rows log r, bounded weight, (icepop weight)
@@ -483,24 +473,44 @@ def build_metrics(
         else:
             hv, wu, wb = has_valid_f, seqs.w_seq_unbounded, seqs.w_seq
             keptf = kept.to(f64)
-            means_b = torch.stack([(wu * hv).sum(), (wb * keptf).sum()])
-            counts_b = torch.stack([hv.sum(), keptf.sum()])
+            weight_sums = [(wu * hv).sum(), (wb * keptf).sum()]
+            weight_counts = [hv.sum(), keptf.sum()]
             rows_b = torch.stack([wu, wb])
             over = torch.stack([has_valid, kept])
             low = _batch_extreme(torch.where(over, rows_b, BIG), "amin")  # [2]: before, after
             high = _batch_extreme(torch.where(over, rows_b, -BIG), "amax")
             before, after = torch.stack([low, high], 1).unbind(0)
             present = torch.stack([has_valid.any(), kept.any()])
-        mean = _safe_div(means_b, counts_b)
-        values = torch.stack([mean, *torch.stack([before, after]).unbind(1)], 1)  # [2, 3]
-        values = torch.where(present.unsqueeze(1), values, 0.0)
-        values = torch.cat([values.reshape(6), values[1] / normalizer]).unbind(0)
-        for i, name in enumerate((
-            "mis_weight_before_bound_mean", "mis_weight_before_bound_min", "mis_weight_before_bound_max",
-            "mis_weight_after_bound_mean", "mis_weight_after_bound_min", "mis_weight_after_bound_max",
-            "mis_weight_final_mean", "mis_weight_final_min", "mis_weight_final_max",
-        )):
-            summary[name] = values[i]
+        # [[before min, before max], [after min, after max]], 0 where there is nothing to take
+        extrema = torch.where(present.unsqueeze(1), torch.stack([before, after]), 0.0).view(4).unbind(0)
+
+    # ---- every summary mean in one division: sequence metrics over sequences with loss tokens,
+    # token metrics over loss-mask tokens, the weights over their counts
+    has_mask_f = has_mask.to(f64)
+    num_seq_with_mask = has_mask_f.sum()
+    means_all = _safe_div(
+        torch.cat([(block * has_mask_f).sum(1), torch.stack([v for _, v in tok_totals] + weight_sums)]),
+        torch.stack([num_seq_with_mask] * block.shape[0] + [total_mask] * len(tok_totals) + weight_counts),
+    ).unbind(0)
+    for (name, _, _), i in zip(seq_rows, index):
+        summary[name] = means_all[i]
+    for k, (name, _) in enumerate(tok_totals):
+        summary[name] = means_all[block.shape[0] + k]
+
+    # ---- summary-only batch statistics ---------------------------------------------------
+    summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)
+    summary["num_loss_tokens"] = total_mask
+    summary["num_kept_tokens"] = num_kept_tokens
+    summary["num_kept_sequences"] = norm_stats.count if plan.use_tis and not token_is else kept.to(f64).sum()
+    if plan.use_tis:
+        mean_before, mean_after = means_all[-2:]
+        final = (torch.stack([mean_after, extrema[2], extrema[3]]) / normalizer).unbind(0)
+        summary["mis_weight_before_bound_mean"] = mean_before
+        summary["mis_weight_before_bound_min"], summary["mis_weight_before_bound_max"] = extrema[0], extrema[1]
+        summary["mis_weight_after_bound_mean"] = mean_after
+        summary["mis_weight_after_bound_min"], summary["mis_weight_after_bound_max"] = extrema[2], extrema[3]
+        for part, value in zip(("mean", "min", "max"), final):
+            summary[f"mis_weight_final_{part}"] = value
     return token_metrics, summary, keepf
 
 

@@ -186,6 +186,10 @@ class SegmentLayout(NamedTuple):
         window_target: ``[2N * C]`` int64 — ``window`` where valid, ``T - 1`` elsewhere (the last
             token doubles as the discard slot of an expansion, which rewrites it afterwards).
         last_segment: ``[1]`` int64 — the segment holding token ``T - 1`` (0 when ``T = 0``).
+        reduce_target: ``[M + 2N]`` int64 — ``chunk_segment``, then ``0..N-1`` twice: the segment
+            (or the discard slot ``N``) of every chunk, head window and tail window result, so
+            that a reduction combines all three in one scatter (chunks first, then heads, then
+            tails: the order of the separate additions it replaces).
     """
 
     num_tokens: int
@@ -196,6 +200,7 @@ class SegmentLayout(NamedTuple):
     window_valid: torch.Tensor
     window_target: torch.Tensor
     last_segment: torch.Tensor
+    reduce_target: torch.Tensor
 
     @property
     def num_segments(self) -> int:
@@ -236,8 +241,8 @@ class SegmentLayout(NamedTuple):
             else:
                 windows = torch.zeros(len(ks), 2 * n, dtype=f64, device=device)
             out = torch.zeros(len(ks), n + 1, dtype=f64, device=device)
-            out.index_add_(1, self.chunk_segment, chunks)  # [K, N+1]
-            pieces.append(out[:, :n] + windows[:, :n] + windows[:, n:])
+            out.index_add_(1, self.reduce_target, torch.cat([chunks, windows], 1))  # [K, N+1]
+            pieces.append(out[:, :n])
             order.extend(ks)
         result = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]  # [K, N] in group order
         if order != sorted(order):
@@ -276,9 +281,9 @@ class SegmentLayout(NamedTuple):
         else:
             windows = fills.expand(k, 2 * n)
         out = torch.full((k, n + 1), fill, dtype=dtype, device=device)
-        out.scatter_reduce_(1, self.chunk_segment.unsqueeze(0).expand(k, -1), chunks, how)  # [K, N+1]
-        pick = torch.minimum if how == "amin" else torch.maximum
-        return pick(out[:, :n], pick(windows[:, :n], windows[:, n:])).t()
+        target = self.reduce_target.unsqueeze(0).expand(k, -1)
+        out.scatter_reduce_(1, target, torch.cat([chunks, windows], 1), how)  # [K, N+1]
+        return out[:, :n].t()
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
         """``[N] -> [T]`` (or ``[S, N] -> [S, T]``, contiguous): each segment's value repeated
@@ -341,16 +346,20 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     m = num_tokens // c
     device = cu_seqlens.device
     if m:
-        starts = torch.arange(m, device=device) * c
-        # the segment holding a token: the last n with cu[n] <= t (skips empty segments)
-        first = torch.searchsorted(cu_seqlens, starts, right=True) - 1
-        last = torch.searchsorted(cu_seqlens, starts + (c - 1), right=True) - 1
-        chunk_segment = torch.where(first == last, first, torch.full_like(first, n))
+        # the segment holding a token: the last n with cu[n] <= t (skips empty segments), here
+        # one more than that for the first and the last token of every chunk
+        first = torch.searchsorted(cu_seqlens, torch.arange(0, m * c, c, device=device), right=True)
+        last = torch.searchsorted(cu_seqlens, torch.arange(c - 1, m * c, c, device=device), right=True)
+        chunk_segment = (first - 1).masked_fill_(first != last, n)
     else:
         chunk_segment = torch.zeros(0, dtype=torch.long, device=device)
     a, b = cu_seqlens[:-1], cu_seqlens[1:]
-    fa = torch.div(a + (c - 1), c, rounding_mode="floor") * c
-    fb = torch.div(b, c, rounding_mode="floor") * c
+    if c & (c - 1) == 0:  # rounded up / down to a multiple of a power of two: a bit mask (offsets >= 0)
+        fa = (a + (c - 1)).bitwise_and_(-c)
+        fb = b.bitwise_and(-c)
+    else:
+        fa = torch.div(a + (c - 1), c, rounding_mode="floor") * c
+        fb = torch.div(b, c, rounding_mode="floor") * c
     head_end = torch.minimum(fa, b)
     tail_start = torch.maximum(fb, head_end)
     part_starts = torch.cat([a, tail_start])  # [2N]
@@ -358,8 +367,10 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     window = part_starts.unsqueeze(1) + torch.arange(c, device=device)  # [2N, C]
     window_valid = window < part_ends.unsqueeze(1)
     window = window.clamp(0, max(num_tokens - 1, 0))
-    window_target = torch.where(window_valid, window, torch.full_like(window, max(num_tokens - 1, 0))).reshape(-1)
-    # the last n with cu[n] <= T - 1 (skips empty segments); 0 for an empty batch
-    last = torch.searchsorted(cu_seqlens, cu_seqlens.new_full((1,), max(num_tokens - 1, 0)), right=True) - 1
-    last_segment = last.clamp(0, max(n - 1, 0))
-    return SegmentLayout(num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment)
+    window_target = window.masked_fill(~window_valid, max(num_tokens - 1, 0)).reshape(-1)
+    # the segment holding token T - 1: the number of segments that end before it (trailing empty
+    # segments end at T); 0 for an empty batch
+    last_segment = (b < num_tokens).sum(0, keepdim=True)
+    segments = torch.arange(n, device=device)
+    reduce_target = torch.cat([chunk_segment, segments, segments])
+    return SegmentLayout(num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment, reduce_target)
