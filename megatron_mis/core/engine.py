@@ -114,7 +114,7 @@ class NormalizationStatistics:
 
     def mean(self) -> torch.Tensor:
         """The normalising mean (1 where nothing is kept, so nothing is scaled)."""
-        return torch.where(self.count > 0, self.weight_sum / self.count.clamp_min(1), torch.ones_like(self.weight_sum))
+        return (self.weight_sum / self.count.clamp_min(1)).masked_fill_(self.count <= 0, 1.0)
 
 
 #: Bucket edges on the rollout probability (When Speed Kills Stability, docs/references.md: the mismatch grows as probabilities fall).
@@ -403,9 +403,9 @@ def _token_stage(
         pick[int(SequenceSum.SUM_ABS_R1)] = (slot[SequenceSum.SUM_ABS_R1],) * 2
     source = [pick.get(c, (zero, zero)) for c in range(len(SequenceSum))]
     index = to_device(torch.tensor([a for a, _ in source] + [b for _, b in source], dtype=torch.long), train.device)
-    ext = torch.cat([reduced, reduced.new_zeros(num_seqs, 1)], 1)
-    both = torch.cat([ext, ext.neg()], 1).index_select(1, index)
-    sums = both[:, : len(SequenceSum)] + both[:, len(SequenceSum) :]
+    ext = torch.nn.functional.pad(reduced, (0, 1))  # the zero column
+    # x + y as the sum of a pair: 0 + x + y, exactly x + y (no sum is -0.0: they start at +0.0)
+    sums = torch.cat([ext, ext.neg()], 1).index_select(1, index).view(num_seqs, 2, len(SequenceSum)).sum(1)
 
     # ---- per-sequence extrema (token-level IS metrics, seq_max_* criteria) -------------------
     big = 3e38
@@ -429,8 +429,9 @@ def _token_stage(
         ext = layout.mins([lr_low, w_kept + out_kept, host_low, lr_high_neg, out_kept - w_kept, host_high_neg], big)
         del out_valid, out_kept, lr_low, lr_high_neg, host_low, host_high_neg
         ext = ext.to(f64)
-        ext = torch.where(ext >= big, BIG, ext)  # [N, 6]: minima, negated maxima (+BIG where empty)
-        mins, maxs = ext[:, :3], ext[:, 3:].neg()
+        ext = ext.masked_fill_(ext >= big, BIG)  # [N, 6]: minima, negated maxima (+BIG where empty)
+        # 0 - x, not -x: a maximum of 0 stays +0.0 (x - 0 in the direct form)
+        mins, maxs = ext[:, :3], torch.rsub(ext[:, 3:], 0.0)
     elif plan.criteria_of("seq_max"):
         # the largest k2 / k3 of a sequence is that of its smallest or largest log r (k2 and k3
         # grow with |log r| on either side of 0), so the extrema of log r serve every seq_max_*
@@ -512,15 +513,18 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
     if plan.use_tis and plan.tis_level != "token":
         w_unb = torch.exp(level_log_r[plan.tis_level])
         w_seq, is_low, is_high = _bound(w_unb, plan)
-        is_low, is_high = is_low & has_valid, is_high & has_valid
+        # a sequence without a valid token has ratio 1: flagged only by a band that excludes 1
+        if not plan.tis_lo <= 1.0:
+            is_low = is_low & has_valid
+        if not plan.tis_hi >= 1.0:
+            is_high = is_high & has_valid
         if plan.tis_mode == "mask":
             failing += [is_low, is_high]
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level != "token":
         rs_ratio = torch.exp(level_log_r[plan.rs_level])
-        rs_low = has_valid & (rs_ratio < plan.rs_lo)
-        rs_high = has_valid & (rs_ratio > plan.rs_hi)
+        rs_low, rs_high = _sequence_band(rs_ratio, has_valid, plan.rs_lo, plan.rs_hi)
         failing += [rs_low, rs_high]
 
     criteria = _sequence_criteria(stats, plan, level_log_r, n_valid, has_valid)
@@ -539,10 +543,18 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
     alive = ~rejected
     kept = alive & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
     return SequenceDecisions(
-        n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
+        n_mask=n_mask, n_valid=n_valid, has_valid=has_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
         prob_vetoed=prob_vetoed, rejected=rejected, kept=kept, criteria=criteria, alive=alive,
     )
+
+
+def _sequence_band(ratio: torch.Tensor, has_valid: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ratio < lo, ratio > hi)`` over the sequences with a valid token, ``[N]`` bool. The ratio
+    of a sequence without one is exactly 1 (its log-ratio sum is 0), so a band that contains 1
+    needs no mask."""
+    low, high = ratio < lo, ratio > hi
+    return (low if lo <= 1.0 else has_valid & low), (high if hi >= 1.0 else has_valid & high)
 
 
 def _levels_read(plan: _Plan) -> tuple[str, ...]:
@@ -636,12 +648,15 @@ def _outputs(
     f32 = torch.float32
     layout = tokens.layout
     alive = seqs.alive
-    if plan.metrics == "none":
+    metrics_on = plan.metrics != "none"
+    if not metrics_on:
         token_metrics: dict[str, torch.Tensor] = {}
         summary: dict[str, torch.Tensor] = {}
         keepf = tokens.tok_kept * layout.expand(as_factor(alive))
     else:  # the metrics expand alive together with their sequence metrics (one expansion)
-        token_metrics, summary, keepf = _metrics.build_metrics(tokens, stats, seqs, plan, norm, norm_stats, as_factor(alive))
+        # batch totals of every statistic: one reduction (0/1 counts sum exactly in any order)
+        total = stats.sums.sum(0).unbind(0)
+        token_metrics, summary, keepf = _metrics.build_metrics(tokens, stats, seqs, plan, norm, norm_stats, total)
     keep = as_bool(keepf)
     norm32 = norm.to(f32)
     # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
@@ -661,12 +676,12 @@ def _outputs(
             seq_mean = stats.col(SequenceSum.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
         else:
             seq_mean = torch.ones_like(kept_count)
-        seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
+        seq_weights = torch.where(seqs.kept, seq_mean, 0.0).to(f32)
 
     return dict(
         seqs=seqs, norm_stats=norm_stats, normalizer=norm32, weights=weights, keep=keep, seq_weights=seq_weights,
         token_metrics=token_metrics, summary=summary,
-        num_nonfinite=stats.col(SequenceSum.N_NONFINITE).sum().to(torch.int64),
+        num_nonfinite=(total[int(SequenceSum.N_NONFINITE)] if metrics_on else stats.col(SequenceSum.N_NONFINITE).sum()).to(torch.int64),
     )
 
 

@@ -176,7 +176,8 @@ def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> t
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    return torch.where(den > 0, num / den.clamp_min(1e-300), 0.0)
+    """``num / den``, 0 where ``den <= 0`` (``den`` broadcasts to ``num``)."""
+    return (num / den.clamp_min(1e-300)).masked_fill_(den <= 0, 0.0)
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -220,13 +221,14 @@ def build_metrics(
     plan: Plan,
     normalizer: torch.Tensor,
     norm_stats: Any,
-    alive: torch.Tensor,
+    total: Sequence[torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """Token-aligned ``[T]`` float32 metrics, 0-dim float64 batch summaries (see module
     docstring) and ``keepf`` ``[T]`` float32 — the loss-mask tokens kept at token level whose
-    sequence is alive: ``alive`` ``[N]`` float32 0/1 is expanded to the tokens together with the
-    sequence metrics (one expansion for both). ``norm_stats`` is the call's
-    ``NormalizationStatistics`` (its sums are shared with the summaries).
+    sequence is alive (``seqs.alive``, expanded to the tokens as one more row of the sequence
+    metrics: one expansion for both). ``norm_stats`` is the call's ``NormalizationStatistics``
+    (its sums are shared with the summaries); ``total`` the batch totals of every statistic
+    column (0-dim float64 each: one reduction of ``stats.sums``, shared with the caller).
 
     Pure tensor code (compilable); the op count does not depend on ``N`` and is kept small (every
     op is a kernel launch on an accelerator, issue 28): statistics that share a formula are
@@ -241,11 +243,9 @@ def build_metrics(
     n_mask, n_valid = seqs.n_mask, seqs.n_valid
     full = plan.metrics == "full"
     token_is = plan.token_is
-    # batch totals of every statistic: one reduction (0/1 counts sum exactly in any order)
-    total = stats.sums.sum(0).unbind(0)
     total_mask, nv = total[int(SequenceSum.N_MASK)], total[int(SequenceSum.N_VALID)]
     has_mask = n_mask > 0
-    has_valid = n_valid > 0
+    has_valid = seqs.has_valid
 
     token_metrics: dict[str, torch.Tensor] = {}
     # every summary key is placed when its metric is defined (the summary keeps that order);
@@ -381,35 +381,37 @@ def build_metrics(
     # mis_rejected_token_fraction: its [T] values are set below, once keepf is expanded
     tok("mis_rejected_token_fraction", tokens.flags[SequenceSum.N_MASK], total_mask - num_kept_tokens)
     kept = seqs.kept
-    seq("mis_rejected_seq_fraction", has_mask & ~kept)
+    seq("mis_rejected_seq_fraction", has_mask ^ kept)  # has_mask & ~kept (kept sequences have loss tokens)
 
     # ---- final weights -------------------------------------------------------------------
     if plan.use_tis:
         # the hosts' definition: over ALL loss-mask tokens of the after-bound weight / normaliser
         if token_is and plan.tis_mode == "icepop":
             # icepop's weight (0 out of band) is not monotone in r: its own extrema over the loss mask
-            host = torch.stack([means[4], stats.mins.select(1, SequenceExtremum.W_HOST), stats.maxs.select(1, SequenceExtremum.W_HOST)])
+            host_ext = torch.stack([stats.mins, stats.maxs]).select(2, SequenceExtremum.W_HOST)
         elif token_is:
-            ratio = torch.exp(torch.stack([
-                stats.mins.select(1, SequenceExtremum.LOG_R), stats.maxs.select(1, SequenceExtremum.LOG_R),
-            ]).clamp(-_EXP_CAP, _EXP_CAP))  # [2, N]: smallest and largest ratio of the valid tokens
+            # [2, N]: smallest and largest ratio of the valid tokens
+            ratio = torch.exp(torch.stack([stats.mins, stats.maxs]).select(2, SequenceExtremum.LOG_R).clamp(-_EXP_CAP, _EXP_CAP))
             one = 1.0
             if plan.tis_mode != "mask":  # truncate / clip are monotone in r
                 ratio = _bound_values(ratio, plan)
                 one = min(1.0, plan.tis_hi) if plan.tis_mode == "truncate" else min(max(1.0, plan.tis_lo), plan.tis_hi)
-            # neutralised tokens count with ratio 1; a sequence without a valid token has only those
+            # neutralised tokens count with ratio 1. A sequence without a valid token has only
+            # those (then its extrema hold +-BIG: ratios e^80 / e^-80, bounded beyond `one` on
+            # either side, so both become `one`), or no loss-mask token (zeroed below)
             lo_r, hi_r = ratio.unbind(0)
             with_one = torch.stack([lo_r.clamp(max=one), hi_r.clamp(min=one)])
-            ratio = torch.where(has_valid, torch.where(col(SequenceSum.N_NONFINITE) > 0, with_one, ratio), one)
-            host = torch.cat([means[4:5], ratio])
-        else:
+            host_ext = torch.where(col(SequenceSum.N_NONFINITE) > 0, with_one, ratio)
+        if token_is:  # [3, N] mean / min / max (the mean is 0 without a loss-mask token already)
+            host = torch.cat([means[4:5] / normalizer, torch.where(has_mask, host_ext / normalizer, 0.0)])
+        else:  # [1, N]: the sequence weight
             host = (seqs.w_seq_unbounded if plan.tis_mode == "mask" else seqs.w_seq).unsqueeze(0)
-        host = torch.where(has_mask, host / normalizer, 0.0)  # [3, N] mean / min / max, or [1, N]
+            host = torch.where(has_mask, host / normalizer, 0.0)
         for i, part in enumerate(("mean", "min", "max")):
             seq(f"mis_is_ratio_{part}_final", host, i if host.shape[0] > 1 else 0)
         if full:
             if token_is:
-                final = torch.stack([means[5], stats.mins.select(1, SequenceExtremum.W_KEPT), stats.maxs.select(1, SequenceExtremum.W_KEPT)])
+                final = torch.cat([means[5:6], torch.stack([stats.mins, stats.maxs]).select(2, SequenceExtremum.W_KEPT)])
             else:
                 final = seqs.w_seq.unsqueeze(0)
             final = torch.where(kept, final / normalizer, 0.0)
@@ -420,7 +422,7 @@ def build_metrics(
     parts: list[torch.Tensor] = []  # [k, N] float64 parts of the block, in order of first use
     offset: dict[int, int] = {}
     rows: list[torch.Tensor] = []  # single [N] float64 rows
-    flags: list[torch.Tensor] = []  # single [N] bool rows
+    flags: list[torch.Tensor] = [seqs.alive]  # single [N] bool rows; the first is alive (not a metric)
     where: list[tuple[str, int]] = []  # (kind, index) of every metric
     for name, values, row in seq_rows:
         if row >= 0:
@@ -435,16 +437,14 @@ def build_metrics(
             where.append(("row", len(rows)))
             rows.append(values if values.dtype == f64 else values.to(f64))
     num_part_rows = sum(p.shape[0] for p in parts)
-    block = torch.cat(
-        parts + ([torch.stack(rows)] if rows else []) + ([torch.stack(flags).to(f64)] if flags else [])
-    )  # [S, N] float64
+    block = torch.cat(parts + ([torch.stack(rows)] if rows else []) + [torch.stack(flags).to(f64)])  # [S, N] float64
     base = {"part": 0, "row": num_part_rows, "flag": num_part_rows + len(rows)}
     index = [base[kind] + i for kind, i in where]
-    expanded = layout.expand(torch.cat([alive.unsqueeze(0), _f32(block)])).unbind(0)  # [1 + S, T]
-    keepf = tokens.tok_kept * expanded[0]
+    expanded = layout.expand(_f32(block)).unbind(0)  # [S, T]
+    keepf = tokens.tok_kept * expanded[base["flag"]]  # alive, 0/1 (exact in float32)
     token_metrics["mis_rejected_token_fraction"] = tokens.flags[SequenceSum.N_MASK] - keepf  # 1 at loss-mask tokens not kept
     for (name, _, _), i in zip(seq_rows, index):
-        token_metrics[name] = expanded[1 + i]
+        token_metrics[name] = expanded[i]
     # batch metrics: one value for every token, a stride-0 view (no [T] buffer)
     values64 = torch.stack([v for _, v in batch_values])  # 0-dim float64 each
     values32 = _f32(values64).unsqueeze(1).expand(len(batch_values), num_tokens).unbind(0)
@@ -482,7 +482,7 @@ def build_metrics(
             before, after = torch.stack([low, high], 1).unbind(0)
             present = torch.stack([has_valid.any(), kept.any()])
         # [[before min, before max], [after min, after max]], 0 where there is nothing to take
-        extrema = torch.where(present.unsqueeze(1), torch.stack([before, after]), 0.0).view(4).unbind(0)
+        extrema = torch.where(present.view(2, 1), torch.stack([before, after]), 0.0).view(4).unbind(0)
 
     # ---- every summary mean in one division: sequence metrics over sequences with loss tokens,
     # token metrics over loss-mask tokens, the weights over their counts

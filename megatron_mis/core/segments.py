@@ -190,6 +190,7 @@ class SegmentLayout(NamedTuple):
             (or the discard slot ``N``) of every chunk, head window and tail window result, so
             that a reduction combines all three in one scatter (chunks first, then heads, then
             tails: the order of the separate additions it replaces).
+        window_invalid: ``[2N, C]`` bool — ``~window_valid`` (what the reductions mask out).
     """
 
     num_tokens: int
@@ -201,6 +202,7 @@ class SegmentLayout(NamedTuple):
     window_target: torch.Tensor
     last_segment: torch.Tensor
     reduce_target: torch.Tensor
+    window_invalid: torch.Tensor
 
     @property
     def num_segments(self) -> int:
@@ -226,18 +228,15 @@ class SegmentLayout(NamedTuple):
         groups: dict[torch.dtype, list[int]] = {}
         for k, col in enumerate(columns):
             groups.setdefault(torch.float32 if col.dtype == torch.bool else col.dtype, []).append(k)
-        valid = self.window_valid.view(torch.uint8)  # 0/1
-        flat = self.window.reshape(-1)
         pieces, order = [], []
         for dtype, ks in groups.items():
             cols = [columns[k].view(torch.uint8).to(torch.float32) if columns[k].dtype == torch.bool else columns[k] for k in ks]
             block = torch.stack(cols, 0) if len(cols) > 1 else cols[0].unsqueeze(0)  # [K, T]
             acc = f64 if float64 else dtype
             chunks = block[:, : m * c].view(len(ks), m, c).sum(2, dtype=acc).to(f64)  # [K, M]
-            if self.num_tokens:
-                win = block.index_select(1, flat).view(len(ks), 2 * n, c)
-                win = win.to(acc) if win.dtype != acc else win
-                windows = win.mul_(valid.to(acc)).sum(2).to(f64)  # [K, 2N]
+            if self.num_tokens:  # the head and tail windows, 0 at positions outside their part
+                win = block.index_select(1, self.window_target).view(len(ks), 2 * n, c)
+                windows = win.masked_fill(self.window_invalid, 0.0).sum(2, dtype=acc).to(f64)  # [K, 2N]
             else:
                 windows = torch.zeros(len(ks), 2 * n, dtype=f64, device=device)
             out = torch.zeros(len(ks), n + 1, dtype=f64, device=device)
@@ -274,12 +273,11 @@ class SegmentLayout(NamedTuple):
         block = torch.stack(list(columns), 0) if k > 1 else columns[0].unsqueeze(0)  # [K, T], one op for all
         reduce = torch.amin if how == "amin" else torch.amax
         chunks = reduce(block[:, : m * c].view(k, m, c), 2)  # [K, M]
-        fills = torch.full((), fill, dtype=dtype, device=device)
         if self.num_tokens:
-            win = block.index_select(1, self.window.reshape(-1)).view(k, 2 * n, c)
-            windows = reduce(torch.where(self.window_valid, win, fills), 2)  # [K, 2N]
+            win = block.index_select(1, self.window_target).view(k, 2 * n, c)
+            windows = reduce(win.masked_fill(self.window_invalid, fill), 2)  # [K, 2N]
         else:
-            windows = fills.expand(k, 2 * n)
+            windows = torch.full((k, 2 * n), fill, dtype=dtype, device=device)
         out = torch.full((k, n + 1), fill, dtype=dtype, device=device)
         target = self.reduce_target.unsqueeze(0).expand(k, -1)
         out.scatter_reduce_(1, target, torch.cat([chunks, windows], 1), how)  # [K, N+1]
@@ -312,8 +310,8 @@ def _expand_eager(
         return out
     if m:
         # value of the discard slot N: anything (straddling chunks are overwritten by windows)
-        padded = torch.cat([values, values[:, :1]], 1)  # [S, N+1]
-        out[:, : m * c].view(s, m, c).copy_(padded.index_select(1, chunk_segment).unsqueeze(2).expand(s, m, c))
+        source = values.index_select(1, chunk_segment.clamp(max=n - 1))  # [S, M]
+        out[:, : m * c].view(s, m, c).copy_(source.unsqueeze(2).expand(s, m, c))
     if n:
         row_values = torch.cat([values, values], 1)  # [S, 2N]: head rows, then tail rows
         # a scatter along dim 1 (every row the same targets): ~3x faster than an index_put on a
@@ -365,12 +363,15 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     part_starts = torch.cat([a, tail_start])  # [2N]
     part_ends = torch.cat([head_end, b])
     window = part_starts.unsqueeze(1) + torch.arange(c, device=device)  # [2N, C]
-    window_valid = window < part_ends.unsqueeze(1)
+    window_invalid = window >= part_ends.unsqueeze(1)
+    window_valid = ~window_invalid
     window = window.clamp(0, max(num_tokens - 1, 0))
-    window_target = window.masked_fill(~window_valid, max(num_tokens - 1, 0)).reshape(-1)
+    window_target = window.masked_fill(window_invalid, max(num_tokens - 1, 0)).reshape(-1)
     # the segment holding token T - 1: the number of segments that end before it (trailing empty
     # segments end at T); 0 for an empty batch
     last_segment = (b < num_tokens).sum(0, keepdim=True)
     segments = torch.arange(n, device=device)
     reduce_target = torch.cat([chunk_segment, segments, segments])
-    return SegmentLayout(num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment, reduce_target)
+    return SegmentLayout(
+        num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment, reduce_target, window_invalid
+    )

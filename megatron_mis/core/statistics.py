@@ -146,6 +146,7 @@ class SequenceDecisions:
 
     n_mask: torch.Tensor
     n_valid: torch.Tensor
+    has_valid: torch.Tensor  # bool: n_valid > 0
     level_log_r: dict[str, torch.Tensor]  # "sequence" / "geometric" clamped log-ratios (the levels read)
     w_seq_unbounded: torch.Tensor | None
     w_seq: torch.Tensor | None  # bounded, 0 where IS-masked
