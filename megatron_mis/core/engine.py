@@ -349,15 +349,15 @@ def _token_stage(
     if k3 is not None and (metrics_on or plan.criteria_of("seq_sum", 3) or plan.criteria_of("seq_mean", 3)):
         columns[SequenceSum.SUM_K3] = k3
     del k2
-    half_abs_em1 = None
     if metrics_on:
         # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
         # r^2 - 1 = (r - 1)(r + 1): the chi-square from log space, accurate for tiny mismatches
         # (float64 when e^(2 bound) exceeds the float32 range)
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
-        half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
+        abs_em1 = em1.abs()
+        tv = abs_em1 * 0.5  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
+            SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: abs_em1,
         })
         del em1, em1_r2
         r_v = r * validf
@@ -380,32 +380,28 @@ def _token_stage(
             unique.append(v)
         order.append(c)
         slots.append(position[id(v)])
-    # one reduction for every column, in float64: values so that a sequence's statistics do not
-    # depend on its place in the batch, 0/1 counts exactly (as in float32; one block of ops for
-    # both instead of one per dtype)
-    reduced = layout.sums(unique)  # [N, K]
+    # one reduction call for every column: 0/1 counts (the flags, first) in float32 chunks (exact),
+    # values in float64 so that a sequence's statistics do not depend on its place in the batch
+    num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))
+    reduced = layout.sums(unique, exact=num_counts)  # [N, K]
     del unique
-    # every statistic column from the reduced ones, as sums[:, c] = ext[:, a_c] + ext[:, b_c] over
-    # ext = [reduced | 0 | -reduced | -0]: a column is x + (-0) (exactly x), an absent one 0 + 0,
-    # a difference x + (-y) (exactly x - y), the doubled |r - 1| / 2 h + h (exactly 2h). One
-    # index_select with a host-built index moved without blocking (a Python-list index on an
-    # accelerator tensor would be a blocking copy), one addition.
-    width = reduced.shape[1] + 1
+    # every statistic column from the reduced ones, as sums[:, c] = ext[:, a_c] - ext[:, b_c] over
+    # ext = [reduced | 0]: a column is x - 0 (exactly x), an absent one 0 - 0, a difference x - y.
+    # One index_select with a host-built index moved without blocking (a Python-list index on an
+    # accelerator tensor would be a blocking copy), one subtraction.
+    zero = reduced.shape[1]
     slot = dict(zip(order, slots))
-    zero, neg_zero = width - 1, 2 * width - 1
-    pick = {int(c): (slot[c], neg_zero) for c in order}
+    pick = {int(c): (slot[c], zero) for c in order}
     # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values (exact to float64 rounding)
-    pick[int(SequenceSum.SUM_LOG_R)] = (slot[SequenceSum.SUM_TRAIN_LP], width + slot[SequenceSum.SUM_ROLLOUT_LP])
+    pick[int(SequenceSum.SUM_LOG_R)] = (slot[SequenceSum.SUM_TRAIN_LP], slot[SequenceSum.SUM_ROLLOUT_LP])
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
-    pick[int(SequenceSum.N_NONFINITE)] = (slot[SequenceSum.N_MASK], width + slot[SequenceSum.N_VALID])
-    pick[int(SequenceSum.N_TOK_REJECTED)] = (slot[SequenceSum.N_MASK], width + slot[SequenceSum.N_TOK_KEPT])
-    if SequenceSum.SUM_ABS_R1 in slot:  # the column held |r - 1| / 2
-        pick[int(SequenceSum.SUM_ABS_R1)] = (slot[SequenceSum.SUM_ABS_R1],) * 2
+    pick[int(SequenceSum.N_NONFINITE)] = (slot[SequenceSum.N_MASK], slot[SequenceSum.N_VALID])
+    pick[int(SequenceSum.N_TOK_REJECTED)] = (slot[SequenceSum.N_MASK], slot[SequenceSum.N_TOK_KEPT])
     source = [pick.get(c, (zero, zero)) for c in range(len(SequenceSum))]
     index = to_device(torch.tensor([a for a, _ in source] + [b for _, b in source], dtype=torch.long), train.device)
     ext = torch.nn.functional.pad(reduced, (0, 1))  # the zero column
-    # x + y as the sum of a pair: 0 + x + y, exactly x + y (no sum is -0.0: they start at +0.0)
-    sums = torch.cat([ext, ext.neg()], 1).index_select(1, index).view(num_seqs, 2, len(SequenceSum)).sum(1)
+    plus, minus = ext.index_select(1, index).view(num_seqs, 2, len(SequenceSum)).unbind(1)
+    sums = plus - minus
 
     # ---- per-sequence extrema (token-level IS metrics, seq_max_* criteria) -------------------
     big = 3e38
@@ -447,7 +443,9 @@ def _token_stage(
         mins = torch.full((num_seqs, len(SequenceExtremum)), BIG, dtype=f64, device=train.device)
         maxs = torch.full((num_seqs, len(SequenceExtremum)), -BIG, dtype=f64, device=train.device)
 
-    token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST, SequenceSum.SUM_ABS_R1) if c in columns}
+    token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST) if c in columns}
+    if metrics_on:
+        token_columns[SequenceSum.SUM_ABS_R1] = tv  # the TV, |r - 1| / 2
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
     kl = diff.neg_().clamp_(-_metrics.F32_MAX, _metrics.F32_MAX) if metrics_on else None
     if metrics_on:

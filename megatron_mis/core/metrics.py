@@ -301,7 +301,7 @@ def build_metrics(
     seq("mis_log_ppl_diff", log_ppl, 2)
     seq("mis_log_ppl_abs_diff", log_ppl[2].abs())
     seq("mis_ppl_ratio", ppl, 2)
-    seq("mis_chi2_token", means, 3)  # 0 without a valid token (the safe division's 0)
+    seq("mis_chi2_token", means[3])  # 0 without a valid token (the safe division's 0)
     seq_log = seqs.level_log_r["sequence"]
     # float64: exp(2 * 80) is finite there; a sequence without a valid token has log r sum 0: 0
     seq("mis_chi2_seq", torch.expm1(2.0 * seq_log))

@@ -181,7 +181,8 @@ class SegmentLayout(NamedTuple):
         chunk_segment: ``[M]`` int64 segment of each full chunk, ``N`` (a discard slot) for a chunk
             that straddles a boundary.
         window: ``[2N, C]`` int64 token index of the head (rows ``0..N-1``) and tail (rows
-            ``N..2N-1``) windows, clamped into ``[0, T)``.
+            ``N..2N-1``) windows (past the end of the part it may leave ``[0, T)``: read only
+            where valid, or through ``window_target``).
         window_valid: ``[2N, C]`` bool — the window position is a token of the part.
         window_target: ``[2N * C]`` int64 — ``window`` where valid, ``T - 1`` elsewhere (the last
             token doubles as the discard slot of an expansion, which rewrites it afterwards).
@@ -208,15 +209,17 @@ class SegmentLayout(NamedTuple):
     def num_segments(self) -> int:
         return int(self.window.shape[0]) // 2
 
-    def sums(self, columns: Sequence[torch.Tensor], float64: bool = True) -> torch.Tensor:
+    def sums(self, columns: Sequence[torch.Tensor], float64: bool = True, exact: int = 0) -> torch.Tensor:
         """``K x [T] -> [N, K]`` float64 per-segment sums of FINITE columns (a transposed view of
         a ``[K, N]`` block: each column ``[:, k]`` is contiguous).
 
-        With ``float64`` (the default) each column is converted to float64 one at a time (the
-        copy is freed before the next, so its memory is reused) and summed in float64: where the
-        batch places a segment (its chunk alignment) changes its sum only by float64 rounding. ``float64=False``
-        sums each chunk and window in the column's own dtype (torch's cascade summation) — exact
-        for 0/1 float32 counts, which is what it is for. Booleans count."""
+        With ``float64`` (the default) the columns are summed in float64 (torch converts the
+        ``[K, M, C]`` chunk block for the reduction): where the batch places a segment (its chunk
+        alignment) changes its sum only by float64 rounding. The first ``exact`` columns are 0/1
+        float32 counts: their chunks are summed in float32, which is exact and spares their
+        float64 copy (the largest memory cost of the call on a CPU). ``float64=False`` sums each
+        chunk in the column's own dtype (torch's cascade summation). Windows are summed in
+        float64 (or the own dtype). Booleans count."""
         n = self.num_segments
         device = self.window.device
         f64 = torch.float64
@@ -233,7 +236,12 @@ class SegmentLayout(NamedTuple):
             cols = [columns[k].view(torch.uint8).to(torch.float32) if columns[k].dtype == torch.bool else columns[k] for k in ks]
             block = torch.stack(cols, 0) if len(cols) > 1 else cols[0].unsqueeze(0)  # [K, T]
             acc = f64 if float64 else dtype
-            chunks = block[:, : m * c].view(len(ks), m, c).sum(2, dtype=acc).to(f64)  # [K, M]
+            chunked = block[:, : m * c].view(len(ks), m, c)
+            counts = sum(1 for k in ks if k < exact) if float64 and dtype == torch.float32 else 0
+            if 0 < counts < len(ks):  # counts in their own float32 (no float64 copy), then values
+                chunks = torch.cat([chunked[:counts].sum(2), chunked[counts:].sum(2, dtype=f64)])  # [K, M]
+            else:
+                chunks = chunked.sum(2, dtype=dtype if counts else acc).to(f64)  # [K, M]
             if self.num_tokens:  # the head and tail windows, 0 at positions outside their part
                 win = block.index_select(1, self.window_target).view(len(ks), 2 * n, c)
                 windows = win.masked_fill(self.window_invalid, 0.0).sum(2, dtype=acc).to(f64)  # [K, 2N]
@@ -365,7 +373,6 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     window = part_starts.unsqueeze(1) + torch.arange(c, device=device)  # [2N, C]
     window_invalid = window >= part_ends.unsqueeze(1)
     window_valid = ~window_invalid
-    window = window.clamp(0, max(num_tokens - 1, 0))
     window_target = window.masked_fill(window_invalid, max(num_tokens - 1, 0)).reshape(-1)
     # the segment holding token T - 1: the number of segments that end before it (trailing empty
     # segments end at T); 0 for an empty batch
