@@ -67,7 +67,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
-from megatron_mis.core.flags import above, as_bool, as_factor, below
+from megatron_mis.core.flags import above, as_bool, as_factor, below, scaled_complement
 from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout, to_device
 from megatron_mis.core.statistics import (
     BIG,
@@ -114,7 +114,7 @@ class NormalizationStatistics:
 
     def mean(self) -> torch.Tensor:
         """The normalising mean (1 where nothing is kept, so nothing is scaled)."""
-        return torch.where(self.count > 0, self.weight_sum / self.count.clamp_min(1), torch.ones_like(self.weight_sum))
+        return (self.weight_sum / self.count.clamp_min(1)).masked_fill_(self.count <= 0, 1.0)
 
 
 #: Bucket edges on the rollout probability (When Speed Kills Stability, docs/references.md: the mismatch grows as probabilities fall).
@@ -277,8 +277,7 @@ def _token_stage(
     w_tok = is_low = is_high = None
     if plan.token_is:
         if metrics_on or plan.tis_mode in ("mask", "icepop"):
-            is_low = below(r, plan.tis_lo).mul_(maskf)
-            is_high = above(r, plan.tis_hi).mul_(maskf)
+            is_low, is_high = _band_flags(r, maskf, plan.tis_lo, plan.tis_hi)
         # without metrics and token-level RS nothing reads r after the bound: bound it in place
         clamp = torch.clamp if metrics_on or (plan.use_rs and plan.rs_level == "token") else torch.clamp_
         if plan.tis_mode == "truncate":
@@ -287,15 +286,14 @@ def _token_stage(
             w_tok = clamp(r, plan.tis_lo, plan.tis_hi)
         else:  # mask / icepop: weight 0 outside [L, U]
             outside = torch.maximum(is_low, is_high)
-            w_tok = r * (1.0 - outside)
+            w_tok = torch.addcmul(r, r, outside, value=-1.0)  # r - r * outside: r or exactly 0
             if plan.tis_mode == "mask":  # out of the loss mask; icepop keeps the token in it
                 rejected.append(outside)
             del outside
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level == "token":
-        rs_low = below(r, plan.rs_lo).mul_(maskf)
-        rs_high = above(r, plan.rs_hi).mul_(maskf)
+        rs_low, rs_high = _band_flags(r, maskf, plan.rs_lo, plan.rs_hi)
         rejected.append(torch.maximum(rs_low, rs_high))
 
     ratio_veto = prob_veto = None
@@ -319,7 +317,7 @@ def _token_stage(
         tok_rejected = rejected[0]
         for extra in rejected[1:]:
             tok_rejected = torch.maximum(tok_rejected, extra)
-        keptf = maskf * (1.0 - tok_rejected)
+        keptf = torch.addcmul(maskf, maskf, tok_rejected, value=-1.0)  # mask AND NOT rejected
 
     # ---- the columns to reduce per sequence (a tensor shared by two columns is reduced once;
     # columns that are also token metrics are kept for them) --------------------------------
@@ -351,15 +349,15 @@ def _token_stage(
     if k3 is not None and (metrics_on or plan.criteria_of("seq_sum", 3) or plan.criteria_of("seq_mean", 3)):
         columns[SequenceSum.SUM_K3] = k3
     del k2
-    half_abs_em1 = None
     if metrics_on:
         # r - 1 to float32 RELATIVE accuracy (exp(x) - 1 rounds away everything below ~6e-8);
         # r^2 - 1 = (r - 1)(r + 1): the chi-square from log space, accurate for tiny mismatches
         # (float64 when e^(2 bound) exceeds the float32 range)
         em1_r2 = em1 if plan.bound <= _F32_SAFE_BOUND else em1.to(f64)
-        half_abs_em1 = em1.abs().mul_(0.5)  # the TV token metric; exact halves of |r - 1|
+        abs_em1 = em1.abs()
+        tv = abs_em1 * 0.5  # the TV token metric; exact halves of |r - 1|
         columns.update({
-            SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: half_abs_em1,
+            SequenceSum.SUM_R2: (em1_r2 + 2.0).mul_(em1_r2), SequenceSum.SUM_ABS_R1: abs_em1,
         })
         del em1, em1_r2
         r_v = r * validf
@@ -382,54 +380,58 @@ def _token_stage(
             unique.append(v)
         order.append(c)
         slots.append(position[id(v)])
-    # 0/1 counts sum exactly in float32 chunks; values are summed in float64 so that a sequence's
-    # statistics do not depend on its place in the batch
+    # one reduction call for every column: 0/1 counts (the flags, first) in float32 chunks (exact),
+    # values in float64 so that a sequence's statistics do not depend on its place in the batch
     num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))
-    reduced = torch.cat([layout.sums(unique[:num_counts], float64=False), layout.sums(unique[num_counts:])], 1)
+    reduced = layout.sums(unique, exact=num_counts)  # [N, K]
     del unique
-    # every statistic column from its reduced slot (an absent one from an appended zero column):
-    # one index_select with a host-built index moved without blocking (a Python-list index on
-    # an accelerator tensor would be a blocking copy)
-    source = [reduced.shape[1]] * len(SequenceSum)
-    for c, s in zip(order, slots):
-        source[int(c)] = s
-    sums = torch.cat([reduced, reduced.new_zeros(num_seqs, 1)], 1).index_select(
-        1, to_device(torch.tensor(source, dtype=torch.long), train.device)
-    )
-    sums[:, SequenceSum.SUM_ABS_R1] *= 2.0  # the column held |r - 1| / 2
-    # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values
-    sums[:, SequenceSum.SUM_LOG_R] = sums[:, SequenceSum.SUM_TRAIN_LP] - sums[:, SequenceSum.SUM_ROLLOUT_LP]
+    # every statistic column from the reduced ones, as sums[:, c] = ext[:, a_c] - ext[:, b_c] over
+    # ext = [reduced | 0]: a column is x - 0 (exactly x), an absent one 0 - 0, a difference x - y.
+    # One index_select with a host-built index moved without blocking (a Python-list index on an
+    # accelerator tensor would be a blocking copy), one subtraction.
+    zero = reduced.shape[1]
+    slot = dict(zip(order, slots))
+    pick = {int(c): (slot[c], zero) for c in order}
+    # sum(log r) = sum(train) - sum(rollout), float64 sums of float32 values (exact to float64 rounding)
+    pick[int(SequenceSum.SUM_LOG_R)] = (slot[SequenceSum.SUM_TRAIN_LP], slot[SequenceSum.SUM_ROLLOUT_LP])
     # exact differences of counted columns (nonfinite = mask & ~valid, rejected = mask & ~kept)
-    sums[:, SequenceSum.N_NONFINITE] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_VALID]
-    sums[:, SequenceSum.N_TOK_REJECTED] = sums[:, SequenceSum.N_MASK] - sums[:, SequenceSum.N_TOK_KEPT]
+    pick[int(SequenceSum.N_NONFINITE)] = (slot[SequenceSum.N_MASK], slot[SequenceSum.N_VALID])
+    pick[int(SequenceSum.N_TOK_REJECTED)] = (slot[SequenceSum.N_MASK], slot[SequenceSum.N_TOK_KEPT])
+    source = [pick.get(c, (zero, zero)) for c in range(len(SequenceSum))]
+    index = to_device(torch.tensor([a for a, _ in source] + [b for _, b in source], dtype=torch.long), train.device)
+    ext = torch.nn.functional.pad(reduced, (0, 1))  # the zero column
+    plus, minus = ext.index_select(1, index).view(num_seqs, 2, len(SequenceSum)).unbind(1)
+    sums = plus - minus
 
     # ---- per-sequence extrema (token-level IS metrics, seq_max_* criteria) -------------------
     big = 3e38
     if plan.token_is and metrics_on:
         # excluded tokens get +-big by arithmetic (x + 0 = x exactly; every x is finite): cheap
         # passes where a select costs one slow one
-        out_valid = (1.0 - validf).mul_(big)
-        out_kept = (1.0 - keptf).mul_(big)
+        out_valid = scaled_complement(validf, big)
+        out_kept = scaled_complement(keptf, big)
         # log r is 0 where invalid and w_kept 0 where not kept, so adding +-big gives +-big there.
         # W_HOST: icepop's weight over the loss-mask tokens (0 out of band); in the other modes the
-        # LOG_R column again (the same tensor: no extra pass; never read)
-        lr_low, lr_high = log_r + out_valid, log_r - out_valid
+        # LOG_R column again (the same tensor: no extra pass; never read). The maxima are minima
+        # of the negated values (x - big = -(big - x) exactly): one reduction for both
+        lr_low, lr_high_neg = log_r + out_valid, out_valid - log_r
         if plan.tis_mode == "icepop":
-            out_mask = (1.0 - maskf).mul_(big)
-            host_low, host_high = columns[SequenceSum.SUM_W_HOST] + out_mask, columns[SequenceSum.SUM_W_HOST] - out_mask
+            out_mask = scaled_complement(maskf, big)
+            host = columns[SequenceSum.SUM_W_HOST]
+            host_low, host_high_neg = host + out_mask, out_mask - host
             del out_mask
         else:
-            host_low, host_high = lr_low, lr_high
-        low = layout.mins([lr_low, w_kept + out_kept, host_low], big)
-        high = layout.maxs([lr_high, w_kept - out_kept, host_high], -big)
-        del out_valid, out_kept, lr_low, lr_high, host_low, host_high
-        low, high = low.to(f64), high.to(f64)
-        mins = torch.where(low >= big, BIG, low)
-        maxs = torch.where(high <= -big, -BIG, high)
+            host_low, host_high_neg = lr_low, lr_high_neg
+        ext = layout.mins([lr_low, w_kept + out_kept, host_low, lr_high_neg, out_kept - w_kept, host_high_neg], big)
+        del out_valid, out_kept, lr_low, lr_high_neg, host_low, host_high_neg
+        ext = ext.to(f64)
+        ext = ext.masked_fill_(ext >= big, BIG)  # [N, 6]: minima, negated maxima (+BIG where empty)
+        # 0 - x, not -x: a maximum of 0 stays +0.0 (x - 0 in the direct form)
+        mins, maxs = ext[:, :3], torch.rsub(ext[:, 3:], 0.0)
     elif plan.criteria_of("seq_max"):
         # the largest k2 / k3 of a sequence is that of its smallest or largest log r (k2 and k3
         # grow with |log r| on either side of 0), so the extrema of log r serve every seq_max_*
-        out_valid = (1.0 - validf).mul_(big)
+        out_valid = scaled_complement(validf, big)
         low = layout.mins([log_r + out_valid], big).to(f64)
         high = layout.maxs([log_r - out_valid], -big).to(f64)
         del out_valid
@@ -441,7 +443,9 @@ def _token_stage(
         mins = torch.full((num_seqs, len(SequenceExtremum)), BIG, dtype=f64, device=train.device)
         maxs = torch.full((num_seqs, len(SequenceExtremum)), -BIG, dtype=f64, device=train.device)
 
-    token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST, SequenceSum.SUM_ABS_R1) if c in columns}
+    token_columns = {c: columns[c] for c in (SequenceSum.SUM_W_BEFORE, SequenceSum.SUM_W_AFTER, SequenceSum.SUM_W_HOST) if c in columns}
+    if metrics_on:
+        token_columns[SequenceSum.SUM_ABS_R1] = tv  # the TV, |r - 1| / 2
     # the k1 token metric (rollout - train), saturating where the float32 difference overflowed
     kl = diff.neg_().clamp_(-_metrics.F32_MAX, _metrics.F32_MAX) if metrics_on else None
     if metrics_on:
@@ -460,6 +464,17 @@ def _token_stage(
             prob_veto=None, flags={SequenceSum.N_TOK_KEPT: keptf}, layout=layout, bound=plan.bound,
         )
     return tokens, sums, mins, maxs
+
+
+def _band_flags(r: torch.Tensor, maskf: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(r < lo, r > hi)`` over the loss-mask tokens, float32 0/1 ``[T]``. ``r`` is exactly 1 at
+    every other token (log r is 0 there), so a bound on the far side of 1 needs no mask pass."""
+    low, high = below(r, lo), above(r, hi)
+    if not lo <= 1.0:
+        low.mul_(maskf)
+    if not hi >= 1.0:
+        high.mul_(maskf)
+    return low, high
 
 
 #: The count column of each token-level divergence criterion (token_k1, token_k2, token_k3).
@@ -486,40 +501,71 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
     n_valid = stats.col(SequenceSum.N_VALID)
     has_valid = n_valid > 0
     log_sum = stats.col(SequenceSum.SUM_LOG_R)
-    level_log_r = {
-        "sequence": log_sum.clamp(-bound, bound),
-        "geometric": (log_sum / n_valid.clamp_min(1)).clamp(-bound, bound),
-    }
-    rejected = torch.zeros_like(has_valid)
+    level_log_r = {}  # the levels something reads: the metrics read "sequence"
+    for level in _levels_read(plan):
+        mean = log_sum if level == "sequence" else log_sum / n_valid.clamp_min(1)
+        level_log_r[level] = mean.clamp(-bound, bound)
+    failing: list[torch.Tensor] = []  # [N] bool: the sequence-level rejections, OR-ed at the end
 
     w_unb = w_seq = is_low = is_high = None
     if plan.use_tis and plan.tis_level != "token":
         w_unb = torch.exp(level_log_r[plan.tis_level])
         w_seq, is_low, is_high = _bound(w_unb, plan)
-        is_low, is_high = is_low & has_valid, is_high & has_valid
+        # a sequence without a valid token has ratio 1: flagged only by a band that excludes 1
+        if not plan.tis_lo <= 1.0:
+            is_low = is_low & has_valid
+        if not plan.tis_hi >= 1.0:
+            is_high = is_high & has_valid
         if plan.tis_mode == "mask":
-            rejected = rejected | is_low | is_high
+            failing += [is_low, is_high]
 
     rs_low = rs_high = None
     if plan.use_rs and plan.rs_level != "token":
         rs_ratio = torch.exp(level_log_r[plan.rs_level])
-        rs_low = has_valid & (rs_ratio < plan.rs_lo)
-        rs_high = has_valid & (rs_ratio > plan.rs_hi)
-        rejected = rejected | rs_low | rs_high
+        rs_low, rs_high = _sequence_band(rs_ratio, has_valid, plan.rs_lo, plan.rs_hi)
+        failing += [rs_low, rs_high]
 
     criteria = _sequence_criteria(stats, plan, level_log_r, n_valid, has_valid)
-    for failed in criteria.values():
-        rejected = rejected | failed
+    failing += list(criteria.values())
 
-    ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0
-    prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0
-    rejected = rejected | ratio_vetoed | prob_vetoed
-    kept = ~rejected & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
+    # a veto column is all zeros without its veto: nothing to compare
+    ratio_vetoed = stats.col(SequenceSum.N_RATIO_VETO) > 0 if plan.log_ratio_veto is not None else None
+    prob_vetoed = stats.col(SequenceSum.N_PROB_VETO) > 0 if plan.log_prob_veto is not None else None
+    failing += [v for v in (ratio_vetoed, prob_vetoed) if v is not None]
+    if failing:
+        rejected = failing[0]
+        for failed in failing[1:]:
+            rejected = rejected | failed
+    else:
+        rejected = torch.zeros_like(has_valid)
+    alive = ~rejected
+    kept = alive & (stats.col(SequenceSum.N_TOK_KEPT) > 0)
     return SequenceDecisions(
-        n_mask=n_mask, n_valid=n_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
+        n_mask=n_mask, n_valid=n_valid, has_valid=has_valid, level_log_r=level_log_r, w_seq_unbounded=w_unb, w_seq=w_seq,
         is_low=is_low, is_high=is_high, rs_low=rs_low, rs_high=rs_high, ratio_vetoed=ratio_vetoed,
-        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept, criteria=criteria,
+        prob_vetoed=prob_vetoed, rejected=rejected, kept=kept, criteria=criteria, alive=alive,
     )
+
+
+def _sequence_band(ratio: torch.Tensor, has_valid: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ratio < lo, ratio > hi)`` over the sequences with a valid token, ``[N]`` bool. The ratio
+    of a sequence without one is exactly 1 (its log-ratio sum is 0), so a band that contains 1
+    needs no mask."""
+    low, high = ratio < lo, ratio > hi
+    return (low if lo <= 1.0 else has_valid & low), (high if hi >= 1.0 else has_valid & high)
+
+
+def _levels_read(plan: _Plan) -> tuple[str, ...]:
+    """The sequence-level log-ratios (``"sequence"``, ``"geometric"``) the decisions and metrics read."""
+    levels = {plan.tis_level} if plan.use_tis else set()
+    if plan.use_rs:
+        levels.add(plan.rs_level)
+    if plan.metrics != "none":
+        levels.add("sequence")
+    for name, _, _ in plan.rs_criteria:
+        if name in ("seq_sum_k1", "seq_mean_k1"):
+            levels.add("sequence" if name == "seq_sum_k1" else "geometric")
+    return tuple(level for level in ("sequence", "geometric") if level in levels)
 
 
 def _sequence_criteria(
@@ -560,7 +606,7 @@ def _sequence_criteria(
 
 def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Plan) -> NormalizationStatistics:
     if plan.token_is:
-        alive = (~seqs.rejected).to(torch.float64)
+        alive = seqs.alive.to(torch.float64)
         weight_sum = (stats.col(SequenceSum.SUM_W_KEPT) * alive).sum()
         count = (stats.col(SequenceSum.N_TOK_KEPT) * alive).sum()
     elif plan.use_tis:
@@ -568,7 +614,7 @@ def _normalization(stats: SequenceStatistics, seqs: SequenceDecisions, plan: _Pl
         weight_sum = (seqs.w_seq * keptf).sum()
         count = keptf.sum()
     else:
-        count = (stats.col(SequenceSum.N_TOK_KEPT) * (~seqs.rejected).to(torch.float64)).sum()
+        count = (stats.col(SequenceSum.N_TOK_KEPT) * seqs.alive.to(torch.float64)).sum()
         weight_sum = count.clone()
     return NormalizationStatistics(weight_sum, count)
 
@@ -599,8 +645,16 @@ def _outputs(
     seqs, norm_stats, norm = sequence_decisions(stats, normalizer, plan)
     f32 = torch.float32
     layout = tokens.layout
-    alive = ~seqs.rejected
-    keepf = tokens.tok_kept * layout.expand(as_factor(alive))
+    alive = seqs.alive
+    metrics_on = plan.metrics != "none"
+    if not metrics_on:
+        token_metrics: dict[str, torch.Tensor] = {}
+        summary: dict[str, torch.Tensor] = {}
+        keepf = tokens.tok_kept * layout.expand(as_factor(alive))
+    else:  # the metrics expand alive together with their sequence metrics (one expansion)
+        # batch totals of every statistic: one reduction (0/1 counts sum exactly in any order)
+        total = stats.sums.sum(0).unbind(0)
+        token_metrics, summary, keepf = _metrics.build_metrics(tokens, stats, seqs, plan, norm, norm_stats, total)
     keep = as_bool(keepf)
     norm32 = norm.to(f32)
     # w * 1 and w * 0 are exact (every weight is finite): the same values as a select, fewer passes
@@ -620,17 +674,12 @@ def _outputs(
             seq_mean = stats.col(SequenceSum.SUM_W_KEPT) / kept_count.clamp_min(1) / norm
         else:
             seq_mean = torch.ones_like(kept_count)
-        seq_weights = torch.where(seqs.kept, seq_mean, torch.zeros_like(seq_mean)).to(f32)
+        seq_weights = torch.where(seqs.kept, seq_mean, 0.0).to(f32)
 
-    if plan.metrics == "none":
-        token_metrics: dict[str, torch.Tensor] = {}
-        summary: dict[str, torch.Tensor] = {}
-    else:
-        token_metrics, summary = _metrics.build_metrics(tokens, stats, seqs, plan, norm, keepf)
     return dict(
         seqs=seqs, norm_stats=norm_stats, normalizer=norm32, weights=weights, keep=keep, seq_weights=seq_weights,
         token_metrics=token_metrics, summary=summary,
-        num_nonfinite=stats.col(SequenceSum.N_NONFINITE).sum().to(torch.int64),
+        num_nonfinite=(total[int(SequenceSum.N_NONFINITE)] if metrics_on else stats.col(SequenceSum.N_NONFINITE).sum()).to(torch.int64),
     )
 
 
@@ -674,13 +723,18 @@ def _prepare(
     num_tokens = int(train_log_probs.shape[0])
     device = train_log_probs.device
     cu = as_cu_seqlens(cu_seqlens, num_tokens, device)
-    train = train_log_probs.detach().to(torch.float32)
-    rollout = rollout_log_probs.detach().to(device=device, dtype=torch.float32)
-    mask = loss_mask.detach().to(device)
+    # detached (a detach is a dispatched op: only where there is a graph to leave)
+    train = _detached(train_log_probs).to(torch.float32)
+    rollout = _detached(rollout_log_probs).to(device=device, dtype=torch.float32)
+    mask = _detached(loss_mask).to(device)
     # exact conversion: a token is in the loss iff its mask value is > 0 (NaN, 0 and negative
     # values are out); no value passes through to the returned masks
     mask = mask if mask.dtype == torch.bool else mask > 0
     return train, rollout, mask, cu, num_tokens
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
 
 
 def _check_config(config: Any) -> MISConfig:

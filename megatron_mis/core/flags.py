@@ -15,7 +15,7 @@ import torch
 
 from megatron_mis.core.compiling import is_compiling, opaque_op
 
-__all__ = ["as_factor", "below", "above", "as_bool", "finite_or_zero"]
+__all__ = ["as_factor", "below", "above", "as_bool", "finite_or_zero", "scaled_complement"]
 
 
 def as_factor(flag: torch.Tensor) -> torch.Tensor:
@@ -35,6 +35,12 @@ def below(x: torch.Tensor, threshold: float) -> torch.Tensor:
 def above(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """``[*] float32`` 1.0 where ``x > threshold``, else 0.0 (NaN compares false)."""
     return torch.gt(x, threshold, out=torch.empty_like(x, dtype=torch.float32))
+
+
+def scaled_complement(factor: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[*] float32 0/1 -> [*]`` ``scale * (1 - factor)`` in one pass (``scale - scale * factor``:
+    exactly ``scale`` or 0)."""
+    return torch.rsub(factor, scale, alpha=scale)
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 from megatron_mis.config.mis import RSCriterion
 from megatron_mis.core.compiling import is_compiling
 from megatron_mis.core.flags import as_factor, finite_or_zero
-from megatron_mis.core.statistics import SequenceExtremum, Plan, SequenceDecisions, SequenceStatistics, SequenceSum, TokenQuantities
+from megatron_mis.core.statistics import BIG, SequenceExtremum, Plan, SequenceDecisions, SequenceStatistics, SequenceSum, TokenQuantities
 
 
 __all__ = ["masked_log_ratio", "k3_from_log_ratio", "build_metrics", "bucket_table", "check_bucket_edges", "METRIC_DOCS", "HOST_METRIC_NAMES"]
@@ -176,7 +176,8 @@ def k3_from_log_ratio(x: torch.Tensor, expm1_x: torch.Tensor | None = None) -> t
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    return torch.where(den > 0, num / den.clamp_min(1e-300), 0.0)
+    """``num / den``, 0 where ``den <= 0`` (``den`` broadcasts to ``num``)."""
+    return (num / den.clamp_min(1e-300)).masked_fill_(den <= 0, 0.0)
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -219,80 +220,104 @@ def build_metrics(
     seqs: SequenceDecisions,
     plan: Plan,
     normalizer: torch.Tensor,
-    keepf: torch.Tensor,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Token-aligned ``[T]`` float32 metrics and 0-dim float64 batch summaries (see module
-    docstring). Pure tensor code (compilable); the op count does not depend on ``N``."""
-    f32, f64 = torch.float32, torch.float64
+    norm_stats: Any,
+    total: Sequence[torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """Token-aligned ``[T]`` float32 metrics, 0-dim float64 batch summaries (see module
+    docstring) and ``keepf`` ``[T]`` float32 — the loss-mask tokens kept at token level whose
+    sequence is alive (``seqs.alive``, expanded to the tokens as one more row of the sequence
+    metrics: one expansion for both). ``norm_stats`` is the call's ``NormalizationStatistics``
+    (its sums are shared with the summaries); ``total`` the batch totals of every statistic
+    column (0-dim float64 each: one reduction of ``stats.sums``, shared with the caller).
+
+    Pure tensor code (compilable); the op count does not depend on ``N`` and is kept small (every
+    op is a kernel launch on an accelerator, issue 28): statistics that share a formula are
+    stacked and computed together — one division for every per-sequence mean, one reduction for
+    every batch total (the column sums of the statistics), one conversion for every sequence
+    flag, one block of sequence metrics expanded to ``[T]`` at once."""
+    f64 = torch.float64
     layout = tokens.layout
     num_tokens = layout.num_tokens
     columns = tokens.columns
     col = stats.col
     n_mask, n_valid = seqs.n_mask, seqs.n_valid
-    has_mask = n_mask > 0
-    has_maskf = has_mask.to(f64)
-    total_mask = n_mask.sum()
-    num_seq_with_mask = has_maskf.sum()
     full = plan.metrics == "full"
+    token_is = plan.token_is
+    total_mask, nv = total[int(SequenceSum.N_MASK)], total[int(SequenceSum.N_VALID)]
+    has_mask = n_mask > 0
+    has_valid = seqs.has_valid
 
     token_metrics: dict[str, torch.Tensor] = {}
-    summary: dict[str, torch.Tensor] = {}
-    per_seq: list[tuple[str, torch.Tensor]] = []  # [N] float64, expanded together at the end
+    # every summary key is placed when its metric is defined (the summary keeps that order);
+    # the values are filled from the batched computations at the end
+    summary: dict[str, torch.Tensor | None] = {}
+    tok_totals: list[tuple[str, torch.Tensor]] = []  # token metrics: (name, batch total) / loss tokens
+    seq_rows: list[tuple[str, Any, int]] = []  # sequence metrics: (name, [k, N] part or [N] row, row)
+    batch_values: list[tuple[str, torch.Tensor]] = []  # batch metrics: 0-dim float64
 
-    # summaries of token and sequence metrics are divided in two batched steps at the end (a few
-    # ops instead of ~6 per metric: on a CPU every small op costs microseconds); their keys are
-    # placed now, so the summary keeps the order the metrics are defined in
-    tok_sums: list[tuple[str, torch.Tensor]] = []
-
-    def tok(name: str, values: torch.Tensor, summary_sum: torch.Tensor | None) -> None:
-        token_metrics[name] = values if values.dtype == f32 else values.to(f32)
-        if summary_sum is not None:
+    def tok(name: str, values: torch.Tensor, batch_total: torch.Tensor | None) -> None:
+        token_metrics[name] = values if values.dtype == torch.float32 else values.to(torch.float32)
+        if batch_total is not None:
             summary[name] = None
-            tok_sums.append((name, summary_sum))
+            tok_totals.append((name, batch_total))
 
-    def seq(name: str, values: torch.Tensor) -> None:
-        per_seq.append((name, values.to(f64)))
+    def seq(name: str, values: torch.Tensor, row: int = -1) -> None:
+        """A sequence metric: ``values`` is ``[N]`` (float64 or bool), or row ``row`` of a ``[k, N]``
+        float64 part."""
+        seq_rows.append((name, values, row))
         summary[name] = None
 
     def batch(name: str, value: torch.Tensor) -> None:
-        value = value.to(f64).reshape(())
-        # one value for every token: a stride-0 view, no [T] buffer
-        token_metrics[name] = _f32(value).expand(num_tokens)
-        summary[name] = value
+        batch_values.append((name, value))
+        token_metrics[name] = None  # placed now: a stride-0 view of its value, made at the end
+        summary[name] = None
 
-    def indicator(name: str, flags: torch.Tensor, count: SequenceSum) -> None:
-        tok(name, tokens.flags.get(count, flags), col(count).sum())
+    def indicator(name: str, flags: torch.Tensor | None, count: SequenceSum) -> None:
+        tok(name, tokens.flags.get(count, flags), total[int(count)])
+
+    # ---- per-sequence means: one division for every (sum, count) pair -----------------------
+    pairs = [
+        (SequenceSum.SUM_TRAIN_LP, n_valid), (SequenceSum.SUM_ROLLOUT_LP, n_valid), (SequenceSum.SUM_LOG_R, n_valid),
+        (SequenceSum.SUM_R2, n_valid),
+    ]
+    if token_is:
+        pairs.append((SequenceSum.SUM_W_HOST, n_mask))  # the hosts' mean: over ALL loss-mask tokens
+        if full:
+            pairs.append((SequenceSum.SUM_W_KEPT, col(SequenceSum.N_TOK_KEPT)))
+    means = _safe_div(torch.stack([col(c) for c, _ in pairs]), torch.stack([d for _, d in pairs]))
+    # rows: -mean log pi_train, -mean log pi_rollout, the log-ppl diff -mean log r (the exact
+    # float64 log-ratio sum, not the difference of two rounded means: they cancel)
+    log_ppl = means[:3].neg()
+    ppl = _exp(log_ppl)  # training ppl, rollout ppl, ppl ratio
 
     # ---- mismatch metrics (always) -------------------------------------------------------
-    train_mean = _safe_div(col(SequenceSum.SUM_TRAIN_LP), n_valid)
-    rollout_mean = _safe_div(col(SequenceSum.SUM_ROLLOUT_LP), n_valid)
-    seq("mis_training_log_ppl", -train_mean)
-    seq("mis_training_ppl", _exp(-train_mean))
-    seq("mis_rollout_log_ppl", -rollout_mean)
-    seq("mis_rollout_ppl", _exp(-rollout_mean))
+    seq("mis_training_log_ppl", log_ppl, 0)
+    seq("mis_training_ppl", ppl, 0)
+    seq("mis_rollout_log_ppl", log_ppl, 1)
+    seq("mis_rollout_ppl", ppl, 1)
     # k1 per token: rollout - train (0 where invalid); float32 overflow of extreme log-probs saturates
-    tok("mis_kl", tokens.kl, -col(SequenceSum.SUM_LOG_R).sum())  # rollout - train, 0 where invalid
-    tok("mis_k3_kl", tokens.k3, col(SequenceSum.SUM_K3).sum())  # k3 is 0 where invalid (log r = 0)
-    # the exact float64 log-ratio sum, not the difference of two rounded means (they cancel)
-    diff = -_safe_div(col(SequenceSum.SUM_LOG_R), n_valid)
-    seq("mis_log_ppl_diff", diff)
-    seq("mis_log_ppl_abs_diff", diff.abs())
-    seq("mis_ppl_ratio", _exp(diff))
-    seq("mis_chi2_token", torch.where(n_valid > 0, _safe_div(col(SequenceSum.SUM_R2), n_valid), torch.zeros_like(n_valid)))
+    tok("mis_kl", tokens.kl, -total[int(SequenceSum.SUM_LOG_R)])
+    tok("mis_k3_kl", tokens.k3, total[int(SequenceSum.SUM_K3)])  # k3 is 0 where invalid (log r = 0)
+    seq("mis_log_ppl_diff", log_ppl, 2)
+    seq("mis_log_ppl_abs_diff", log_ppl[2].abs())
+    seq("mis_ppl_ratio", ppl, 2)
+    seq("mis_chi2_token", means[3])  # 0 without a valid token (the safe division's 0)
     seq_log = seqs.level_log_r["sequence"]
-    # float64: exp(2 * 80) is finite there
-    seq("mis_chi2_seq", torch.where(n_valid > 0, torch.expm1(2.0 * seq_log), torch.zeros_like(n_valid)))
-    tok("mis_tv", columns[SequenceSum.SUM_ABS_R1], 0.5 * col(SequenceSum.SUM_ABS_R1).sum())  # |r - 1| / 2, 0 where invalid
-    nv = n_valid.sum()
-    sum_r, sum_r2 = col(SequenceSum.SUM_R).sum(), col(SequenceSum.SUM_R2).sum() + nv
-    batch("mis_ess_token", torch.where(nv > 0, _safe_div(sum_r.square(), nv * sum_r2), torch.ones_like(nv)))
-    has_valid = (n_valid > 0).to(f64)
-    w_seq_raw = torch.exp(seq_log) * has_valid  # float64: e^80 squared stays finite
-    nsv = has_valid.sum()
-    batch(
-        "mis_ess_seq",
-        torch.where(nsv > 0, _safe_div(w_seq_raw.sum().square(), nsv * w_seq_raw.square().sum()), torch.ones_like(nsv)),
-    )
+    # float64: exp(2 * 80) is finite there; a sequence without a valid token has log r sum 0: 0
+    seq("mis_chi2_seq", torch.expm1(2.0 * seq_log))
+    tok("mis_tv", columns[SequenceSum.SUM_ABS_R1], 0.5 * total[int(SequenceSum.SUM_ABS_R1)])  # |r - 1| / 2, 0 where invalid
+    # effective sample sizes of the token ratios and of the sequence ratios, together:
+    # (sum w)^2 / (n sum w^2), 1 without a valid token / sequence
+    has_valid_f = has_valid.to(f64)
+    w_seq_raw = torch.exp(seq_log) * has_valid_f  # float64: e^80 squared stays finite
+    seq_totals = torch.stack([w_seq_raw, w_seq_raw.square(), has_valid_f]).sum(1).unbind(0)
+    ess_n = torch.stack([nv, seq_totals[2]])
+    ess_den = ess_n * torch.stack([total[int(SequenceSum.SUM_R2)] + nv, seq_totals[1]])
+    ess_num = torch.stack([total[int(SequenceSum.SUM_R)], seq_totals[0]]).square()
+    # den > 0: the ratio; den = 0 with n > 0: 0; n = 0 (so den = 0): 1
+    ess = torch.where(ess_den > 0, ess_num / ess_den.clamp_min(1e-300), (ess_n <= 0).to(f64)).unbind(0)
+    batch("mis_ess_token", ess[0])
+    batch("mis_ess_seq", ess[1])
     indicator("mis_nonfinite_token_fraction", tokens.nonfinite, SequenceSum.N_NONFINITE)
 
     # ---- importance sampling (the hosts emit these only with use_tis) --------------------------
@@ -303,15 +328,13 @@ def build_metrics(
             "mask": ("mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"),
             "icepop": ("mis_tis_zero_weight_fraction_low", "mis_tis_zero_weight_fraction_high"),
         }[plan.tis_mode]
-        if plan.tis_level == "token":
-            tok("mis_tis_weight_before_bound", columns[SequenceSum.SUM_W_BEFORE], col(SequenceSum.SUM_W_BEFORE).sum())
+        if token_is:
+            tok("mis_tis_weight_before_bound", columns[SequenceSum.SUM_W_BEFORE], total[int(SequenceSum.SUM_W_BEFORE)])
             host_after = columns[SequenceSum.SUM_W_HOST]
-            tok("mis_tis_weight_after_bound", host_after, col(SequenceSum.SUM_W_HOST).sum())
-            token_metrics["mis_is_ratio_mean_after_tis_rs"] = host_after
-            tok_sums.append(("mis_is_ratio_mean_after_tis_rs", col(SequenceSum.SUM_W_HOST).sum()))
-            summary["mis_is_ratio_mean_after_tis_rs"] = None
+            tok("mis_tis_weight_after_bound", host_after, total[int(SequenceSum.SUM_W_HOST)])
+            tok("mis_is_ratio_mean_after_tis_rs", host_after, total[int(SequenceSum.SUM_W_HOST)])
             if full:
-                tok("mis_weight_after_bound_kept", columns[SequenceSum.SUM_W_AFTER], col(SequenceSum.SUM_W_AFTER).sum())
+                tok("mis_weight_after_bound_kept", columns[SequenceSum.SUM_W_AFTER], total[int(SequenceSum.SUM_W_AFTER)])
             if frac_names[0]:
                 indicator(frac_names[0], tokens.is_low, SequenceSum.N_IS_LOW)
             indicator(frac_names[1], tokens.is_high, SequenceSum.N_IS_HIGH)
@@ -349,113 +372,152 @@ def build_metrics(
         indicator("mis_prob_veto_token_fraction", tokens.prob_veto, SequenceSum.N_PROB_VETO)
         seq("mis_prob_veto_seq_fraction", seqs.prob_vetoed)
 
-    rejected_tok = tokens.flags[SequenceSum.N_MASK] - keepf  # 1 at loss-mask tokens not kept
-    n_rej = torch.where(seqs.rejected, n_mask, col(SequenceSum.N_TOK_REJECTED))
-    tok("mis_rejected_token_fraction", rejected_tok, n_rej.sum())
-    seq("mis_rejected_seq_fraction", has_mask & ~seqs.kept)
+    # kept loss-mask tokens of alive sequences (exact integers: any summation order): from the
+    # normalisation's own sum where it is that count
+    if token_is or not plan.use_tis:
+        num_kept_tokens = norm_stats.count
+    else:
+        num_kept_tokens = (col(SequenceSum.N_TOK_KEPT) * seqs.alive.to(f64)).sum()
+    # mis_rejected_token_fraction: its [T] values are set below, once keepf is expanded
+    tok("mis_rejected_token_fraction", tokens.flags[SequenceSum.N_MASK], total_mask - num_kept_tokens)
+    kept = seqs.kept
+    seq("mis_rejected_seq_fraction", has_mask ^ kept)  # has_mask & ~kept (kept sequences have loss tokens)
 
     # ---- final weights -------------------------------------------------------------------
-    kept = seqs.kept
-    keptf = kept.to(f64)
     if plan.use_tis:
-        zeros = torch.zeros_like(n_mask)
         # the hosts' definition: over ALL loss-mask tokens of the after-bound weight / normaliser
-        if plan.tis_level == "token":
-            mean_host = _safe_div(col(SequenceSum.SUM_W_HOST), n_mask) / normalizer
-        if plan.tis_level == "token" and plan.tis_mode == "icepop":
+        if token_is and plan.tis_mode == "icepop":
             # icepop's weight (0 out of band) is not monotone in r: its own extrema over the loss mask
-            min_host = torch.where(has_mask, stats.mins[:, SequenceExtremum.W_HOST] / normalizer, zeros)
-            max_host = torch.where(has_mask, stats.maxs[:, SequenceExtremum.W_HOST] / normalizer, zeros)
-        elif plan.tis_level == "token":
-            lo_r = torch.exp(stats.mins[:, SequenceExtremum.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
-            hi_r = torch.exp(stats.maxs[:, SequenceExtremum.LOG_R].clamp(-_EXP_CAP, _EXP_CAP))
+            host_ext = torch.stack([stats.mins, stats.maxs]).select(2, SequenceExtremum.W_HOST)
+        elif token_is:
+            # [2, N]: smallest and largest ratio of the valid tokens
+            ratio = torch.exp(torch.stack([stats.mins, stats.maxs]).select(2, SequenceExtremum.LOG_R).clamp(-_EXP_CAP, _EXP_CAP))
+            one = 1.0
             if plan.tis_mode != "mask":  # truncate / clip are monotone in r
-                lo_r, hi_r = _bound_values(lo_r, plan), _bound_values(hi_r, plan)
-            has_v = n_valid > 0
-            has_nf = col(SequenceSum.N_NONFINITE) > 0  # neutralised tokens: ratio 1
-            one = _bound_values(torch.ones_like(n_mask), plan) if plan.tis_mode != "mask" else torch.ones_like(n_mask)
-            lo_r = torch.where(has_v, torch.where(has_nf, torch.minimum(lo_r, one), lo_r), one)
-            hi_r = torch.where(has_v, torch.where(has_nf, torch.maximum(hi_r, one), hi_r), one)
-            min_host = torch.where(has_mask, lo_r / normalizer, zeros)
-            max_host = torch.where(has_mask, hi_r / normalizer, zeros)
-        else:
-            host_w = (seqs.w_seq_unbounded if plan.tis_mode == "mask" else seqs.w_seq) / normalizer
-            mean_host = min_host = max_host = torch.where(has_mask, host_w, zeros)
-        seq("mis_is_ratio_mean_final", mean_host)
-        seq("mis_is_ratio_min_final", min_host)
-        seq("mis_is_ratio_max_final", max_host)
+                ratio = _bound_values(ratio, plan)
+                one = min(1.0, plan.tis_hi) if plan.tis_mode == "truncate" else min(max(1.0, plan.tis_lo), plan.tis_hi)
+            # neutralised tokens count with ratio 1. A sequence without a valid token has only
+            # those (then its extrema hold +-BIG: ratios e^80 / e^-80, bounded beyond `one` on
+            # either side, so both become `one`), or no loss-mask token (zeroed below)
+            lo_r, hi_r = ratio.unbind(0)
+            with_one = torch.stack([lo_r.clamp(max=one), hi_r.clamp(min=one)])
+            host_ext = torch.where(col(SequenceSum.N_NONFINITE) > 0, with_one, ratio)
+        if token_is:  # [3, N] mean / min / max (the mean is 0 without a loss-mask token already)
+            host = torch.cat([means[4:5] / normalizer, torch.where(has_mask, host_ext / normalizer, 0.0)])
+        else:  # [1, N]: the sequence weight
+            host = (seqs.w_seq_unbounded if plan.tis_mode == "mask" else seqs.w_seq).unsqueeze(0)
+            host = torch.where(has_mask, host / normalizer, 0.0)
+        for i, part in enumerate(("mean", "min", "max")):
+            seq(f"mis_is_ratio_{part}_final", host, i if host.shape[0] > 1 else 0)
         if full:
-            if plan.tis_level == "token":
-                n_kept = col(SequenceSum.N_TOK_KEPT)
-                mean_final = torch.where(kept, _safe_div(col(SequenceSum.SUM_W_KEPT), n_kept) / normalizer, zeros)
-                min_final = torch.where(kept, stats.mins[:, SequenceExtremum.W_KEPT] / normalizer, zeros)
-                max_final = torch.where(kept, stats.maxs[:, SequenceExtremum.W_KEPT] / normalizer, zeros)
+            if token_is:
+                final = torch.cat([means[5:6], torch.stack([stats.mins, stats.maxs]).select(2, SequenceExtremum.W_KEPT)])
             else:
-                mean_final = min_final = max_final = torch.where(kept, seqs.w_seq / normalizer, zeros)
-            seq("mis_kept_weight_mean_final", mean_final)
-            seq("mis_kept_weight_min_final", min_final)
-            seq("mis_kept_weight_max_final", max_final)
+                final = seqs.w_seq.unsqueeze(0)
+            final = torch.where(kept, final / normalizer, 0.0)
+            for i, part in enumerate(("mean", "min", "max")):
+                seq(f"mis_kept_weight_{part}_final", final, i if final.shape[0] > 1 else 0)
 
-    # ---- every sequence metric expanded to [T] together: rows of one [S, T] block ---------
-    if per_seq:
-        block = torch.stack([v for _, v in per_seq], 0)  # [S, N] float64
-        means = _safe_div((block * has_maskf).sum(1), num_seq_with_mask)  # over sequences with loss tokens
-        expanded = layout.expand(_f32(block)).unbind(0)  # [S, N] -> S x [T] (one op for all the views)
-        means = means.unbind(0)
-        for i, (name, _) in enumerate(per_seq):
-            token_metrics[name] = expanded[i]
-            summary[name] = means[i]
-    if tok_sums:
-        means = _safe_div(torch.stack([v.reshape(()) for _, v in tok_sums]).to(f64), total_mask).unbind(0)  # over loss tokens
-        for i, (name, _) in enumerate(tok_sums):
-            summary[name] = means[i]
+    # ---- every sequence metric (and alive) expanded to [T] together: rows of one block -------
+    parts: list[torch.Tensor] = []  # [k, N] float64 parts of the block, in order of first use
+    offset: dict[int, int] = {}
+    rows: list[torch.Tensor] = []  # single [N] float64 rows
+    flags: list[torch.Tensor] = [seqs.alive]  # single [N] bool rows; the first is alive (not a metric)
+    where: list[tuple[str, int]] = []  # (kind, index) of every metric
+    for name, values, row in seq_rows:
+        if row >= 0:
+            if id(values) not in offset:
+                offset[id(values)] = sum(p.shape[0] for p in parts)
+                parts.append(values)
+            where.append(("part", offset[id(values)] + row))
+        elif values.dtype == torch.bool:
+            where.append(("flag", len(flags)))
+            flags.append(values)
+        else:
+            where.append(("row", len(rows)))
+            rows.append(values if values.dtype == f64 else values.to(f64))
+    num_part_rows = sum(p.shape[0] for p in parts)
+    block = torch.cat(parts + ([torch.stack(rows)] if rows else []) + [torch.stack(flags).to(f64)])  # [S, N] float64
+    base = {"part": 0, "row": num_part_rows, "flag": num_part_rows + len(rows)}
+    index = [base[kind] + i for kind, i in where]
+    expanded = layout.expand(_f32(block)).unbind(0)  # [S, T]
+    keepf = tokens.tok_kept * expanded[base["flag"]]  # alive, 0/1 (exact in float32)
+    token_metrics["mis_rejected_token_fraction"] = tokens.flags[SequenceSum.N_MASK] - keepf  # 1 at loss-mask tokens not kept
+    for (name, _, _), i in zip(seq_rows, index):
+        token_metrics[name] = expanded[i]
+    # batch metrics: one value for every token, a stride-0 view (no [T] buffer)
+    values64 = torch.stack([v for _, v in batch_values])  # 0-dim float64 each
+    values32 = _f32(values64).unsqueeze(1).expand(len(batch_values), num_tokens).unbind(0)
+    for (name, _), v64, v32 in zip(batch_values, values64.unbind(0), values32):
+        token_metrics[name] = v32
+        summary[name] = v64
+
+    # ---- the weights' batch statistics (use_tis): before bound over the valid tokens /
+    # sequences, after bound over the kept tokens of alive sequences (the normalisation's own sum
+    # and count) / the kept sequences; sums and counts here, divided with the summaries below
+    weight_sums: list[torch.Tensor] = []
+    weight_counts: list[torch.Tensor] = []
+    if plan.use_tis:
+        if token_is:
+            count = norm_stats.count
+            weight_sums = [total[int(SequenceSum.SUM_W_BEFORE)], norm_stats.weight_sum]
+            weight_counts = [nv, count]
+            # per-sequence extrema of log r (every sequence: empty ones hold +-BIG) and of the
+            # bounded weight (alive sequences), as rows
+            over = torch.stack([has_valid, seqs.alive, has_mask])
+            low = _batch_extreme(torch.where(over, stats.mins.t(), BIG), "amin")  # [3]
+            high = _batch_extreme(torch.where(over, stats.maxs.t(), -BIG), "amax")
+            ext = torch.stack([low, high], 1)  # [3, 2]: rows log r, bounded weight, (icepop weight)
+            before, after = torch.exp(ext[int(SequenceExtremum.LOG_R)].clamp(-_EXP_CAP, _EXP_CAP)), ext[int(SequenceExtremum.W_KEPT)]
+            present = torch.stack([nv > 0, count > 0])
+        else:
+            hv, wu, wb = has_valid_f, seqs.w_seq_unbounded, seqs.w_seq
+            keptf = kept.to(f64)
+            weight_sums = [(wu * hv).sum(), (wb * keptf).sum()]
+            weight_counts = [hv.sum(), keptf.sum()]
+            rows_b = torch.stack([wu, wb])
+            over = torch.stack([has_valid, kept])
+            low = _batch_extreme(torch.where(over, rows_b, BIG), "amin")  # [2]: before, after
+            high = _batch_extreme(torch.where(over, rows_b, -BIG), "amax")
+            before, after = torch.stack([low, high], 1).unbind(0)
+            present = torch.stack([has_valid.any(), kept.any()])
+        # [[before min, before max], [after min, after max]], 0 where there is nothing to take
+        extrema = torch.where(present.view(2, 1), torch.stack([before, after]), 0.0).view(4).unbind(0)
+
+    # ---- every summary mean in one division: sequence metrics over sequences with loss tokens,
+    # token metrics over loss-mask tokens, the weights over their counts
+    has_mask_f = has_mask.to(f64)
+    num_seq_with_mask = has_mask_f.sum()
+    means_all = _safe_div(
+        torch.cat([(block * has_mask_f).sum(1), torch.stack([v for _, v in tok_totals] + weight_sums)]),
+        torch.stack([num_seq_with_mask] * block.shape[0] + [total_mask] * len(tok_totals) + weight_counts),
+    ).unbind(0)
+    for (name, _, _), i in zip(seq_rows, index):
+        summary[name] = means_all[i]
+    for k, (name, _) in enumerate(tok_totals):
+        summary[name] = means_all[block.shape[0] + k]
 
     # ---- summary-only batch statistics ---------------------------------------------------
     summary["num_sequences"] = torch.full((), float(stats.num_sequences), dtype=f64, device=n_mask.device)
     summary["num_loss_tokens"] = total_mask
-    alive = (~seqs.rejected).to(f64)
-    summary["num_kept_tokens"] = (col(SequenceSum.N_TOK_KEPT) * alive).sum()
-    summary["num_kept_sequences"] = keptf.sum()
+    summary["num_kept_tokens"] = num_kept_tokens
+    summary["num_kept_sequences"] = norm_stats.count if plan.use_tis and not token_is else kept.to(f64).sum()
     if plan.use_tis:
-        big = torch.full((), 1e30, dtype=f64, device=n_mask.device)
-        zero0 = torch.zeros((), dtype=f64, device=n_mask.device)
+        mean_before, mean_after = means_all[-2:]
+        final = (torch.stack([mean_after, extrema[2], extrema[3]]) / normalizer).unbind(0)
+        summary["mis_weight_before_bound_mean"] = mean_before
+        summary["mis_weight_before_bound_min"], summary["mis_weight_before_bound_max"] = extrema[0], extrema[1]
+        summary["mis_weight_after_bound_mean"] = mean_after
+        summary["mis_weight_after_bound_min"], summary["mis_weight_after_bound_max"] = extrema[2], extrema[3]
+        for part, value in zip(("mean", "min", "max"), final):
+            summary[f"mis_weight_final_{part}"] = value
+    return token_metrics, summary, keepf
 
-        def amin(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-            return torch.cat([torch.where(where, x, big), big.reshape(1)]).min()
 
-        def amax(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-            return torch.cat([torch.where(where, x, -big), -big.reshape(1)]).max()
-
-        if plan.tis_level == "token":
-            any_valid = nv > 0
-            summary["mis_weight_before_bound_mean"] = _safe_div(col(SequenceSum.SUM_W_BEFORE).sum(), nv)
-            everywhere = torch.ones_like(has_mask)
-            min_lr = amin(stats.mins[:, SequenceExtremum.LOG_R], everywhere)
-            max_lr = amax(stats.maxs[:, SequenceExtremum.LOG_R], everywhere)
-            summary["mis_weight_before_bound_min"] = torch.where(any_valid, torch.exp(min_lr.clamp(-_EXP_CAP, _EXP_CAP)), zero0)
-            summary["mis_weight_before_bound_max"] = torch.where(any_valid, torch.exp(max_lr.clamp(-_EXP_CAP, _EXP_CAP)), zero0)
-            n_alive = (col(SequenceSum.N_TOK_KEPT) * alive).sum()
-            any_kept = n_alive > 0
-            alive_b = alive > 0
-            summary["mis_weight_after_bound_mean"] = _safe_div((col(SequenceSum.SUM_W_KEPT) * alive).sum(), n_alive)
-            summary["mis_weight_after_bound_min"] = torch.where(any_kept, amin(stats.mins[:, SequenceExtremum.W_KEPT], alive_b), zero0)
-            summary["mis_weight_after_bound_max"] = torch.where(any_kept, amax(stats.maxs[:, SequenceExtremum.W_KEPT], alive_b), zero0)
-        else:
-            hv = n_valid > 0
-            any_valid = hv.any()
-            wu = seqs.w_seq_unbounded
-            summary["mis_weight_before_bound_mean"] = _safe_div((wu * hv).sum(), hv.to(f64).sum())
-            summary["mis_weight_before_bound_min"] = torch.where(any_valid, amin(wu, hv), zero0)
-            summary["mis_weight_before_bound_max"] = torch.where(any_valid, amax(wu, hv), zero0)
-            any_kept = kept.any()
-            wb = seqs.w_seq
-            summary["mis_weight_after_bound_mean"] = _safe_div((wb * keptf).sum(), keptf.sum())
-            summary["mis_weight_after_bound_min"] = torch.where(any_kept, amin(wb, kept), zero0)
-            summary["mis_weight_after_bound_max"] = torch.where(any_kept, amax(wb, kept), zero0)
-        for part in ("mean", "min", "max"):
-            after = summary[f"mis_weight_after_bound_{part}"]
-            summary[f"mis_weight_final_{part}"] = after / normalizer
-    return token_metrics, summary
+def _batch_extreme(rows: torch.Tensor, how: str) -> torch.Tensor:
+    """``[k, N] -> [k]`` row minima (``how="amin"``) or maxima (``"amax"``); ``+-BIG`` for ``N = 0``."""
+    fill = rows.new_full((rows.shape[0], 1), BIG if how == "amin" else -BIG)
+    return getattr(torch, how)(torch.cat([rows, fill], 1), 1)
 
 
 def _bound_values(w: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -181,11 +181,17 @@ class SegmentLayout(NamedTuple):
         chunk_segment: ``[M]`` int64 segment of each full chunk, ``N`` (a discard slot) for a chunk
             that straddles a boundary.
         window: ``[2N, C]`` int64 token index of the head (rows ``0..N-1``) and tail (rows
-            ``N..2N-1``) windows, clamped into ``[0, T)``.
+            ``N..2N-1``) windows (past the end of the part it may leave ``[0, T)``: read only
+            where valid, or through ``window_target``).
         window_valid: ``[2N, C]`` bool — the window position is a token of the part.
         window_target: ``[2N * C]`` int64 — ``window`` where valid, ``T - 1`` elsewhere (the last
             token doubles as the discard slot of an expansion, which rewrites it afterwards).
         last_segment: ``[1]`` int64 — the segment holding token ``T - 1`` (0 when ``T = 0``).
+        reduce_target: ``[M + 2N]`` int64 — ``chunk_segment``, then ``0..N-1`` twice: the segment
+            (or the discard slot ``N``) of every chunk, head window and tail window result, so
+            that a reduction combines all three in one scatter (chunks first, then heads, then
+            tails: the order of the separate additions it replaces).
+        window_invalid: ``[2N, C]`` bool — ``~window_valid`` (what the reductions mask out).
     """
 
     num_tokens: int
@@ -196,20 +202,24 @@ class SegmentLayout(NamedTuple):
     window_valid: torch.Tensor
     window_target: torch.Tensor
     last_segment: torch.Tensor
+    reduce_target: torch.Tensor
+    window_invalid: torch.Tensor
 
     @property
     def num_segments(self) -> int:
         return int(self.window.shape[0]) // 2
 
-    def sums(self, columns: Sequence[torch.Tensor], float64: bool = True) -> torch.Tensor:
+    def sums(self, columns: Sequence[torch.Tensor], float64: bool = True, exact: int = 0) -> torch.Tensor:
         """``K x [T] -> [N, K]`` float64 per-segment sums of FINITE columns (a transposed view of
         a ``[K, N]`` block: each column ``[:, k]`` is contiguous).
 
-        With ``float64`` (the default) each column is converted to float64 one at a time (the
-        copy is freed before the next, so its memory is reused) and summed in float64: where the
-        batch places a segment (its chunk alignment) changes its sum only by float64 rounding. ``float64=False``
-        sums each chunk and window in the column's own dtype (torch's cascade summation) — exact
-        for 0/1 float32 counts, which is what it is for. Booleans count."""
+        With ``float64`` (the default) the columns are summed in float64 (torch converts the
+        ``[K, M, C]`` chunk block for the reduction): where the batch places a segment (its chunk
+        alignment) changes its sum only by float64 rounding. The first ``exact`` columns are 0/1
+        float32 counts: their chunks are summed in float32, which is exact and spares their
+        float64 copy (the largest memory cost of the call on a CPU). ``float64=False`` sums each
+        chunk in the column's own dtype (torch's cascade summation). Windows are summed in
+        float64 (or the own dtype). Booleans count."""
         n = self.num_segments
         device = self.window.device
         f64 = torch.float64
@@ -221,23 +231,25 @@ class SegmentLayout(NamedTuple):
         groups: dict[torch.dtype, list[int]] = {}
         for k, col in enumerate(columns):
             groups.setdefault(torch.float32 if col.dtype == torch.bool else col.dtype, []).append(k)
-        valid = self.window_valid.view(torch.uint8)  # 0/1
-        flat = self.window.reshape(-1)
         pieces, order = [], []
         for dtype, ks in groups.items():
             cols = [columns[k].view(torch.uint8).to(torch.float32) if columns[k].dtype == torch.bool else columns[k] for k in ks]
             block = torch.stack(cols, 0) if len(cols) > 1 else cols[0].unsqueeze(0)  # [K, T]
             acc = f64 if float64 else dtype
-            chunks = block[:, : m * c].view(len(ks), m, c).sum(2, dtype=acc).to(f64)  # [K, M]
-            if self.num_tokens:
-                win = block.index_select(1, flat).view(len(ks), 2 * n, c)
-                win = win.to(acc) if win.dtype != acc else win
-                windows = win.mul_(valid.to(acc)).sum(2).to(f64)  # [K, 2N]
+            chunked = block[:, : m * c].view(len(ks), m, c)
+            counts = sum(1 for k in ks if k < exact) if float64 and dtype == torch.float32 else 0
+            if 0 < counts < len(ks):  # counts in their own float32 (no float64 copy), then values
+                chunks = torch.cat([chunked[:counts].sum(2), chunked[counts:].sum(2, dtype=f64)])  # [K, M]
+            else:
+                chunks = chunked.sum(2, dtype=dtype if counts else acc).to(f64)  # [K, M]
+            if self.num_tokens:  # the head and tail windows, 0 at positions outside their part
+                win = block.index_select(1, self.window_target).view(len(ks), 2 * n, c)
+                windows = win.masked_fill(self.window_invalid, 0.0).sum(2, dtype=acc).to(f64)  # [K, 2N]
             else:
                 windows = torch.zeros(len(ks), 2 * n, dtype=f64, device=device)
             out = torch.zeros(len(ks), n + 1, dtype=f64, device=device)
-            out.index_add_(1, self.chunk_segment, chunks)  # [K, N+1]
-            pieces.append(out[:, :n] + windows[:, :n] + windows[:, n:])
+            out.index_add_(1, self.reduce_target, torch.cat([chunks, windows], 1))  # [K, N+1]
+            pieces.append(out[:, :n])
             order.extend(ks)
         result = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]  # [K, N] in group order
         if order != sorted(order):
@@ -269,16 +281,15 @@ class SegmentLayout(NamedTuple):
         block = torch.stack(list(columns), 0) if k > 1 else columns[0].unsqueeze(0)  # [K, T], one op for all
         reduce = torch.amin if how == "amin" else torch.amax
         chunks = reduce(block[:, : m * c].view(k, m, c), 2)  # [K, M]
-        fills = torch.full((), fill, dtype=dtype, device=device)
         if self.num_tokens:
-            win = block.index_select(1, self.window.reshape(-1)).view(k, 2 * n, c)
-            windows = reduce(torch.where(self.window_valid, win, fills), 2)  # [K, 2N]
+            win = block.index_select(1, self.window_target).view(k, 2 * n, c)
+            windows = reduce(win.masked_fill(self.window_invalid, fill), 2)  # [K, 2N]
         else:
-            windows = fills.expand(k, 2 * n)
+            windows = torch.full((k, 2 * n), fill, dtype=dtype, device=device)
         out = torch.full((k, n + 1), fill, dtype=dtype, device=device)
-        out.scatter_reduce_(1, self.chunk_segment.unsqueeze(0).expand(k, -1), chunks, how)  # [K, N+1]
-        pick = torch.minimum if how == "amin" else torch.maximum
-        return pick(out[:, :n], pick(windows[:, :n], windows[:, n:])).t()
+        target = self.reduce_target.unsqueeze(0).expand(k, -1)
+        out.scatter_reduce_(1, target, torch.cat([chunks, windows], 1), how)  # [K, N+1]
+        return out[:, :n].t()
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
         """``[N] -> [T]`` (or ``[S, N] -> [S, T]``, contiguous): each segment's value repeated
@@ -307,8 +318,8 @@ def _expand_eager(
         return out
     if m:
         # value of the discard slot N: anything (straddling chunks are overwritten by windows)
-        padded = torch.cat([values, values[:, :1]], 1)  # [S, N+1]
-        out[:, : m * c].view(s, m, c).copy_(padded.index_select(1, chunk_segment).unsqueeze(2).expand(s, m, c))
+        source = values.index_select(1, chunk_segment.clamp(max=n - 1))  # [S, M]
+        out[:, : m * c].view(s, m, c).copy_(source.unsqueeze(2).expand(s, m, c))
     if n:
         row_values = torch.cat([values, values], 1)  # [S, 2N]: head rows, then tail rows
         # a scatter along dim 1 (every row the same targets): ~3x faster than an index_put on a
@@ -341,25 +352,33 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     m = num_tokens // c
     device = cu_seqlens.device
     if m:
-        starts = torch.arange(m, device=device) * c
-        # the segment holding a token: the last n with cu[n] <= t (skips empty segments)
-        first = torch.searchsorted(cu_seqlens, starts, right=True) - 1
-        last = torch.searchsorted(cu_seqlens, starts + (c - 1), right=True) - 1
-        chunk_segment = torch.where(first == last, first, torch.full_like(first, n))
+        # the segment holding a token: the last n with cu[n] <= t (skips empty segments), here
+        # one more than that for the first and the last token of every chunk
+        first = torch.searchsorted(cu_seqlens, torch.arange(0, m * c, c, device=device), right=True)
+        last = torch.searchsorted(cu_seqlens, torch.arange(c - 1, m * c, c, device=device), right=True)
+        chunk_segment = (first - 1).masked_fill_(first != last, n)
     else:
         chunk_segment = torch.zeros(0, dtype=torch.long, device=device)
     a, b = cu_seqlens[:-1], cu_seqlens[1:]
-    fa = torch.div(a + (c - 1), c, rounding_mode="floor") * c
-    fb = torch.div(b, c, rounding_mode="floor") * c
+    if c & (c - 1) == 0:  # rounded up / down to a multiple of a power of two: a bit mask (offsets >= 0)
+        fa = (a + (c - 1)).bitwise_and_(-c)
+        fb = b.bitwise_and(-c)
+    else:
+        fa = torch.div(a + (c - 1), c, rounding_mode="floor") * c
+        fb = torch.div(b, c, rounding_mode="floor") * c
     head_end = torch.minimum(fa, b)
     tail_start = torch.maximum(fb, head_end)
     part_starts = torch.cat([a, tail_start])  # [2N]
     part_ends = torch.cat([head_end, b])
     window = part_starts.unsqueeze(1) + torch.arange(c, device=device)  # [2N, C]
-    window_valid = window < part_ends.unsqueeze(1)
-    window = window.clamp(0, max(num_tokens - 1, 0))
-    window_target = torch.where(window_valid, window, torch.full_like(window, max(num_tokens - 1, 0))).reshape(-1)
-    # the last n with cu[n] <= T - 1 (skips empty segments); 0 for an empty batch
-    last = torch.searchsorted(cu_seqlens, cu_seqlens.new_full((1,), max(num_tokens - 1, 0)), right=True) - 1
-    last_segment = last.clamp(0, max(n - 1, 0))
-    return SegmentLayout(num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment)
+    window_invalid = window >= part_ends.unsqueeze(1)
+    window_valid = ~window_invalid
+    window_target = window.masked_fill(window_invalid, max(num_tokens - 1, 0)).reshape(-1)
+    # the segment holding token T - 1: the number of segments that end before it (trailing empty
+    # segments end at T); 0 for an empty batch
+    last_segment = (b < num_tokens).sum(0, keepdim=True)
+    segments = torch.arange(n, device=device)
+    reduce_target = torch.cat([chunk_segment, segments, segments])
+    return SegmentLayout(
+        num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment, reduce_target, window_invalid
+    )

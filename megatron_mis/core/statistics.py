@@ -146,19 +146,22 @@ class SequenceDecisions:
 
     n_mask: torch.Tensor
     n_valid: torch.Tensor
-    level_log_r: dict[str, torch.Tensor]  # "sequence" / "geometric" clamped log-ratios
+    has_valid: torch.Tensor  # bool: n_valid > 0
+    level_log_r: dict[str, torch.Tensor]  # "sequence" / "geometric" clamped log-ratios (the levels read)
     w_seq_unbounded: torch.Tensor | None
     w_seq: torch.Tensor | None  # bounded, 0 where IS-masked
     is_low: torch.Tensor | None
     is_high: torch.Tensor | None
     rs_low: torch.Tensor | None
     rs_high: torch.Tensor | None
-    ratio_vetoed: torch.Tensor  # bool
-    prob_vetoed: torch.Tensor  # bool
+    ratio_vetoed: torch.Tensor | None  # bool; None without the ratio veto
+    prob_vetoed: torch.Tensor | None  # bool; None without the probability veto
     rejected: torch.Tensor  # bool: whole sequence out
     kept: torch.Tensor  # bool: not rejected and at least one kept token
     #: sequence-level divergence criteria: name -> [N] bool, the sequence fails the criterion
     criteria: dict = field(default_factory=dict)
+    #: bool: not rejected (``~rejected``, made once for its readers)
+    alive: torch.Tensor | None = None
 
 
 class Plan(NamedTuple):
