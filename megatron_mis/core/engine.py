@@ -113,8 +113,9 @@ class NormalizationStatistics:
         return NormalizationStatistics(self.weight_sum + other.weight_sum, self.count + other.count)
 
     def mean(self) -> torch.Tensor:
-        """The normalising mean (1 where nothing is kept, so nothing is scaled)."""
-        return (self.weight_sum / self.count.clamp_min(1)).masked_fill_(self.count <= 0, 1.0)
+        """The normalising mean: 1 where nothing is kept, or where every kept weight is 0 (IcePop
+        zero-weights every token: dividing by a mean of 0 would give 0 / 0), so nothing is scaled."""
+        return (self.weight_sum / self.count.clamp_min(1)).masked_fill_(self.weight_sum <= 0, 1.0)  # nothing kept: the sum is 0 too
 
 
 #: Bucket edges on the rollout probability (When Speed Kills Stability, docs/references.md: the mismatch grows as probabilities fall).

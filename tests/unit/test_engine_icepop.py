@@ -175,3 +175,18 @@ def test_icepop_in_band_weights_are_exact_at_the_bounds():
     res = compute_mis(train, rollout, torch.ones(4, dtype=torch.bool), [0, 4], _cfg("icepop"))
     assert res.weights.tolist() == [0.5, 1.5, 0.0, 0.0]
     assert math.isclose(res.scalars()["mis_tis_zero_weight_fraction_low"], 0.25)
+
+
+def test_icepop_with_self_normalisation_when_every_weight_is_zero():
+    """Every ratio out of band: every kept weight is 0, so the micro-batch's normalising mean is
+    0. Dividing by it gave 0 / 0 = NaN weights (a silent NaN in the loss); nothing is scaled then
+    (mean taken as 1, as when nothing is kept) and the weights stay 0."""
+    train, rollout, masks = _lists([[0.2, 3.0, 0.1], [4.0, 0.3]])
+    for over in ("kept", "loss_mask"):
+        cfg = _cfg("icepop", tis_batch_normalize=True, tis_batch_normalize_over=over)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = compute_mis_from_lists(train, rollout, masks, cfg)
+        assert torch.isfinite(res.weights).all() and res.weights.tolist() == [0.0] * 5, over
+        assert res.keep_mask.tolist() == [True] * 5
+        assert float(res.normalizer) == 1.0
