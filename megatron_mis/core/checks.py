@@ -5,7 +5,10 @@ check that must read a value (``int(t)``, ``bool(t.any())``) runs only where rea
 device synchronisation — every tensor it reads is host memory — or when the debug flag is set:
 the environment variable ``MEGATRON_MIS_DEBUG_CHECKS=1`` turns every value check on for
 accelerator tensors too (each then costs one synchronisation). Checks of shapes, dtypes and
-configuration never read a value and always run.
+configuration never read a value and always run. Under context parallelism the flag also adds a
+fixed-size all-gather of the number of sequences before the statistics (``parallel.cp_mis``), so
+CP ranks given different numbers of sequences (a host contract violation) raise the same error
+instead of aborting (gloo) or hanging (nccl).
 """
 
 from __future__ import annotations
