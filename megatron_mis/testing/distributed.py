@@ -27,7 +27,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ProcessGroupPool", "RemoteError", "megatron_parallel", "owned_process_groups"]
+__all__ = ["ProcessGroupPool", "RemoteError", "collective_calls", "megatron_parallel", "owned_process_groups"]
+
+#: The torch.distributed entry points :func:`collective_calls` records.
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "send", "recv", "isend", "irecv", "barrier", "all_gather_object", "broadcast_object_list",
+)
 
 
 class RemoteError(RuntimeError):
@@ -206,6 +213,33 @@ class ProcessGroupPool:
         if errors:
             raise RemoteError(errors[0])
         return results
+
+
+@contextlib.contextmanager
+def collective_calls() -> Iterator[list[str]]:
+    """Record, in order, the name of every torch.distributed collective (:data:`COLLECTIVES`)
+    called inside the block; the yielded list fills as they run. The originals are restored on
+    exit."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    saved = {}
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        saved[name] = fn
+
+        def wrapper(*a, _fn=fn, _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        setattr(dist, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager

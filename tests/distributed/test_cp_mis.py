@@ -219,27 +219,10 @@ def count_collectives(n: int, cfg_name: str):
     full = [-torch.rand(r, generator=g) for r in resps]
     pieces = [_slice(full, lay, i) for i in range(n)]
     inputs = CPInputs(pieces, [p + 0.01 for p in pieces], [torch.ones(r) for r in resps], totals, resps)
-    names = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
-             "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
-             "send", "recv", "isend", "irecv", "barrier", "all_gather_object", "broadcast_object_list"]
-    calls = []
-    saved = {}
-    for name in names:
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-        saved[name] = fn
+    from megatron_mis.testing.distributed import collective_calls
 
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            calls.append(_name)
-            return _fn(*a, **k)
-
-        setattr(dist, name, wrapper)
-    try:
+    with collective_calls() as calls:
         compute_mis_cp(inputs, _cfg(cfg_name), cp)
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
     return calls
 
 

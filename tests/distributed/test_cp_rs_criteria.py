@@ -92,28 +92,12 @@ def run_case(cp: int, cfg_name: str, seed: int):
         rollout_log_probs=[_slice(rollout, lay, i) for i in range(len(resps))],
         loss_masks=masks, total_lengths=totals, response_lengths=resps,
     )
-    calls = []
-    saved = {}
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
-                 "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier"):
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-        saved[name] = fn
+    from megatron_mis.testing.distributed import collective_calls
 
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            calls.append(_name)
-            return _fn(*a, **k)
-
-        setattr(dist, name, wrapper)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = compute_mis_cp(inputs, _cfg(cfg_name), view)
-            summary = out.result.scalars()
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    with collective_calls() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = compute_mis_cp(inputs, _cfg(cfg_name), view)
+        summary = out.result.scalars()
     return dict(
         rank=rank, index=lay.local_to_full_index(), weights=out.result.weights, keep=out.result.keep_mask,
         masks=out.modified_masks, metrics=out.result.token_metrics, summary=summary,
