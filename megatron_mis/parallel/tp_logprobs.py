@@ -160,13 +160,9 @@ class TokenSupport:
         offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
         if counts:
             offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-        host = torch.stack([torch.tensor(flat, dtype=torch.int64),
-                            torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))])
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        if dev.type != "cpu":
-            host = host.pin_memory() if torch.cuda.is_available() else host
-            host = host.to(dev, non_blocking=True)
-        return cls(ids=host[0], token_index=host[1], offsets=offsets)
+        token_index = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), torch.tensor(counts, dtype=torch.int64))
+        host = cls(ids=torch.tensor(flat, dtype=torch.int64), token_index=token_index, offsets=offsets)
+        return host if device is None else host.to(device)
 
     @property
     def num_tokens(self) -> int:
