@@ -13,7 +13,7 @@ from megatron_mis.testbed.demo.rollout.aligned import _AlignedModel
 from megatron_mis.testbed.demo.rollout.batch import RolloutBatch
 from megatron_mis.testbed.demo.rollout.config import RolloutConfig
 from megatron_mis.testbed.demo.rollout.fast import _FastModel
-from megatron_mis.testbed.demo.rollout.sampling import _as_prompt, _filter, _sample, processed_log_probs
+from megatron_mis.testbed.demo.rollout.sampling import _as_prompt, _draw, _filter, _sample, processed_log_probs
 from megatron_mis.testbed.demo.rollout.weights import ModelArch, RolloutWeights, weights_from_megatron
 
 __all__ = ["RolloutEngine"]
@@ -117,10 +117,11 @@ class RolloutEngine:
         finished = torch.zeros(n, dtype=torch.bool)
         for step in range(cfg.max_new_tokens):
             logp = torch.log_softmax(logits.float() / cfg.temperature, dim=-1)  # SGLang: fp32 log-softmax
-            tok = _sample(logp, cfg, generator)
-            kept = torch.isfinite(_filter(logp, cfg.top_k, cfg.top_p)) if (truncates and out_support is not None) else None
+            filtered = _filter(logp, cfg.top_k, cfg.top_p)  # logp itself without top-k / top-p
+            tok = _draw(filtered, generator)
+            kept = torch.isfinite(filtered) if (truncates and out_support is not None) else None
             if cfg.logprobs == "processed" and truncates:
-                logp = processed_log_probs(logp, cfg.top_k, cfg.top_p)  # what was sampled from
+                logp = torch.log_softmax(filtered, dim=-1)  # what was sampled from (processed_log_probs)
             logp_tok = logp.gather(-1, tok[:, None]).squeeze(-1)
             self._step_bookkeeping(tok, logp_tok, alive, out_tokens, out_logps, finished, kept, out_support)
             if not bool(alive.any()) or step == cfg.max_new_tokens - 1:

@@ -9,7 +9,7 @@ import torch
 
 from megatron_mis.testbed.demo.rollout.config import RolloutConfig
 
-__all__ = ["_filter", "_sample", "_as_prompt", "processed_log_probs"]
+__all__ = ["_draw", "_filter", "_sample", "_as_prompt", "processed_log_probs"]
 
 
 def _filter(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -34,10 +34,14 @@ def processed_log_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return torch.log_softmax(_filter(logp, top_k, top_p), dim=-1)
 
 
+def _draw(filtered: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``[B, V]`` log-probs already filtered by :func:`_filter` -> ``[B]`` int64 sampled ids."""
+    return torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
 def _sample(logp: torch.Tensor, config: RolloutConfig, generator: torch.Generator | None) -> torch.Tensor:
     """``logp [B, V]`` float32 -> ``[B]`` int64 sampled ids."""
-    probs = _filter(logp, config.top_k, config.top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _draw(_filter(logp, config.top_k, config.top_p), generator)
 
 
 def _as_prompt(p: Any, vocab: int) -> torch.Tensor:
