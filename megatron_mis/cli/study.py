@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         except StudyError as exc:
             print(f"megatron-mis study: {exc}", file=sys.stderr)
             return 1
-        print(f"ran {done['ran']} runs, reused {done['reused']}, {done['wall_s']:.0f} s", file=sys.stderr)
+        print(_done_line(done), file=sys.stderr)
     summary = write_report(study)
     if not summary["arms"]:
         print("megatron-mis study: no finished runs to report", file=sys.stderr)
@@ -162,7 +162,7 @@ def _run_sweep(study, *, report_only: bool) -> int:
         except StudyError as exc:
             print(f"megatron-mis study: {exc}", file=sys.stderr)
             return 1
-        print(f"ran {done['ran']} runs, reused {done['reused']}, {done['wall_s']:.0f} s", file=sys.stderr)
+        print(_done_line(done), file=sys.stderr)
     summary = write_sweep_report(study)
     if not summary["doses"]:
         print("megatron-mis study: no finished runs to report", file=sys.stderr)
@@ -170,3 +170,8 @@ def _run_sweep(study, *, report_only: bool) -> int:
     print(format_sweep_markdown(summary))
     print(f"wrote {sweep_dir(study) / 'report.md'}", file=sys.stderr)
     return 0
+
+
+def _done_line(done: dict) -> str:
+    copied = f", copied {done['copied']} (the same configuration as another run)" if done.get("copied") else ""
+    return f"ran {done['ran']} runs, reused {done['reused']}{copied}, {done['wall_s']:.0f} s"

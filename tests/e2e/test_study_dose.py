@@ -96,3 +96,36 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
     # run again: every run is reused
     assert main(argv) == 0
     assert "ran 0 runs, reused 8" in capsys.readouterr().err
+
+
+def test_sweep_plan_is_seed_major_and_runs_a_repeated_configuration_once(tmp_path):
+    from megatron_mis.testbed.study.runner import _deduplicate, load_run, plan_sweep, run_jobs
+
+    study = StudyConfig(sweep="staleness", doses=["k0", "k2"], arms=["none", "ref_fp32"], seeds=2, quick=True,
+                        steps=2, out_dir=str(tmp_path), progress=False)
+    jobs = plan_sweep(study)
+    # seed 0 at every dose before seed 1: a sweep stopped part-way holds pairs at every dose
+    assert [(j.setting, j.arm, j.seed) for j in jobs] == [
+        (f"staleness-{d}", a, s) for s in (0, 1) for d in ("k0", "k2") for a in ("none", "ref_fp32")]
+    todo, copies = _deduplicate(jobs)
+    # fresh fp32 rollouts: none at k0 is the reference, and the reference resets the dose, so the
+    # reference at k0 and k2 and none at k0 are one run per seed; none at k2 is the only other
+    assert [(j.setting, j.arm) for j in todo] == [("staleness-k0", "none"), ("staleness-k2", "none")] * 2
+    assert {(s.setting, s.arm, j.setting, j.arm) for s, j in copies} == {
+        ("staleness-k0", "none", "staleness-k0", "ref_fp32"), ("staleness-k0", "none", "staleness-k2", "ref_fp32")}
+    done = run_jobs(study, jobs, "test")
+    assert (done["ran"], done["reused"], done["copied"]) == (4, 0, 4)
+    for seed in (0, 1):
+        src = load_run(tmp_path / "staleness-k0" / "none" / f"seed-{seed}.jsonl")
+        for setting in ("staleness-k0", "staleness-k2"):
+            path = tmp_path / setting / "ref_fp32" / f"seed-{seed}.jsonl"
+            copy = load_run(path)
+            assert copy["records"] == src["records"] and copy["end"] == src["end"]
+            header = json.loads(path.read_text().splitlines()[0])
+            assert header["setting"] == setting and header["arm"] == "ref_fp32" and header["copied_from"].endswith(
+                f"staleness-k0/none/seed-{seed}.jsonl")
+    # everything is on disk now: nothing to run or copy; a lost copy is copied again, not rerun
+    (tmp_path / "staleness-k2" / "ref_fp32" / "seed-1.jsonl").unlink()
+    todo, copies = _deduplicate(jobs)
+    assert todo == [] and [(j.setting, j.arm, j.seed) for _, j in copies] == [("staleness-k2", "ref_fp32", 1)]
+    assert run_jobs(study, jobs, "test")["copied"] == 1

@@ -188,8 +188,11 @@ def run_study(study: StudyConfig) -> dict[str, Any]:
 
 
 def plan_sweep(study: StudyConfig) -> list[RunJob]:
-    """Every run of a sweep: each dose's :func:`plan`, seed-major within a dose, the doses in order."""
-    return [job for label in study.dose_labels for job in plan(study.for_dose(label))]
+    """Every run of a sweep, seed-major across the doses: every dose's arms for seed 0, then for
+    seed 1, ... (doses in order within a seed, arms in order within a dose), so that a sweep
+    stopped part-way holds complete pairs at every dose rather than every seed of the first doses."""
+    jobs = [job for label in study.dose_labels for job in plan(study.for_dose(label))]
+    return sorted(jobs, key=lambda job: job.seed)  # stable: keeps the dose and arm order per seed
 
 
 def run_sweep(study: StudyConfig) -> dict[str, Any]:
@@ -202,15 +205,16 @@ def run_sweep(study: StudyConfig) -> dict[str, Any]:
 
 def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str) -> dict[str, Any]:
     """Run the jobs not yet finished on disk (``study.num_jobs`` workers of ``study.threads``
-    threads); returns ``{"ran", "reused", "wall_s"}``.
+    threads); returns ``{"ran", "reused", "copied", "wall_s"}`` (``copied``: runs whose resolved
+    configuration equals another run's, written as a copy of its file).
 
     Raises:
         StudyError: a run raised (its traceback) or a worker died; finished runs stay on disk.
     """
     from tqdm.auto import tqdm
 
-    todo = [j for j in jobs if not _finished(j)]
-    reused = len(jobs) - len(todo)
+    todo, copies = _deduplicate(jobs)
+    reused = len(jobs) - len(todo) - len(copies)
     t0 = time.perf_counter()
     bar = tqdm(total=len(jobs), initial=reused, desc=desc, unit="run",
                disable=not study.progress, dynamic_ncols=True)
@@ -229,9 +233,52 @@ def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str) -> dict[str, Any
                 shutil.rmtree(scratch, ignore_errors=True)
         elif todo:
             _run_pool(study, todo, bar)
+        for source, job in copies:
+            _copy_run(source, job)
+            bar.update(1)
     finally:
         bar.close()
-    return {"ran": len(todo), "reused": reused, "wall_s": time.perf_counter() - t0}
+    return {"ran": len(todo), "reused": reused, "copied": len(copies), "wall_s": time.perf_counter() - t0}
+
+
+def _config_key(config: dict[str, Any]) -> str:
+    return json.dumps(_comparable(config), sort_keys=True, default=str)
+
+
+def _deduplicate(jobs: list[RunJob]) -> tuple[list[RunJob], list[tuple[RunJob, RunJob]]]:
+    """The jobs to run, and ``(source, job)`` pairs of jobs whose resolved configuration equals an
+    earlier job's (a sweep's reference arm resets the dose, so it is the same run at every dose):
+    those are run once and their file copied, ``source`` being finished on disk or in the list to
+    run. Jobs finished on disk are in neither list."""
+    keys = [_config_key(job.config) for job in jobs]
+    done = [_finished(job) for job in jobs]
+    source = {}  # configuration -> the job whose file the others copy: a finished one if any
+    for job, key, finished in zip(jobs, keys, done):
+        if finished:
+            source.setdefault(key, job)
+    todo, copies = [], []
+    for job, key, finished in zip(jobs, keys, done):
+        if finished:
+            continue
+        if key in source:
+            copies.append((source[key], job))
+        else:
+            source[key] = job
+            todo.append(job)
+    return todo, copies
+
+
+def _copy_run(source: RunJob, job: RunJob) -> None:
+    """Write ``source``'s finished run file as ``job``'s (same numbers; the header names ``job``'s
+    setting, arm, seed and configuration and where the run was copied from), atomically."""
+    lines = Path(source.path).read_text(encoding="utf-8").splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header.update(setting=job.setting, arm=job.arm, seed=job.seed, config=job.config, copied_from=str(source.path))
+    out = Path(job.path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(header) + "\n" + "".join(lines[1:]), encoding="utf-8")
+    os.replace(tmp, out)
 
 
 def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
