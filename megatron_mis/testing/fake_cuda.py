@@ -141,15 +141,23 @@ class FakeCudaTensor(torch.Tensor):
 
 
 def shadow(t: Any) -> Any:
-    """The CPU data behind a fake CUDA tensor (tensors elsewhere in a pytree pass through)."""
+    """The CPU data behind a fake CUDA tensor (tensors elsewhere in a pytree pass through); under
+    :func:`megatron_mis.testing.real_cuda.real_cuda`, a CPU copy of a real CUDA tensor, read
+    without recording."""
+    from megatron_mis.testing.real_cuda import RealCudaProbe, to_host
+
+    if RealCudaProbe.current is not None:
+        return to_host(t)
     return tree_map(lambda x: x._shadow if isinstance(x, FakeCudaTensor) else x, t)
 
 
-def _where() -> str:
+def _where(skip: tuple[str, ...] = ()) -> str:
+    """``file:line (in function)`` of the innermost frame outside torch, this module and ``skip``."""
     frames = traceback.extract_stack()
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
-        if path == _THIS_FILE or path.startswith(_TORCH_DIR) or "/contextlib.py" in path:
+        if (path == _THIS_FILE or path.startswith(_TORCH_DIR) or "/contextlib.py" in path
+                or any(path.endswith(name) for name in skip)):
             continue
         short = path
         for marker in ("/megatron_mis/", "/tests/", "/benchmarks/"):
@@ -522,6 +530,9 @@ def backward(loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
     materialised as zeros (the engine's default)."""
     if loss.grad_fn is None:
         raise ValueError("loss does not require grad")
+    if loss.device.type == "cuda" and not isinstance(loss, FakeCudaTensor):  # a real GPU (testing.real_cuda)
+        loss.backward(grad)
+        return
     # post-order DFS over the graph, then reverse: a node runs after every node that feeds it
     order: list[Any] = []
     seen: set[int] = set()

@@ -4,13 +4,23 @@ the harness cannot run (on a CUDA machine the real-device tests in test_real_cud
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from megatron_mis.testing.fake_cuda import fake_cuda, fake_cuda_unavailable_reason
 
 
 @pytest.fixture
 def probe():
+    if os.environ.get("MEGATRON_MIS_REAL_CUDA_TIER") == "1" and torch.cuda.is_available():
+        # the same tests on a GPU under set_sync_debug_mode (megatron_mis/testing/real_cuda.py)
+        from megatron_mis.testing.real_cuda import real_cuda
+
+        with real_cuda() as p:
+            yield p
+        return
     reason = fake_cuda_unavailable_reason()
     if reason is not None:
         pytest.skip(f"fake CUDA unavailable: {reason}")
