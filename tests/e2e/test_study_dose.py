@@ -129,3 +129,23 @@ def test_sweep_plan_is_seed_major_and_runs_a_repeated_configuration_once(tmp_pat
     todo, copies = _deduplicate(jobs)
     assert todo == [] and [(j.setting, j.arm, j.seed) for _, j in copies] == [("staleness-k2", "ref_fp32", 1)]
     assert run_jobs(study, jobs, "test")["copied"] == 1
+
+
+def test_an_interrupted_sweep_exits_promptly(tmp_path):
+    """Ctrl-C (or `timeout -s INT`) during a sweep with more queued jobs than a pipe holds: the
+    process exits instead of hanging on the task queue's feeder thread (seen on a 16-core run)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, signal, threading
+from megatron_mis.testbed.study.config import StudyConfig
+from megatron_mis.testbed.study.runner import plan_sweep, run_jobs
+study = StudyConfig(sweep="staleness", seeds=16, jobs=2, quick=True, out_dir={str(tmp_path)!r}, progress=False)
+jobs = plan_sweep(study)
+assert len(jobs) == 2 * 7 * 16  # quick: the first and the last dose
+threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+run_jobs(study, jobs, "interrupted")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]

@@ -310,4 +310,8 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
             bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
             bar.update(1)
     finally:
+        if pending:  # stopped early (an error, Ctrl-C): the jobs still queued are dropped, so the
+            # queues' feeder threads must not block the interpreter's exit on a pipe nobody reads
+            tasks.cancel_join_thread()
+            results.cancel_join_thread()
         stop_processes(procs, graceful=not pending)
