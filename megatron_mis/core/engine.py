@@ -373,14 +373,15 @@ def _token_stage(
             columns[SequenceSum.SUM_W_HOST] = r * maskf if plan.tis_mode == "mask" else w_after
     order: list[SequenceSum] = []
     unique: list[torch.Tensor] = []
-    position: dict[int, int] = {}
     slots: list[int] = []
     for c, v in columns.items():
-        if id(v) not in position:
-            position[id(v)] = len(unique)
+        # a column that is another's tensor is reduced once; identity by `is`, not id(): dynamo
+        # (compile_engine) cannot take id() of an intermediate tensor (torch 2.11, seen on an H100)
+        slot = next((i for i, u in enumerate(unique) if u is v), len(unique))
+        if slot == len(unique):
             unique.append(v)
         order.append(c)
-        slots.append(position[id(v)])
+        slots.append(slot)
     # one reduction call for every column: 0/1 counts (the flags, first) in float32 chunks (exact),
     # values in float64 so that a sequence's statistics do not depend on its place in the batch
     num_counts = sum(1 for v in unique if any(v is f for f in flags.values()))

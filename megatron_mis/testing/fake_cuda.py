@@ -143,12 +143,19 @@ class FakeCudaTensor(torch.Tensor):
 def shadow(t: Any) -> Any:
     """The CPU data behind a fake CUDA tensor (tensors elsewhere in a pytree pass through); under
     :func:`megatron_mis.testing.real_cuda.real_cuda`, a CPU copy of a real CUDA tensor, read
-    without recording."""
-    from megatron_mis.testing.real_cuda import RealCudaProbe, to_host
-
-    if RealCudaProbe.current is not None:
-        return to_host(t)
-    return tree_map(lambda x: x._shadow if isinstance(x, FakeCudaTensor) else x, t)
+    with the sync-debug mode off (not recorded)."""
+    def host(x):
+        if isinstance(x, FakeCudaTensor):
+            return x._shadow
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":  # a real GPU
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return x.detach().cpu()
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        return x
+    return tree_map(host, t)
 
 
 def _where(skip: tuple[str, ...] = ()) -> str:

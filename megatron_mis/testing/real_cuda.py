@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from megatron_mis.testing.fake_cuda import CPU_OUTPUT, Violation, _leaves, _where
 
-__all__ = ["RealCudaProbe", "SYNC", "real_cuda", "to_host"]
+__all__ = ["RealCudaProbe", "SYNC", "real_cuda"]
 
 #: The one violation kind the sync-debug mode reports.
 SYNC = "synchronizing CUDA operation"
@@ -138,10 +138,3 @@ def real_cuda() -> Iterator[RealCudaProbe]:
             RealCudaProbe.current = None
             torch.cuda.synchronize()
 
-
-def to_host(t: Any) -> Any:
-    """CPU copies of the CUDA tensors in a pytree, read without recording (the probe pauses)."""
-    probe = RealCudaProbe.current
-    ctx = probe.paused() if probe is not None else contextlib.nullcontext()
-    with ctx:
-        return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x, t)

@@ -26,3 +26,14 @@ def probe():
         pytest.skip(f"fake CUDA unavailable: {reason}")
     with fake_cuda() as p:
         yield p
+
+
+@pytest.fixture
+def fake_probe():
+    """The fake device's probe only: for tests of the fake probe itself (its kinds, its op hook),
+    skipped where it cannot run, the real-GPU tier included."""
+    reason = fake_cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"fake CUDA unavailable: {reason}")
+    with fake_cuda() as p:
+        yield p

@@ -55,7 +55,8 @@ class _DeviceEvent:
 
 
 @pytest.fixture
-def device(probe):
+def device(fake_probe):
+    probe = fake_probe
     """Installs :class:`_DeviceEvent` and the single current stream inside the fake-CUDA harness
     (undone before the harness restores its own), and logs every device-to-host copy so that the
     order of copy and record can be checked. Yields ``(events, log)``."""
@@ -80,7 +81,8 @@ def device(probe):
         yield events, log
 
 
-def test_the_event_is_recorded_after_the_copy_and_the_count_is_read_only_once_it_completed(probe, device):
+def test_the_event_is_recorded_after_the_copy_and_the_count_is_read_only_once_it_completed(fake_probe, device):
+    probe = fake_probe
     """engine.py DeferredCount.__init__ / poll: record() on the current stream right after the
     non-blocking copy into pinned memory; poll() reads nothing while the event is pending, never
     synchronises, and returns the count once the device has passed the record point."""
@@ -102,7 +104,8 @@ def test_the_event_is_recorded_after_the_copy_and_the_count_is_read_only_once_it
     probe.assert_clean(what="DeferredCount on CUDA")
 
 
-def test_the_drop_in_reads_each_micro_batch_count_once_its_event_completed(probe, device):
+def test_the_drop_in_reads_each_micro_batch_count_once_its_event_completed(fake_probe, device):
+    probe = fake_probe
     """The slime / Miles drop-in keeps each micro-batch's non-finite count as a DeferredCount and
     warns from a later call (tis_functions._warn_deferred_nonfinite). A count whose event is still
     pending at the next call is kept for a later one, not read early and not lost: micro-batch 1

@@ -16,7 +16,8 @@ def _one(probe, kind, fn):
     probe.clear()
 
 
-def test_each_kind_of_synchronisation_is_detected_with_its_line(probe):
+def test_each_kind_of_synchronisation_is_detected_with_its_line(fake_probe):
+    probe = fake_probe
     a = probe.cuda(torch.arange(6.0))
     cpu_mask = torch.tensor([True, False] * 3)
     _one(probe, fc.BLOCKING_H2D, lambda: torch.ones(3).to("cuda"))
@@ -63,7 +64,8 @@ def test_synchronisation_free_patterns_pass_and_values_are_real(probe):
     assert float(pinned) == 15.0
 
 
-def test_backward_walked_by_hand_matches_cpu_autograd(probe):
+def test_backward_walked_by_hand_matches_cpu_autograd(fake_probe):
+    probe = fake_probe
     x_cpu = torch.linspace(-1.0, 2.0, 5, requires_grad=True)
     x = probe.cuda(x_cpu.detach().clone().requires_grad_())
     loss = (torch.log_softmax(x, 0) * x).sum() + x.pow(2).mean()
