@@ -127,7 +127,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without blocking the host (pinned, non-blocking on CUDA)."""
     if torch.device(device).type == "cpu":
         return host
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and not is_compiling():
+        # (under compile_engine dynamo cannot trace pin_memory (torch 2.11, seen on an H100): the
+        # index is a constant of the graph there, placed by the compiler)
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
