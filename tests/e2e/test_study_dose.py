@@ -83,6 +83,10 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
                 assert (tmp_path / f"temperature-{label}" / arm / f"seed-{seed}.jsonl").is_file()
     header = json.loads((tmp_path / "temperature-t1.5" / "none" / "seed-0.jsonl").read_text().splitlines()[0])
     assert header["config"]["temperature"] == 1.5 and header["config"]["trainer_temperature"] == 1.0
+    import platform
+
+    import torch
+    assert (header["machine"]["torch"], header["machine"]["python"]) == (torch.__version__, platform.python_version())
     summary = json.loads((tmp_path / "sweep-temperature" / "summary.json").read_text())
     assert [d["dose"] for d in summary["doses"]] == [1.0, 1.5]
     hot = summary["doses"][1]["arms"]
@@ -92,6 +96,7 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
     assert "grad_norm_mean" in hot["none"] and hot["none"]["monitor_flagged"]["n"] == 2 == hot["none"]["monitor_any"]["n"]
     report = (tmp_path / "sweep-temperature" / "report.md").read_text()
     assert "| 1.5 | none | 2 |" in report and "Minimal detectable effect" in report
+    assert f"Runs made on: {header['machine']['cpu']}, Python {platform.python_version()}, torch {torch.__version__} (8 runs)" in report
     assert (tmp_path / "sweep-temperature" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again: every run is reused
     assert main(argv) == 0

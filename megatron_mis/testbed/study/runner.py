@@ -109,7 +109,8 @@ def _execute(job: RunJob, scratch: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     with tmp.open("w", encoding="utf-8") as f:
-        header = {"type": "run", "setting": job.setting, "arm": job.arm, "seed": job.seed, "config": job.config}
+        header = {"type": "run", "setting": job.setting, "arm": job.arm, "seed": job.seed, "config": job.config,
+                  "machine": run_machine()}
         f.write(json.dumps(header) + "\n")
         for rec in result.records:
             f.write(json.dumps(_jsonable({"type": "step", **rec})) + "\n")
@@ -118,6 +119,31 @@ def _execute(job: RunJob, scratch: str) -> None:
         f.write(json.dumps(_jsonable(end)) + "\n")
     os.replace(tmp, out)
     shutil.rmtree(os.path.join(scratch, cfg.name), ignore_errors=True)
+
+
+def run_machine() -> dict[str, Any]:
+    """Where a run was made: the CPU model, the cores this process may use, Python and torch
+    versions (the same seed gives the same numbers only on the same software, see docs/study.md)."""
+    import platform
+
+    from megatron_mis.testbed.demo.config import available_cpus
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    import torch
+
+    return {"cpu": cpu, "cores": available_cpus(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def machine_label(run: dict[str, Any]) -> str:
+    """``"CPU, Python x, torch y"`` of a loaded run (``"not recorded"`` for runs made before the
+    header held it)."""
+    m = run["header"].get("machine")
+    if not m:
+        return "not recorded"
+    return f"{m.get('cpu', '?')}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}"
 
 
 def _jsonable(value: Any) -> Any:

@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron_mis.testbed.study.config import SWEEPS, StudyConfig
 from megatron_mis.testbed.study.report import BASELINE, REFERENCES, _fmt_ci, _fmt_diff, _machine, collect, summarize_study
+from megatron_mis.testbed.study.runner import machine_label
 from megatron_mis.testbed.study.stats import minimal_detectable_effect, seeds_for_effect
 
 __all__ = ["TARGET_EFFECT", "summarize_sweep", "format_sweep_markdown", "plot_sweep", "write_sweep_report", "sweep_dir"]
@@ -49,6 +50,7 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
 
     sweep = SWEEPS[study.sweep]
     doses = []
+    made_on: dict[str, int] = {}  # machine label -> runs
     for label in study.dose_labels:
         sub = study.for_dose(label)
         runs = collect(sub)
@@ -60,6 +62,9 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
             row.pop("per_seed", None)
         ref = next((r for r in REFERENCES if r in summary["arms"]), None)
         diff = summary["arms"].get(BASELINE, {}).get("vs_reference", {}).get("final_reward") if ref else None
+        for arm_runs in runs.values():
+            for run in arm_runs.values():
+                made_on[machine_label(run)] = made_on.get(machine_label(run), 0) + 1
         doses.append({"label": label, "dose": sweep.dose_value(label), "setting": sub.setting, "reference": ref,
                       "arms": summary["arms"], "none_vs_reference": diff})
     diffs = [v for d in doses if d["none_vs_reference"] for v in d["none_vs_reference"]["diffs"].values()]
@@ -78,6 +83,7 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
         "study": study.to_dict(),
         "steps": study.resolved_steps,
         "machine": _machine(),
+        "runs_made_on": made_on,
         "threads_per_run": study.threads,
         "parallel_runs": study.num_jobs,
         "doses": doses,
@@ -100,6 +106,9 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         "",
         f"Dose: `{summary['measure']}`; {summary['steps']} steps per run; {summary['threads_per_run']} thread(s) per run, "
         f"{summary['parallel_runs']} run(s) in parallel on {m['cores']} core(s) ({m['cpu']}).",
+        "",
+        "Runs made on: " + ("; ".join(f"{k} ({v} runs)" for k, v in summary.get("runs_made_on", {}).items()) or "-")
+        + ". The same seed follows the same trajectory only on the same software and CPU kernels.",
         "",
         "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | reached threshold "
         "| grad norm | monitor: mismatch / any |",
