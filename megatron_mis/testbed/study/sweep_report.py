@@ -149,18 +149,24 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: K3 at fp32 rounding (1e-14) is no mismatch: the reward-against-K3 panel starts above this.
+K3_PLOT_FLOOR = 1e-9
+
+
 def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
-    """Two panels over the doses (in the sweep's order): final reward per arm (mean and bootstrap
-    interval) and K3 KL per arm (log axis)."""
+    """Three panels: over the doses (in the sweep's order), final reward per arm (mean and
+    bootstrap interval) and K3 KL per arm (log axis); and final reward against the measured K3 KL
+    (each arm's point per dose, log axis; the reference's band across), the dose-response curve
+    in the mismatch that a user can measure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     doses = summary["doses"]
     arms = list(dict.fromkeys(a for d in doses for a in d["arms"]))
     x = np.arange(len(doses))
-    fig = Figure(figsize=(13, 5), dpi=100)
+    fig = Figure(figsize=(19, 5), dpi=100)
     FigureCanvasAgg(fig)
-    ax_r, ax_k = fig.subplots(1, 2)
+    ax_r, ax_k, ax_rk = fig.subplots(1, 3)
     for j, arm in enumerate(arms):
         shift = (j - (len(arms) - 1) / 2) * 0.04
         pts = [(i, d["arms"][arm]) for i, d in enumerate(doses) if arm in d["arms"]]
@@ -169,10 +175,18 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
             xs = np.array([i for i, _ in fr]) + shift
             mean = np.array([c[0] for _, c in fr])
             err = np.array([[c[0] - c[1], c[2] - c[0]] for _, c in fr]).T
-            ax_r.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=arm)
+            ax_r.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=arm, color=f"C{j}")
         k3 = [(i, r["k3_mean"][0]) for i, r in pts if r["k3_mean"] and r["k3_mean"][0] > 0]
         if k3:
-            ax_k.plot([i + shift for i, _ in k3], [v for _, v in k3], marker="o", label=arm)
+            ax_k.plot([i + shift for i, _ in k3], [v for _, v in k3], marker="o", label=arm, color=f"C{j}")
+        both = [(r["k3_mean"][0], r["final_reward"][0]) for _, r in pts
+                if r["k3_mean"] and r["k3_mean"][0] > K3_PLOT_FLOOR and r["final_reward"]]
+        if arm in REFERENCES and fr:
+            ref = [c for _, c in fr]
+            ax_rk.axhspan(min(c[1] for c in ref), max(c[2] for c in ref), color="0.85", zorder=0,
+                          label=f"{arm} (CI)")
+        elif both:  # in dose order
+            ax_rk.plot([k for k, _ in both], [v for _, v in both], marker="o", label=arm, color=f"C{j}")
     labels = [str(d["dose"]) for d in doses]
     for ax, title in ((ax_r, "final reward (mean, bootstrap CI)"), (ax_k, "K3 KL, mean over steps and seeds")):
         ax.set_xticks(x, labels)
@@ -181,6 +195,12 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
         ax.grid(alpha=0.3)
     if ax_k.lines:
         ax_k.set_yscale("log")
+    ax_rk.set_title(f"final reward against measured K3 KL (K3 > {K3_PLOT_FLOOR:g})")
+    ax_rk.set_xlabel("K3 KL (mean over steps and seeds)")
+    ax_rk.grid(alpha=0.3)
+    if ax_rk.lines:
+        ax_rk.set_xscale("log")
+        ax_rk.legend(fontsize=8)
     ax_r.legend(fontsize=8)
     fig.suptitle(f"sweep {summary['sweep']}: {summary['steps']} steps per run")
     fig.tight_layout()
