@@ -104,8 +104,9 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         "",
         f"{summary['description']}.",
         "",
-        f"Dose: `{summary['measure']}`; {summary['steps']} steps per run; {summary['threads_per_run']} thread(s) per run, "
-        f"{summary['parallel_runs']} run(s) in parallel on {m['cores']} core(s) ({m['cpu']}).",
+        f"Dose: `{summary['measure']}`; {summary['steps']} steps per run; {summary['threads_per_run']} thread(s) per run. "
+        f"This report was written on {m['cores']} core(s) ({m['cpu']}) by a command with {summary['parallel_runs']} "
+        "run(s) in parallel; the runs themselves may have been made elsewhere (below).",
         "",
         "Runs made on: " + ("; ".join(f"{k} ({v} runs)" for k, v in summary.get("runs_made_on", {}).items()) or "-")
         + ". The same seed follows the same trajectory only on the same software and CPU kernels.",
