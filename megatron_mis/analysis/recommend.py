@@ -16,8 +16,9 @@ Regimes (first match wins):
 
 1. ``K3 > 1e-2``: more than numerics. The study's precision settings (bf16, fp16, int8, int4,
    dense and MoE) measured K3 up to about 2e-3; a temperature, top-p / top-k or stale-weight
-   mismatch (the dose-response sweeps' mechanisms) reaches far higher. Check the rollout's
-   sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
+   mismatch (the dose-response sweeps' mechanisms) reaches far higher. With stale rollouts,
+   bypass PPO (the staleness sweep's one correction that closed the gap); otherwise check the
+   rollout's sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
 2. ``s <= 0.15``: the regime the study measured as harmless (no correction not measurably worse
    than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
    0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.
@@ -97,10 +98,14 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         return Recommendation(
             "token_mis", None, s, share, "config-bug",
             f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g}, more than bf16 / fp16 / int8 / int4 numerics gave in the "
-            "study (<= 2e-3): check the rollout's temperature, top-p / top-k (replay the rollout's support in the "
-            "trainer: TokenSupport) and weight sync (staleness: in the study token TIS at 2 recovered the most at 4 "
-            "steps of lag, +0.13 of 0.30 lost); meanwhile mask tokens outside [0.5, 5]",
-            "study: K3 of the precision settings; the temperature / top-p / staleness sweeps' mechanisms",
+            "study (<= 2e-3): a configuration or staleness mismatch. If the rollouts are stale (asynchronous RL), use "
+            "bypass (the rollout's log-probs as PPO's old policy: --use-rollout-logprobs, policy_loss: bypass_ppo): "
+            "in the study's staleness sweep it alone closed the gap at 1-8 steps of lag (+0.36 to +0.66 reward over "
+            "none; IS-weight corrections +0.03 to +0.18). Otherwise check the rollout's temperature, top-p / top-k "
+            "(replay the rollout's support in the trainer: TokenSupport) and weight sync; meanwhile mask tokens "
+            "outside [0.5, 5]",
+            "study: K3 of the precision settings; the staleness sweep (6 doses x 7 arms x 8 seeds) and the "
+            "temperature / top-p runs (docs/study.md)",
         )
     if s <= S_MEASURED_HARMLESS:
         return Recommendation(

@@ -34,6 +34,13 @@ def test_regimes(k3, length, correction, regime):
     assert r.basis and r.reason
 
 
+def test_a_mismatch_beyond_numerics_names_bypass_for_stale_rollouts_and_the_config_checks():
+    r = recommend(0.14, 3)  # the staleness sweep's k = 2
+    assert r.regime == "config-bug" and r.geometric_band is None
+    assert "--use-rollout-logprobs" in r.reason and "bypass_ppo" in r.reason and "temperature" in r.reason
+    assert "staleness sweep" in r.basis
+
+
 def test_token_level_carries_the_length_scaled_band():
     r = recommend(1e-3, 2000)
     assert r.sequence_log_weight_sd == pytest.approx(2.0)
