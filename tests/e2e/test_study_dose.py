@@ -50,8 +50,8 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     moe = StudyConfig(sweep="moe-ties")
     assert "r3" in moe.arm_names and run_config(moe.for_dose("e64"), "r3", 0).routing_replay
     assert [run_config(moe.for_dose(e), "none", 0).num_moe_experts for e in ("e16", "e32", "e64")] == [16, 32, 64]
-    # megatron-mis demo --compare --preset staleness-k4 sets decoupled PPO against none
-    assert SETTINGS["staleness-k4"].demo_values()["correction"] == "decoupled_ppo"
+    # megatron-mis demo --compare --preset staleness-k4 sets bypass PPO (the sweep's best) against none
+    assert SETTINGS["staleness-k4"].demo_values()["correction"] == "bypass_ppo"
     assert SETTINGS["staleness-k4"].demo_values()["staleness"] == 4
     quick = StudyConfig(sweep="temperature", quick=True)
     assert quick.dose_labels == ["t1", "t1.5"] and quick.resolved_steps == 4

@@ -163,7 +163,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2, 4, 8, 16)),
             _SWEEP_BASE,
             _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
-            demo_correction="decoupled_ppo",
+            demo_correction="bypass_ppo",
         ),
         Sweep(
             "staleness-multi",
@@ -173,7 +173,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"k{k}", {"staleness": k}) for k in (0, 4, 8, 16)),
             {**_SWEEP_BASE, "updates_per_step": 4, "micro_batch_size": 32},
             _CORRECTIONS + ("decoupled_ppo", "bypass_ppo"),
-            demo_correction="decoupled_ppo",
+            demo_correction="bypass_ppo",
         ),
         Sweep(
             "temperature",
