@@ -43,6 +43,7 @@ class RealCudaProbe:
     def __init__(self) -> None:
         self.violations: list[Violation] = []
         self._active = False
+        self._previous_showwarning: Any = warnings.showwarning  # set again by real_cuda() on entry
 
     # the fake probe's public interface --------------------------------------------------
     def cuda(self, t: Any) -> Any:

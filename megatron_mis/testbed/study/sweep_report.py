@@ -64,7 +64,8 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
         diff = summary["arms"].get(BASELINE, {}).get("vs_reference", {}).get("final_reward") if ref else None
         for arm_runs in runs.values():
             for run in arm_runs.values():
-                made_on[machine_label(run)] = made_on.get(machine_label(run), 0) + 1
+                label_of_run = machine_label(run)
+                made_on[label_of_run] = made_on.get(label_of_run, 0) + 1
         doses.append({"label": label, "dose": sweep.dose_value(label), "setting": sub.setting, "reference": ref,
                       "arms": summary["arms"], "none_vs_reference": diff})
     diffs = [v for d in doses if d["none_vs_reference"] for v in d["none_vs_reference"]["diffs"].values()]
