@@ -311,15 +311,16 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
     ctx = mp.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.Queue()
     n = min(study.num_jobs, len(todo))
-    for job in todo:
-        tasks.put(job)
-    for _ in range(n):
-        tasks.put(None)
-    procs = [ctx.Process(target=_worker, args=(tasks, results, study.threads), daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
+    procs: list[Any] = []
     pending = len(todo)
-    try:
+    try:  # from the first put on: a Ctrl-C while the workers start (seconds on a loaded machine) is handled too
+        for job in todo:
+            tasks.put(job)
+        for _ in range(n):
+            tasks.put(None)
+        for _ in range(n):
+            procs.append(ctx.Process(target=_worker, args=(tasks, results, study.threads), daemon=True))
+            procs[-1].start()
         while pending:
             try:
                 kind, job, payload = results.get(timeout=1.0)
@@ -340,4 +341,4 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
             # queues' feeder threads must not block the interpreter's exit on a pipe nobody reads
             tasks.cancel_join_thread()
             results.cancel_join_thread()
-        stop_processes(procs, graceful=not pending)
+        stop_processes([p for p in procs if p.pid is not None], graceful=not pending)
