@@ -8,6 +8,9 @@ before these changes and 2.8 ms after (weights only). So:
 
 - :func:`is_compiling` lets an elementwise helper pick a form inductor vectorises (a comparison
   instead of ``nan_to_num``; ``bool -> float`` by ``to`` instead of through a ``uint8`` view);
+- :func:`index_by_identity` finds a tensor in a list by ``is``: dynamo (torch 2.11, seen on an
+  H100) cannot take ``id()`` of an intermediate tensor, so an ``id``-keyed dict breaks
+  ``fullgraph=True`` where this does not;
 - :func:`opaque_op` registers an eager kernel as a ``torch.library`` custom op, which a compiled
   graph calls as one extern kernel (no graph break, so ``fullgraph=True`` still holds). Without
   ``torch.library.custom_op`` (torch < 2.4) the function is traced inline instead: the same
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_compiling", "opaque_op"]
+__all__ = ["index_by_identity", "is_compiling", "opaque_op"]
 
 
 _CHECK = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -37,6 +40,11 @@ if _CHECK is None:  # torch < 2.3 has it under torch._dynamo only
 def is_compiling() -> bool:
     """True while dynamo traces the caller (``torch.compiler.is_compiling``)."""
     return _CHECK()
+
+
+def index_by_identity(items: list[Any], value: Any) -> int | None:
+    """The position of ``value`` itself (``is``, not ``==``) in ``items``, or ``None``."""
+    return next((i for i, item in enumerate(items) if item is value), None)
 
 
 def opaque_op(name: str, fake: Callable[..., torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

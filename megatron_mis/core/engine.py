@@ -67,6 +67,7 @@ import torch
 
 from megatron_mis.config.mis import MISConfig
 from megatron_mis.core import metrics as _metrics
+from megatron_mis.core.compiling import index_by_identity
 from megatron_mis.core.flags import above, as_bool, as_factor, below, scaled_complement
 from megatron_mis.core.segments import SegmentLayout, as_cu_seqlens, concat_sequences, segment_layout, to_device
 from megatron_mis.core.statistics import (
@@ -375,10 +376,9 @@ def _token_stage(
     unique: list[torch.Tensor] = []
     slots: list[int] = []
     for c, v in columns.items():
-        # a column that is another's tensor is reduced once; identity by `is`, not id(): dynamo
-        # (compile_engine) cannot take id() of an intermediate tensor (torch 2.11, seen on an H100)
-        slot = next((i for i, u in enumerate(unique) if u is v), len(unique))
-        if slot == len(unique):
+        slot = index_by_identity(unique, v)  # a column that is another's tensor is reduced once
+        if slot is None:
+            slot = len(unique)
             unique.append(v)
         order.append(c)
         slots.append(slot)

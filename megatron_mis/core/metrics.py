@@ -41,7 +41,7 @@ from typing import Any, get_args
 import torch
 
 from megatron_mis.config.mis import RSCriterion
-from megatron_mis.core.compiling import is_compiling
+from megatron_mis.core.compiling import index_by_identity, is_compiling
 from megatron_mis.core.flags import as_factor, finite_or_zero
 from megatron_mis.core.statistics import BIG, SequenceExtremum, Plan, SequenceDecisions, SequenceStatistics, SequenceSum, TokenQuantities
 
@@ -420,16 +420,18 @@ def build_metrics(
 
     # ---- every sequence metric (and alive) expanded to [T] together: rows of one block -------
     parts: list[torch.Tensor] = []  # [k, N] float64 parts of the block, in order of first use
-    offset: dict[int, int] = {}
+    offsets: list[int] = []  # the block row of each part's first row
     rows: list[torch.Tensor] = []  # single [N] float64 rows
     flags: list[torch.Tensor] = [seqs.alive]  # single [N] bool rows; the first is alive (not a metric)
     where: list[tuple[str, int]] = []  # (kind, index) of every metric
     for name, values, row in seq_rows:
         if row >= 0:
-            if id(values) not in offset:
-                offset[id(values)] = sum(p.shape[0] for p in parts)
+            k = index_by_identity(parts, values)  # by `is`: compile_engine traces this too
+            if k is None:
+                k = len(parts)
+                offsets.append(sum(p.shape[0] for p in parts))
                 parts.append(values)
-            where.append(("part", offset[id(values)] + row))
+            where.append(("part", offsets[k] + row))
         elif values.dtype == torch.bool:
             where.append(("flag", len(flags)))
             flags.append(values)

@@ -494,3 +494,14 @@ def test_dispatched_ops_reach_the_issue_28_target():
     cfg = _cfg(**SEED000)
     assert _dispatched_ops(8, cfg) <= 300
     assert _dispatched_ops(256, cfg) <= 300
+
+
+def test_index_by_identity_tells_equal_tensors_apart():
+    """The engine's column and metric-block deduplication is by identity (``is``: dynamo cannot
+    take ``id()`` of an intermediate tensor), never by value."""
+    from megatron_mis.core.compiling import index_by_identity
+
+    a, b = torch.zeros(3), torch.zeros(3)  # equal values, distinct tensors
+    items = [a, b]
+    assert index_by_identity(items, a) == 0 and index_by_identity(items, b) == 1
+    assert index_by_identity(items, torch.zeros(3)) is None and index_by_identity([], a) is None
