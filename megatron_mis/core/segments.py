@@ -184,8 +184,7 @@ class SegmentLayout(NamedTuple):
             that straddles a boundary.
         window: ``[2N, C]`` int64 token index of the head (rows ``0..N-1``) and tail (rows
             ``N..2N-1``) windows (past the end of the part it may leave ``[0, T)``: read only
-            where valid, or through ``window_target``).
-        window_valid: ``[2N, C]`` bool — the window position is a token of the part.
+            where not ``window_invalid``, or through ``window_target``).
         window_target: ``[2N * C]`` int64 — ``window`` where valid, ``T - 1`` elsewhere (the last
             token doubles as the discard slot of an expansion, which rewrites it afterwards).
         last_segment: ``[1]`` int64 — the segment holding token ``T - 1`` (0 when ``T = 0``).
@@ -193,7 +192,8 @@ class SegmentLayout(NamedTuple):
             (or the discard slot ``N``) of every chunk, head window and tail window result, so
             that a reduction combines all three in one scatter (chunks first, then heads, then
             tails: the order of the separate additions it replaces).
-        window_invalid: ``[2N, C]`` bool — ``~window_valid`` (what the reductions mask out).
+        window_invalid: ``[2N, C]`` bool — the window position is not a token of the part (what
+            the reductions mask out).
     """
 
     num_tokens: int
@@ -201,7 +201,6 @@ class SegmentLayout(NamedTuple):
     num_chunks: int
     chunk_segment: torch.Tensor
     window: torch.Tensor
-    window_valid: torch.Tensor
     window_target: torch.Tensor
     last_segment: torch.Tensor
     reduce_target: torch.Tensor
@@ -374,7 +373,6 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     part_ends = torch.cat([head_end, b])
     window = part_starts.unsqueeze(1) + torch.arange(c, device=device)  # [2N, C]
     window_invalid = window >= part_ends.unsqueeze(1)
-    window_valid = ~window_invalid
     window_target = window.masked_fill(window_invalid, max(num_tokens - 1, 0)).reshape(-1)
     # the segment holding token T - 1: the number of segments that end before it (trailing empty
     # segments end at T); 0 for an empty batch
@@ -382,5 +380,5 @@ def segment_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk: int | None 
     segments = torch.arange(n, device=device)
     reduce_target = torch.cat([chunk_segment, segments, segments])
     return SegmentLayout(
-        num_tokens, c, m, chunk_segment, window, window_valid, window_target, last_segment, reduce_target, window_invalid
+        num_tokens, c, m, chunk_segment, window, window_target, last_segment, reduce_target, window_invalid
     )

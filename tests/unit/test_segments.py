@@ -24,7 +24,7 @@ def test_hand_derived_layout_parts():
     assert (lay.chunk, lay.num_chunks) == (4, 4)
     # chunk 0 inside segment 0; chunk 1 straddles 0|2; chunks 2, 3 inside segment 2
     assert lay.chunk_segment.tolist() == [0, 3, 2, 2]
-    rows = [lay.window[i][lay.window_valid[i]].tolist() for i in range(6)]
+    rows = [lay.window[i][~lay.window_invalid[i]].tolist() for i in range(6)]
     # heads: seg 0 starts aligned ([0, 0)), seg 1 empty, seg 2 head [5, 8); tails: seg 0 [4, 5), seg 2 [16, 16)
     assert rows == [[], [], [5, 6, 7], [4], [], []]
     values = torch.arange(16, dtype=torch.float64)
