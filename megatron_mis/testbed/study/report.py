@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig
-from megatron_mis.testbed.study.runner import load_run, run_path, study_dir
+from megatron_mis.testbed.study.runner import load_run, run_machine, run_path, study_dir
 from megatron_mis.testbed.study.stats import (
     bootstrap_ci,
     curve_band,
@@ -50,21 +49,12 @@ def _ci(values: list[float], study: StudyConfig, seed: int = 0) -> list[float] |
 
 
 def _machine() -> dict[str, Any]:
+    """This machine, as the report's header gives it: :func:`run_machine` (CPU, cores, Python,
+    torch) and the 1-minute load average when the report was written."""
     import os
 
-    from megatron_mis.testbed.demo.config import available_cpus
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": available_cpus(), "load_average_1m_at_report": load, "python": platform.python_version()}
+    return {**run_machine(), "load_average_1m_at_report": load}
 
 
 def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]]] | None = None) -> dict[str, Any]:
