@@ -16,6 +16,7 @@ from megatron_mis.registry import Registry, RegistryKeyError
 
 __all__ = [
     "MISConfig", "Level", "ISMode", "RSCriterion", "RSCriterionSpec", "RS_CRITERIA", "RSBound", "MAX_LOG_RATIO_BOUND",
+    "ZSCORE_BATCH_K3", "ZSCORE_DEFAULT_Z", "ZSCORE_K3_FLOOR",
     "HOST_KEYS", "HOST_BOUND_FLAGS", "resolve_host_bound_flags",
 ]
 
@@ -33,6 +34,7 @@ RSCriterion = Literal[
     "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
+    "seq_zscore_k1",
 ]
 
 
@@ -42,7 +44,8 @@ class RSCriterionSpec(NamedTuple):
     Attributes:
         name: the criterion's name (``seq_mean_k3``).
         reduce: ``token`` (each token on its own), ``sum``, ``mean`` or ``max`` over the
-            sequence's valid loss-mask tokens.
+            sequence's valid loss-mask tokens, or ``zscore`` (``seq_zscore_k1``: the mean log r
+            in standard deviations of its own length, a geometric band that scales with length).
         k: the estimator, 1, 2 or 3.
     """
 
@@ -56,25 +59,37 @@ class RSCriterionSpec(NamedTuple):
 
     @property
     def is_band(self) -> bool:
-        """k1 criteria take a ratio band ``[lower, upper]``; k2 / k3 an upper bound only."""
-        return self.k == 1
+        """k1 criteria take a ratio band ``[lower, upper]`` (``seq_zscore_k1`` a reference K3 and a z
+        bound); k2 / k3 an upper bound only."""
+        return self.k == 1 and self.reduce != "zscore"
 
 
 #: The registry of divergence criteria (one entry per name of :data:`RSCriterion`).
 RS_CRITERIA: Registry[RSCriterionSpec] = Registry("rejection criterion")
 for _name in get_args(RSCriterion):
     _reduce, _k = _name.rsplit("_k", 1)
-    RS_CRITERIA.register(_name, RSCriterionSpec(_name, {"token": "token", "seq_sum": "sum", "seq_mean": "mean", "seq_max": "max"}[_reduce], int(_k)))
+    RS_CRITERIA.register(_name, RSCriterionSpec(_name, {"token": "token", "seq_sum": "sum", "seq_mean": "mean", "seq_max": "max", "seq_zscore": "zscore"}[_reduce], int(_k)))
 
 
 class RSBound(NamedTuple):
     """One resolved criterion of ``rs_criteria``: a k1 criterion keeps ``lower <= ratio <= upper``
     (the ratio of its level: ``r_t``, ``prod r_t`` or ``exp(mean log r_t)``); a k2 / k3 criterion
-    keeps ``value <= upper`` (``lower`` is 0, unused)."""
+    keeps ``value <= upper`` (``lower`` is 0, unused). ``seq_zscore_k1`` keeps
+    ``|mean log r_t + K3| <= upper x sqrt(2 K3 / n)`` over the sequence's ``n`` valid tokens, with
+    ``lower`` the reference ``K3`` (:data:`ZSCORE_BATCH_K3`: this call's measured K3)."""
 
     name: str
     lower: float
     upper: float
+
+#: ``RSBound.lower`` of ``seq_zscore_k1`` with ``k3: batch``: the reference K3 is measured on the
+#: call's own valid tokens (a fixed reference K3 is > 0).
+ZSCORE_BATCH_K3 = 0.0
+#: ``k3: batch`` measures at least this K3: below it the log-ratios are float32 rounding (the
+#: monitor's default floor on ``mis_k3_kl``), and a band of width 0 would reject rounding.
+ZSCORE_K3_FLOOR = 1e-8
+#: The z bound of ``seq_zscore_k1`` when the mapping gives none.
+ZSCORE_DEFAULT_Z = 3.0
 
 #: exp(x) overflows float32 just above 88; keep every exponent well inside.
 MAX_LOG_RATIO_BOUND = 80.0
@@ -229,6 +244,9 @@ class MISConfig(ConfigBase):
         "band at token / sequence / geometric level; one number U means [1/U, U]); token_k2, token_k3, "
         "seq_sum_k2/k3, seq_mean_k2/k3, seq_max_k2/k3 take an upper bound of k2 = (log r)^2/2 or "
         "k3 = r - 1 - log r (per token, or the sum / mean / max over the sequence's valid loss-mask tokens). "
+        "seq_zscore_k1 is the geometric band that scales with length: {k3: K, z: Z} rejects a sequence of n valid "
+        "tokens whose mean log r lies more than Z x sqrt(2 K / n) from -K (K: the mismatch's mean per-token K3, a "
+        "number or 'batch' for this call's measured one; Z default 3; one number means {k3: number}). "
         "E.g. {seq_mean_k3: 0.005, seq_max_k3: 2.0}. Empty: the ratio band. docs/engine.md says which to choose.",
     )
 
@@ -357,6 +375,15 @@ class MISConfig(ConfigBase):
             problems.append(
                 "tis_batch_normalize=true has nothing to normalise: apply_is_weights is false, so every weight is 1 "
                 "(set tis_batch_normalize: false)"
+            )
+        if (self.use_rs and not criteria_problems and self.tis_batch_normalize_scope == "global"
+                and self.tis_batch_normalize_over == "kept"
+                and any(b.name == "seq_zscore_k1" and b.lower == ZSCORE_BATCH_K3 for b in self.rs_bounds())):
+            problems.append(
+                "rs_criteria: seq_zscore_k1 with k3: batch measures K3 per call (micro-batch), but the global "
+                "normaliser (tis_batch_normalize_scope='global', tis_batch_normalize_over='kept') decides what is kept "
+                "over the whole step at once, so the two would keep different sequences: give k3 a number (your "
+                "measured mis_k3_kl), or use tis_batch_normalize_over: loss_mask or scope micro_batch"
             )
         if self.tis_batch_normalize_scope == "global" and not self.tis_batch_normalize:
             problems.append(
@@ -554,6 +581,13 @@ def _parse_criteria(value: Any) -> tuple[list[RSBound], list[str]]:
         except RegistryKeyError as exc:
             problems.append(f"rs_criteria: {exc}")
             continue
+        if spec.reduce == "zscore":
+            bound, problem = _parse_zscore(name, threshold)
+            if problem:
+                problems.append(problem)
+            else:
+                bounds.append(bound)
+            continue
         if spec.is_band:
             pair = threshold if isinstance(threshold, (list, tuple)) else None
             if pair is None:
@@ -584,6 +618,32 @@ def _parse_criteria(value: Any) -> tuple[list[RSBound], list[str]]:
                 continue
             bounds.append(RSBound(name, 0.0, float(upper)))
     return bounds, problems
+
+def _parse_zscore(name: str, value: Any) -> tuple[RSBound | None, str | None]:
+    """``seq_zscore_k1``'s threshold: ``{k3: K, z: Z}`` (``K`` a positive number or ``'batch'``,
+    ``Z`` a positive number, default 3) or one number ``K``; ``(bound, None)`` or ``(None, problem)``."""
+    allowed = (
+        f"must be {{k3: K, z: Z}} with K > 0 the reference mean per-token K3 (or 'batch': this call's measured K3) "
+        f"and Z > 0 (default {ZSCORE_DEFAULT_Z:g}), or one number K > 0"
+    )
+    if isinstance(value, dict):
+        unknown = sorted(str(k) for k in value if k not in ("k3", "z"))
+        if unknown or "k3" not in value:
+            what = f"unknown key(s) {', '.join(unknown)}" if unknown else "no k3"
+            return None, f"rs_criteria: {name}={value!r:.80} has {what}: it {allowed}"
+        k3_value, z_value = value["k3"], value.get("z", ZSCORE_DEFAULT_Z)
+    else:
+        k3_value, z_value = value, ZSCORE_DEFAULT_Z
+    z = _number(z_value)
+    if isinstance(k3_value, str) and k3_value.strip() == "batch":
+        k3: float | None = ZSCORE_BATCH_K3
+    else:
+        k3 = _number(k3_value)
+        k3 = k3 if k3 is not None and 0.0 < k3 <= 1e3 else None
+    if k3 is None or z is None or not 0.0 < z <= 1e3:
+        return None, f"rs_criteria: {name}={value!r:.80} {allowed} (K and Z at most 1000)"
+    return RSBound(name, float(k3), float(z)), None
+
 
 #: Prefixes of keys that belong to this config; a YAML key with one of these prefixes (or within
 #: a small edit distance of a valid key) that is not a valid key is reported as a typo.

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from megatron_mis.config.mis import MISConfig
+from megatron_mis.config.mis import ZSCORE_BATCH_K3, ZSCORE_K3_FLOOR, MISConfig
 from megatron_mis.core import metrics as _metrics
 from megatron_mis.core.compiling import index_by_identity
 from megatron_mis.core.flags import above, as_bool, as_factor, below, scaled_complement
@@ -259,7 +259,8 @@ def _token_stage(
     # k3 (a token metric, and the statistic of the *_k3 criteria) and k2 (the *_k2 criteria), 0
     # where invalid (log r = 0 there); expm1(log r) is shared with the metrics below
     em1 = torch.expm1(log_r) if metrics_on else None  # 0 where invalid
-    needs_k3 = plan.criteria_of("token", 3) + plan.criteria_of("seq_sum", 3) + plan.criteria_of("seq_mean", 3)
+    needs_k3 = (plan.criteria_of("token", 3) + plan.criteria_of("seq_sum", 3) + plan.criteria_of("seq_mean", 3)
+                + _zscore_batch(plan))
     k3 = _metrics.k3_from_log_ratio(log_r, em1) if metrics_on or needs_k3 else None
     needs_k2 = plan.criteria_of("token", 2) + plan.criteria_of("seq_sum", 2) + plan.criteria_of("seq_mean", 2)
     k2 = log_r.square().mul_(0.5) if needs_k2 else None
@@ -348,7 +349,7 @@ def _token_stage(
         columns[SequenceSum.SUM_W_KEPT] = w_kept
     if k2 is not None and (plan.criteria_of("seq_sum", 2) or plan.criteria_of("seq_mean", 2)):
         columns[SequenceSum.SUM_K2] = k2
-    if k3 is not None and (metrics_on or plan.criteria_of("seq_sum", 3) or plan.criteria_of("seq_mean", 3)):
+    if k3 is not None and (metrics_on or plan.criteria_of("seq_sum", 3) or plan.criteria_of("seq_mean", 3) or _zscore_batch(plan)):
         columns[SequenceSum.SUM_K3] = k3
     del k2
     if metrics_on:
@@ -549,6 +550,12 @@ def _sequence_stage(stats: SequenceStatistics, plan: _Plan) -> SequenceDecisions
     )
 
 
+def _zscore_batch(plan: _Plan) -> tuple:
+    """The ``seq_zscore_k1`` criteria that measure K3 on the call's own tokens (they need the
+    per-sequence k3 sums)."""
+    return tuple(c for c in plan.criteria_of("seq_zscore") if c[1] == ZSCORE_BATCH_K3)
+
+
 def _sequence_band(ratio: torch.Tensor, has_valid: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ratio < lo, ratio > hi)`` over the sequences with a valid token, ``[N]`` bool. The ratio
     of a sequence without one is exactly 1 (its log-ratio sum is 0), so a band that contains 1
@@ -565,7 +572,7 @@ def _levels_read(plan: _Plan) -> tuple[str, ...]:
     if plan.metrics != "none":
         levels.add("sequence")
     for name, _, _ in plan.rs_criteria:
-        if name in ("seq_sum_k1", "seq_mean_k1"):
+        if name in ("seq_sum_k1", "seq_mean_k1", "seq_zscore_k1"):
             levels.add("sequence" if name == "seq_sum_k1" else "geometric")
     return tuple(level for level in ("sequence", "geometric") if level in levels)
 
@@ -580,11 +587,27 @@ def _sequence_criteria(
     band (exactly the sequence / geometric RS band); ``seq_sum_*`` / ``seq_mean_*`` of k2 / k3
     compare the sum / mean; ``seq_max_*`` the largest token value, which is that of the
     sequence's smallest or largest log r (k2 and k3 grow with ``|log r|`` on either side of 0).
+    ``seq_zscore_k1`` (reference K3 ``lo``, bound ``hi``) compares ``|mean log r + K3|`` with
+    ``hi x sqrt(2 K3 / n_valid)``: for a mismatch of mean per-token K3 the per-token log-ratio
+    under the rollout policy has mean ``-KL(rollout || train) = -K3`` and variance about ``2 K3``,
+    so this is a geometric band centred where the geometric mean lies, ``hi`` standard deviations
+    wide at every length. ``lo`` = :data:`ZSCORE_BATCH_K3`: K3 is this call's mean over its valid
+    tokens (every sequence's, so identical on every context-parallel rank), at least
+    :data:`ZSCORE_K3_FLOOR`.
     A sequence without a valid token fails nothing."""
     out: dict[str, torch.Tensor] = {}
     for name, lo, hi in plan.rs_criteria:
         reduce, k = name.rsplit("_k", 1)
         if reduce == "token":
+            continue
+        if reduce == "seq_zscore":
+            if lo == ZSCORE_BATCH_K3:  # the call's own K3: a [] float64 tensor, no host read
+                k3 = (stats.col(SequenceSum.SUM_K3).sum() / n_valid.sum().clamp_min(1)).clamp_min(ZSCORE_K3_FLOOR)
+                half = torch.sqrt(2.0 * k3 / n_valid.clamp_min(1)).mul_(hi)
+            else:
+                k3 = lo
+                half = torch.rsqrt(n_valid.clamp_min(1)).mul_(hi * math.sqrt(2.0 * lo))
+            out[name] = has_valid & ((level_log_r["geometric"] + k3).abs() > half)
             continue
         if k == "1":
             ratio = torch.exp(level_log_r["sequence" if reduce == "seq_sum" else "geometric"])

@@ -27,6 +27,11 @@ CONFIGS = {
                                                     "seq_mean_k3": 0.012}),
     "icepop_seq_max": dict(use_tis=True, tis_mode="icepop", tis_lower_bound=0.75, tis_upper_bound=1.3,
                            use_rs=True, rs_criteria={"seq_max_k3": 0.1}, mis_metrics="full"),
+    # the length-scaled geometric band: a fixed K3, and K3 measured on the call (with metrics off
+    # the per-sequence k3 sums exist for this criterion alone: they must ride in the all-gather)
+    "zscore_fixed_tis": dict(use_tis=True, tis_batch_normalize=True, use_rs=True,
+                             rs_criteria={"seq_zscore_k1": {"k3": 0.003, "z": 1.5}}),
+    "zscore_batch_no_metrics": dict(use_rs=True, rs_criteria={"seq_zscore_k1": {"k3": "batch", "z": 0.5}}, mis_metrics="none"),
     "icepop_alone": dict(use_tis=True, tis_mode="icepop", tis_lower_bound=0.8, tis_upper_bound=1.25),
 }
 
@@ -115,8 +120,8 @@ def test_cp_equals_one_process(light_pool4, cfg_name):
         ref = compute_mis_from_lists(train, rollout, masks, cfg)
         ref_summary = ref.scalars()
     # not vacuous: something is rejected (or zero-weighted) and something kept
-    assert 0 < ref_summary["num_kept_tokens"] and (ref_summary["num_kept_tokens"] < ref_summary["num_loss_tokens"]
-                                                  or ref_summary.get("mis_tis_zero_weight_fraction_high", 0) > 0)
+    kept, loss_tokens = int(ref.keep_mask.sum()), sum(int(m.sum()) for m in masks)
+    assert 0 < kept and (kept < loss_tokens or ref_summary.get("mis_tis_zero_weight_fraction_high", 0) > 0)
     expected_masks = [m * k.long() for m, k in zip(masks, ref.split(ref.keep_mask, resps))]
     for cp in (2, 4):
         results = light_pool4.run(run_case, cp, cfg_name, seed)

@@ -12,7 +12,10 @@ loops over floats). It shares no code with ``megatron_mis.core`` — only the sp
 - divergence criteria (``rs_criteria`` under ``use_rs``, in place of the ratio band): per token
   k1 = -log r (a ratio band on r, over loss-mask tokens, ratio 1 where non-finite), k2 = (log r)^2 / 2,
   k3 = r - 1 - log r of the clamped log r (float64 here); per sequence the sum / mean (over valid
-  tokens) / max of k2, k3, and for k1 the sequence / geometric ratio.
+  tokens) / max of k2, k3, and for k1 the sequence / geometric ratio; ``seq_zscore_k1`` rejects a
+  sequence of n valid tokens whose mean log r (the clamped geometric log-ratio) lies more than
+  z * sqrt(2 K / n) from -K, K fixed or (``batch``) the mean k3 over every valid token of the call,
+  at least 1e-8.
 
 Per-token ratios are evaluated in float32 exactly like an fp32 implementation would (via torch on
 single values), so accept / reject decisions never differ by rounding; every sum is a Python
@@ -56,6 +59,8 @@ def reference_mis(train, rollout, masks, cfg):
             toks.append(dict(m=m, valid=valid, nonfinite=m and not finite, raw=raw, lrc=lrc, r=r, a=a, b=b, k2=k2, k3=k3))
         seqs.append(toks)
 
+    all_valid = [t for toks in seqs for t in toks if t["valid"]]
+    batch_k3 = max(sum(t["k3"] for t in all_valid) / max(len(all_valid), 1), 1e-8)
     out_weights, out_keep = [], []
     seq_info = []
     for toks in seqs:
@@ -84,6 +89,9 @@ def reference_mis(train, rollout, masks, cfg):
                 continue
             if not n_valid:
                 failed[name] = False
+            elif reduce == "seq_zscore":
+                ref_k3 = batch_k3 if lo == 0.0 else lo
+                failed[name] = abs(geo_log + ref_k3) > hi * math.sqrt(2.0 * ref_k3 / n_valid)
             elif k == "1":
                 ratio = math.exp(seq_log if reduce == "seq_sum" else geo_log)
                 failed[name] = ratio < lo or ratio > hi

@@ -30,6 +30,10 @@ CONFIGS = {
                                   tis_upper_bound=2.0, tis_batch_normalize=True, mis_metrics="full"),
     "geometric_clip_reject": dict(use_tis=True, tis_level="geometric", tis_mode="clip", nonfinite_policy="reject"),
     "weights_only": dict(SEED000, mis_metrics="none"),
+    # the length-scaled geometric band with K3 measured in the call (a batch-wide reduction
+    # inside the compiled output stage), metrics off
+    "zscore_batch_weights_only": dict(use_tis=True, use_rs=True, rs_criteria={"seq_zscore_k1": {"k3": "batch", "z": 1.0}},
+                                      mis_metrics="none"),
 }
 
 

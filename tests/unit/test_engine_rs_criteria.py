@@ -61,6 +61,18 @@ HAND = [
      {"seq_mean_k3": 1 / 3, "token_k1": 3 / 33}),
     ({"seq_mean_k3": 0.005, "seq_max_k3": 0.005, "seq_mean_k1": [0.99, 1.01]}, {"A", "B", "C"}, set(),
      {"seq_mean_k3": 1 / 3, "seq_max_k3": 2 / 3, "seq_mean_k1": 2 / 3}),
+    # seq_zscore_k1 {k3: K, z: Z}: reject |mean log r + K| > Z sqrt(2 K / n), by hand:
+    #   K = 1e-4, Z = 3: A |1e-4| vs 3 sqrt(2e-4 / 3) = .0245 keep; B |.0501| vs .0134 and
+    #   C |-.0199| vs .0095 out
+    ({"seq_zscore_k1": {"k3": 1e-4, "z": 3}}, {"B", "C"}, set(), {"seq_zscore_k1": 2 / 3}),
+    ({"seq_zscore_k1": 1e-4}, {"B", "C"}, set(), {"seq_zscore_k1": 2 / 3}),  # one number: K, Z = 3
+    #   K = .01, Z = .5: the band is centred on -K: C |-.02 + .01| = .01 vs .0158 stays (|-.02|
+    #   would not), B |.06| vs .0224 out, A |.01| vs .0408 stays
+    ({"seq_zscore_k1": {"k3": 0.01, "z": 0.5}}, {"B"}, set(), {"seq_zscore_k1": 1 / 3}),
+    #   k3: batch: K = the mean k3 of the 33 tokens = (.0100083 + .1487213 + .0039603) / 33 = .0049304;
+    #   Z = 1: A .0049 vs .0573, C .0151 vs .0222 stay, B .0549 vs .0314 out; Z = 3 keeps all
+    ({"seq_zscore_k1": {"k3": "batch", "z": 1}}, {"B"}, set(), {"seq_zscore_k1": 1 / 3}),
+    ({"seq_zscore_k1": {"k3": "batch"}}, set(), set(), {"seq_zscore_k1": 0.0}),
 ]
 
 
@@ -129,7 +141,10 @@ CRITERIA_SETS = [
     {"seq_mean_k1": [0.97, 1.02]},
     {"token_k1": [0.7, 1.4], "seq_mean_k3": 0.01},
     {"token_k2": 0.05, "token_k3": 0.04},
-    {name: (1.3 if name.endswith("k1") else 0.02) for name in RS_CRITERIA.names()},  # all eleven at once
+    {"seq_zscore_k1": {"k3": 0.004, "z": 2.0}},
+    {"seq_zscore_k1": {"k3": "batch", "z": 1.0}, "token_k3": 0.04},
+    {**{name: (1.3 if name.endswith("k1") else 0.02) for name in RS_CRITERIA.names()},  # all twelve at once
+     "seq_zscore_k1": {"k3": "batch", "z": 2.5}},
 ]
 
 
@@ -184,7 +199,7 @@ def test_reference_test_is_not_vacuous():
 
 def test_weights_only_path_rejects_the_same():
     train, rollout, masks = _random_lists(9, True)
-    criteria = {name: (1.3 if name.endswith("k1") else 0.02) for name in RS_CRITERIA.names()}
+    criteria = {**{name: (1.3 if name.endswith("k1") else 0.02) for name in RS_CRITERIA.names()}, "seq_zscore_k1": {"k3": "batch"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         a = compute_mis_from_lists(train, rollout, masks, MISConfig(use_rs=True, rs_criteria=criteria))
@@ -210,6 +225,42 @@ def test_config_errors_all_at_once_with_value_and_allowed_set():
     assert "seq_max_k3='lots' must be one positive finite number" in text
     # every criterion problem is reported (the band clash is reported once the criteria are valid)
     assert len(problems) == 7, problems
+
+
+def test_zscore_threshold_forms_and_errors(tmp_path):
+    """seq_zscore_k1 takes {k3: K, z: Z} (Z defaults to 3), one number K, or k3: batch; every bad
+    form is an error naming the value and the allowed forms, all reported at once."""
+    bound = lambda value: MISConfig(use_rs=True, rs_criteria={"seq_zscore_k1": value}).rs_bounds()[0]  # noqa: E731
+    assert tuple(bound({"k3": 1e-3, "z": 2})) == ("seq_zscore_k1", 1e-3, 2.0)
+    assert tuple(bound({"k3": 1e-3})) == ("seq_zscore_k1", 1e-3, 3.0)
+    assert tuple(bound(2e-3)) == ("seq_zscore_k1", 2e-3, 3.0)
+    assert tuple(bound({"k3": "batch", "z": 4})) == ("seq_zscore_k1", 0.0, 4.0)
+    path = tmp_path / "mis.yaml"
+    path.write_text("use_rs: true\nrs_criteria: {seq_zscore_k1: {k3: 5e-4, z: 2.5}}\n")  # 5e-4: a string to PyYAML
+    assert tuple(MISConfig.from_yaml(path).rs_bounds()[0]) == ("seq_zscore_k1", 5e-4, 2.5)
+    cases = [
+        ({"k3": 0}, "must be {k3: K, z: Z} with K > 0"), ({"k3": -1e-3}, "must be {k3: K, z: Z}"),
+        ({"z": 3}, "has no k3"), ({"k3": 1e-3, "zz": 2}, "unknown key(s) zz"), ({"k3": "bach"}, "or 'batch'"),
+        ({"k3": 1e-3, "z": 0}, "Z > 0"), ({"k3": 1e-3, "z": float("nan")}, "Z > 0"), ([0.99, 1.01], "or one number K > 0"),
+        ("lots", "must be {k3: K, z: Z}"), (None, "must be {k3: K, z: Z}"), ({"k3": 1e4}, "at most 1000"),
+    ]
+    for value, needle in cases:
+        with pytest.raises(ConfigError) as info:
+            MISConfig(use_rs=True, rs_criteria={"seq_zscore_k1": value})
+        assert f"seq_zscore_k1={value!r:.80}" in str(info.value) and needle in str(info.value), (value, str(info.value))
+    with pytest.raises(ConfigError) as info:  # with other bad criteria: every problem at once
+        MISConfig(use_rs=True, rs_criteria={"seq_zscore_k1": {"k3": 0}, "seq_mean_k3": -1})
+    assert len(info.value.problems) == 2
+
+
+def test_zscore_batch_k3_with_a_global_kept_normaliser_is_an_error():
+    """The global normaliser decides over the whole step's sequences at once: a K3 measured per
+    call would keep other sequences there than in the loss's calls."""
+    base = dict(use_tis=True, tis_batch_normalize=True, tis_batch_normalize_scope="global", use_rs=True)
+    with pytest.raises(ConfigError, match="seq_zscore_k1 with k3: batch measures K3 per call"):
+        MISConfig(**base, tis_batch_normalize_over="kept", rs_criteria={"seq_zscore_k1": {"k3": "batch"}})
+    MISConfig(**base, tis_batch_normalize_over="kept", rs_criteria={"seq_zscore_k1": {"k3": 1e-3}})  # a fixed K3: fine
+    MISConfig(**base, tis_batch_normalize_over="loss_mask", rs_criteria={"seq_zscore_k1": {"k3": "batch"}})  # nothing rejected there
 
 
 def test_band_keys_with_criteria_are_an_error_not_silently_ignored():
@@ -242,9 +293,10 @@ def test_yaml_thresholds_and_resolved_bounds(tmp_path):
 def test_registry_holds_every_criterion_once():
     assert RS_CRITERIA.names() == sorted([
         "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-        "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+        "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "seq_zscore_k1",
     ])
     assert RS_CRITERIA.get("seq_max_k3").reduce == "max" and RS_CRITERIA.get("token_k1").is_band
+    assert RS_CRITERIA.get("seq_zscore_k1").reduce == "zscore" and not RS_CRITERIA.get("seq_zscore_k1").is_band
     with pytest.raises(ValueError, match="already registered"):
         RS_CRITERIA.register("seq_max_k3", RS_CRITERIA.get("seq_max_k3"))
 
@@ -289,7 +341,8 @@ def _valid(name, value):
 
 # ----------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("name, criteria", [("seq_mean_k3", {"seq_mean_k3": 0.005}),
-                                            ("k3_rs_token_tis", {"seq_mean_k3": 0.005, "token_k3": 0.5})])
+                                            ("k3_rs_token_tis", {"seq_mean_k3": 0.005, "token_k3": 0.5}),
+                                            ("zscore_rs_token_mis", {"seq_zscore_k1": {"k3": "batch", "z": 3}})])
 def test_presets(name, criteria):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -344,3 +397,23 @@ def test_sequence_means_count_the_valid_tokens(criterion, threshold):
         warnings.simplefilter("ignore")
         res = compute_mis(train, rollout, torch.ones(4, dtype=torch.bool), [0, 3, 4], MISConfig(use_rs=True, rs_criteria={criterion: threshold}))
     assert res.seq_rejected.tolist() == [True, False]
+
+
+def test_zscore_band_rejects_the_same_share_at_every_length():
+    """seq_zscore_k1 is the geometric band scaled to the length: with log r ~ N(-1e-3, 2e-3) per
+    token (K3 = e^(mu + var / 2) - 1 - mu = 1e-3 exactly) the mean log r of T tokens is
+    N(-1e-3, 2e-3 / T), so {k3: 1e-3, z: 2} rejects P(|Z| > 2) = 0.0455 at T = 50 and at T = 1000
+    alike (a fixed band: 0.45 and 0.08, above), and k3: batch measures K3 ~ 1e-3 and does the same."""
+    p = math.erfc(2 / math.sqrt(2))
+    for cfg in (MISConfig(use_rs=True, rs_criteria={"seq_zscore_k1": {"k3": 1e-3, "z": 2}}),
+                MISConfig(use_rs=True, rs_criteria={"seq_zscore_k1": {"k3": "batch", "z": 2}})):
+        for t, num, seed in ((50, 4000, 1), (1000, 1000, 2)):
+            got = _rejected_fraction(cfg, t, num, seed)
+            assert got == pytest.approx(p, abs=4 * math.sqrt(p * (1 - p) / num)), (cfg.rs_criteria, t, got, p)
+    # centring matters at long T: the mean's offset -K3 is sqrt(K3 T / 2) = 0.71 SD at T = 1000, so
+    # a band centred on 0 rejects P(|Z + .71| > 2) = 0.101 there, 2.2x the centred band's share
+    sd = math.sqrt(2e-3 / 1000)
+    uncentred = MISConfig(use_rs=True, rs_level="geometric", rs_lower_bound=math.exp(-2 * sd), rs_upper_bound=math.exp(2 * sd))
+    got = _rejected_fraction(uncentred, 1000, 1000, 2)
+    q = 0.5 * math.erfc((2 - 1e-3 / sd) / math.sqrt(2)) + 0.5 * math.erfc((2 + 1e-3 / sd) / math.sqrt(2))
+    assert got == pytest.approx(q, abs=4 * math.sqrt(q * (1 - q) / 1000)) and got > 1.8 * p
