@@ -9,8 +9,9 @@ independent has a log sequence weight with standard deviation about
     s = sqrt(2 * L * K3)
 
 and (log-normal weights of mean 1) an effective sample share of sequence-level weights of about
-``exp(-s^2)``. The per-token geometric mean of the ratio has standard deviation
-``sqrt(2 * K3 / L)``; a band of three of them is the length-scaled geometric band offered here.
+``exp(-s^2)``. The per-token mean log-ratio has mean ``-KL(rollout || train) = -K3`` and standard
+deviation ``sqrt(2 * K3 / L)``; a band of three of them around ``-K3`` is the length-scaled
+geometric band (``rs_criteria: {seq_zscore_k1: {k3: K3, z: 3}}``, which scales it per sequence).
 
 Regimes (first match wins):
 
@@ -25,8 +26,9 @@ Regimes (first match wins):
 3. ``0.15 < s <= 1``: sequence weights stay informative (share >= exp(-1) = 0.37) and are the
    unbiased correction: ``sequence_mis`` (When Speed Kills Stability).
    Not yet measured in the testbed.
-4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level masking ``token_mis`` plus a
-   geometric rejection band scaled to the length. From the literature; not yet measured here.
+4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level masking plus the geometric
+   rejection band scaled to each sequence's length (``zscore_rs_token_mis``, with ``k3`` pinned to
+   the measured K3). From the literature; not yet measured here.
 """
 
 from __future__ import annotations
@@ -49,13 +51,16 @@ class Recommendation:
     """A correction for a measured mismatch.
 
     ``correction``: a preset name of ``configs/presets/``; ``geometric_band``: the length-scaled
-    band for the per-token geometric mean of the ratio (``None`` where none is advised);
+    band for the per-token geometric mean of the ratio at the mean length (``None`` where none is
+    advised); ``rs_criteria``: the ``rs_criteria`` to set over the preset's (the band per
+    sequence length, K3 pinned to the measured one), or ``None``;
     ``sequence_log_weight_sd``: ``s``; ``effective_sequence_share``: ``exp(-s^2)``; ``regime``:
     ``config-bug`` / ``measured-harmless`` / ``sequence-level`` / ``token-level``; ``reason`` and
     ``basis``: why, and whether the study measured it or the literature argues it."""
 
     correction: str
     geometric_band: tuple[float, float] | None
+    rs_criteria: dict | None
     sequence_log_weight_sd: float
     effective_sequence_share: float
     regime: str
@@ -79,13 +84,14 @@ def sequence_log_weight_sd(k3_mean: float, response_length: float) -> float:
 
 
 def geometric_band(k3_mean: float, response_length: float, *, width: float = 3.0) -> tuple[float, float]:
-    """``[exp(-h), exp(h)]`` with ``h = width * sqrt(2 * K3 / L)``: ``width`` standard deviations of
-    the per-token geometric mean of the ratio, narrowing as responses grow."""
+    """``[exp(-K3 - h), exp(-K3 + h)]`` with ``h = width * sqrt(2 * K3 / L)``: ``width`` standard
+    deviations of the per-token geometric mean of the ratio around its mean ``-K3``, narrowing as
+    responses grow (what ``seq_zscore_k1`` keeps at length ``L``)."""
     k3 = _check("k3_mean", k3_mean, 0.0)
     length = _check("response_length", response_length, 1.0)
     _check("width", width, 0.0)
     h = width * math.sqrt(2.0 * k3 / length)
-    return (math.exp(-h), math.exp(h))
+    return (math.exp(-k3 - h), math.exp(-k3 + h))
 
 
 def recommend(k3_mean: float, response_length: float) -> Recommendation:
@@ -96,7 +102,7 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
     k3, length = float(k3_mean), float(response_length)
     if k3 > K3_CONFIG_BUG:
         return Recommendation(
-            "token_mis", None, s, share, "config-bug",
+            "token_mis", None, None, s, share, "config-bug",
             f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g}, more than bf16 / fp16 / int8 / int4 numerics gave in the "
             "study (<= 2e-3): a configuration or staleness mismatch. If the rollouts are stale (asynchronous RL), use "
             "bypass (the rollout's log-probs as PPO's old policy: --use-rollout-logprobs, policy_loss: bypass_ppo): "
@@ -109,7 +115,7 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         )
     if s <= S_MEASURED_HARMLESS:
         return Recommendation(
-            "token_tis", None, s, share, "measured-harmless",
+            "token_tis", None, None, s, share, "measured-harmless",
             f"sequence log-weight SD s = sqrt(2 x {length:g} x {k3:.2e}) = {s:.3f} <= {S_MEASURED_HARMLESS}: in the "
             "range where the study found no correction not measurably worse than the no-mismatch reference; a "
             "token weight truncated at 2 is cheap insurance",
@@ -117,15 +123,18 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         )
     if s <= S_SEQUENCE_DEGENERATE:
         return Recommendation(
-            "sequence_mis", None, s, share, "sequence-level",
+            "sequence_mis", None, None, s, share, "sequence-level",
             f"s = {s:.3f}: sequence weights keep an effective share exp(-s^2) = {share:.2f}, so the unbiased "
             "sequence-level correction is usable",
             "literature (When Speed Kills Stability); not yet measured in the testbed",
         )
     band = geometric_band(k3, length)
+    criteria = {"seq_zscore_k1": {"k3": float(f"{k3:.3g}"), "z": 3.0}}
     return Recommendation(
-        "token_mis", band, s, share, "token-level",
+        "zscore_rs_token_mis", band, criteria, s, share, "token-level",
         f"s = {s:.3f}: sequence weights degenerate (effective share {share:.2g}); mask tokens outside [0.5, 5] and "
-        f"reject sequences whose geometric-mean ratio leaves [{band[0]:.4f}, {band[1]:.4f}] (3 SD at this length)",
+        f"reject sequences whose mean log-ratio lies more than 3 SD from -K3 at their own length (at the mean "
+        f"length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, {band[1]:.4f}]): the preset with "
+        f"rs_criteria: {{seq_zscore_k1: {{k3: {k3:.3g}, z: 3}}}}",
         "literature (When Speed Kills Stability; Let Speed Be With Stability); not yet measured in the testbed",
     )

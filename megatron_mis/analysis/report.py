@@ -80,7 +80,7 @@ def format_history(report: dict[str, Any]) -> str:
     ]
     rec = recommendation(report)
     if rec is not None:
-        band = f", geometric band [{rec['geometric_band'][0]:.4f}, {rec['geometric_band'][1]:.4f}]" if rec["geometric_band"] else ""
+        band = f", geometric band [{rec['geometric_band'][0]:.4f}, {rec['geometric_band'][1]:.4f}] at the mean length" if rec["geometric_band"] else ""
         lines += ["", f"Recommended correction: {rec['correction']}{band} ({rec['regime']}): {rec['reason']}.",
                   f"  basis: {rec['basis']} (docs/study.md, 'Which correction for which K3 and length')"]
     surge = report["surge"]

@@ -11,8 +11,8 @@ from megatron_mis.analysis.recommend import geometric_band, recommend, sequence_
 
 def test_sequence_sd_and_band_hand_derived():
     assert sequence_log_weight_sd(1e-3, 200) == pytest.approx(math.sqrt(0.4))
-    lo, hi = geometric_band(1e-3, 2000)  # h = 3 sqrt(2e-3 / 2000) = 3e-3
-    assert lo == pytest.approx(math.exp(-3e-3)) and hi == pytest.approx(math.exp(3e-3))
+    lo, hi = geometric_band(1e-3, 2000)  # h = 3 sqrt(2e-3 / 2000) = 3e-3 around -K3 = -1e-3
+    assert lo == pytest.approx(math.exp(-4e-3)) and hi == pytest.approx(math.exp(2e-3))
     assert geometric_band(0.0, 10) == (1.0, 1.0)
 
 
@@ -22,7 +22,7 @@ def test_sequence_sd_and_band_hand_derived():
         (1e-3, 5, "token_tis", "measured-harmless"),  # s = sqrt(0.01) = 0.1
         (1e-3, 200, "sequence_mis", "sequence-level"),  # s = 0.632
         (5e-3, 100, "sequence_mis", "sequence-level"),  # s = 1.0 exactly: still sequence-level
-        (1e-3, 2000, "token_mis", "token-level"),  # s = 2
+        (1e-3, 2000, "zscore_rs_token_mis", "token-level"),  # s = 2
         (2e-2, 5, "token_mis", "config-bug"),  # K3 above numerics
         (0.0, 4096, "token_tis", "measured-harmless"),
     ],
@@ -44,9 +44,17 @@ def test_a_mismatch_beyond_numerics_names_bypass_for_stale_rollouts_and_the_conf
 def test_token_level_carries_the_length_scaled_band():
     r = recommend(1e-3, 2000)
     assert r.sequence_log_weight_sd == pytest.approx(2.0)
-    assert r.geometric_band == pytest.approx((math.exp(-3e-3), math.exp(3e-3)))
+    assert r.geometric_band == pytest.approx((math.exp(-4e-3), math.exp(2e-3)))
+    assert r.rs_criteria == {"seq_zscore_k1": {"k3": 1e-3, "z": 3.0}}
     assert "not yet measured" in r.basis
-    assert recommend(1e-3, 200).geometric_band is None
+    assert recommend(1e-3, 200).geometric_band is None and recommend(1e-3, 200).rs_criteria is None
+    # the advice is a valid config: the preset with the pinned K3, and at the mean length it keeps
+    # exactly the band reported
+    from megatron_mis import MISConfig
+    from megatron_mis.presets import preset_path
+
+    cfg = MISConfig.from_yaml(preset_path(r.correction)).replace(rs_criteria=r.rs_criteria)
+    assert tuple(cfg.rs_bounds()[0]) == ("seq_zscore_k1", 1e-3, 3.0)
 
 
 @pytest.mark.parametrize("k3,length,msg", [(-1e-3, 10, "k3_mean=-0.001"), (float("nan"), 10, "k3_mean=nan"),
