@@ -123,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"megatron-mis study: {exc}", file=sys.stderr)
         return 2
+    from megatron_mis.testbed.study.config import arm_overrides_of_extra
+
+    for arm, key, mine, theirs in arm_overrides_of_extra(study):
+        print(f"megatron-mis study: arm {arm} runs with {key}={mine!r}, not --set {key}={theirs!r} (an arm's own fields win)",
+              file=sys.stderr)
     if study.sweep is not None:
         return _run_sweep(study, report_only=args.report_only)
     from megatron_mis.testbed.study.report import format_markdown, write_report

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mis.cli import main
 from megatron_mis.config import ConfigError
-from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig, run_config
+from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig, arm_overrides_of_extra, run_config
 
 
 def test_study_config_validation():
@@ -33,6 +33,22 @@ def test_run_config_layers_setting_arm_quick_extra():
     cfg = run_config(study, "length_decay", 0)
     assert cfg.precision == "bf16" and cfg.lr_schedule == "length-decay" and cfg.lr_surge_step == 1  # pinned within 4 steps
     assert all(a.overrides.get("rollout_precision") in (None, "fp32") for a in ARMS.values())
+
+
+def test_set_changes_the_mechanism_and_a_reference_stays_a_reference(capsys, tmp_path):
+    """--set applies on top of the setting, and the arm on top of it: --set staleness=2 makes
+    every mismatch arm stale while ref_fp32 keeps fresh weights (it was stale before this order),
+    and the CLI says where an arm's value wins."""
+    study = StudyConfig(sweep="long-tail", doses=["s61"], arms=["none", "ref_fp32", "token_tis"], extra={"staleness": 2, "lr": 0.002})
+    probe = study.for_dose("s61")
+    cfgs = {arm: run_config(probe, arm, 0) for arm in study.arm_names}
+    assert cfgs["none"].staleness == 2 and cfgs["token_tis"].staleness == 2 and cfgs["ref_fp32"].staleness == 0
+    assert cfgs["none"].precision == "int4" and cfgs["ref_fp32"].precision == "fp32"
+    assert all(c.lr == 0.002 for c in cfgs.values())  # a key no arm sets applies to every arm
+    assert arm_overrides_of_extra(study) == [("ref_fp32", "staleness", 0, 2)]
+    assert main(["study", "--sweep", "long-tail", "--doses", "s61", "--arms", "none,ref_fp32", "--set", "staleness=2",
+                 "--report-only", "--no-plot", "--out-dir", str(tmp_path)]) == 1  # nothing run yet
+    assert "arm ref_fp32 runs with staleness=0, not --set staleness=2" in capsys.readouterr().err
     assert {s.overrides["rollout_precision"] for s in SETTINGS.values()} >= {"bf16", "fp16", "int8", "int4", "fp32"}
 
 

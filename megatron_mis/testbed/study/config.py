@@ -10,7 +10,8 @@ from typing import Any
 from megatron_mis.config.base import ConfigBase, doc
 from megatron_mis.testbed.demo.config import DemoConfig, available_cpus
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig", "run_config"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig", "arm_overrides_of_extra",
+           "run_config"]
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,8 @@ ARMS: dict[str, Arm] = {
         _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
         _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
         _arm("geo_rs_token_tis", "geometric RS [0.999, 1.001] + token TIS 2", correction="geometric_rs_token_tis"),
+        _arm("zscore_rs_token_mis", "token MIS [0.5, 5] + the length-scaled geometric band (seq_zscore_k1, K3 of the batch, "
+             "z = 3)", correction="zscore_rs_token_mis"),
         _arm("seed000_default", "Let Speed Be With Stability's default: token TIS 1.5 + geometric RS [0.99, 1.001] + veto 1e-4, normalised", correction="seed000_default"),
         _arm("bypass_ppo", "PPO with pi_rollout as pi_old (its clip bounds pi_theta / pi_rollout), no weight", correction="bypass_ppo"),
         _arm("decoupled_ppo", "3-policy PPO with the unbounded token weight pi_old / pi_rollout", correction="decoupled_ppo"),
@@ -328,7 +331,11 @@ class StudyConfig(ConfigBase):
     quick: bool = doc(False, "Smoke mode: 2 seeds x 4 steps of 4 prompts x 4 samples (explicit flags win).")
     progress: bool = doc(True, "Show the tqdm bar over runs.")
     plot: bool = doc(True, "Write report.png.")
-    extra: dict[str, Any] = doc({}, "Further DemoConfig fields for every run (--set KEY=VALUE), applied last.")
+    extra: dict[str, Any] = doc(
+        {},
+        "Further DemoConfig fields for every run (--set KEY=VALUE), applied on top of the setting; an arm's own "
+        "fields win (a no-mismatch reference keeps its reset: --set staleness=2 leaves ref_fp32 fresh).",
+    )
 
     def _check(self) -> list[str]:
         out: list[str] = []
@@ -424,14 +431,27 @@ class StudyConfig(ConfigBase):
         return int(SETTINGS[self.setting].overrides["steps"])
 
 
+def arm_overrides_of_extra(study: StudyConfig) -> list[tuple[str, str, Any, Any]]:
+    """``(arm, key, the arm's value, the --set value)`` for every ``extra`` key an arm of the study
+    sets to another value: the arm's value is the one run (a reference stays a reference)."""
+    return [
+        (arm, key, ARMS[arm].overrides[key], value)
+        for arm in study.arm_names if arm in ARMS
+        for key, value in study.extra.items()
+        if key in ARMS[arm].overrides and ARMS[arm].overrides[key] != value
+    ]
+
+
 def run_config(study: StudyConfig, arm: str, seed: int, *, out_dir: str = "runs/study/.scratch") -> DemoConfig:
-    """The :class:`DemoConfig` of one run: the setting, then the arm, then ``--quick``, then the
-    study's ``extra`` overrides and ``steps``."""
+    """The :class:`DemoConfig` of one run: the setting, then ``--quick``, then the study's
+    ``extra`` overrides (``--set``: they change the task or the mechanism), then the arm (its
+    correction, or a no-mismatch reference's resets, which ``--set`` must not undo:
+    :func:`arm_overrides_of_extra` lists where an arm wins), then ``steps``."""
     values: dict[str, Any] = dict(SETTINGS[study.setting].overrides)
-    values.update(ARMS[arm].overrides)
     if study.quick:
         values.update(_QUICK_RUN)
     values.update(study.extra)
+    values.update(ARMS[arm].overrides)
     values.update(
         steps=study.resolved_steps, seed=seed, name=f"{arm}-seed-{seed}", out_dir=out_dir,
         threads=study.threads, progress=False, plot=False, compare=False,
