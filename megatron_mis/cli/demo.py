@@ -43,6 +43,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--lr-surge-step", "lr_surge_step", {"type": int, "metavar": "STEP"}),
     ("--clip-grad", "clip_grad", {"type": float, "metavar": "NORM"}),
     ("--eps-clip", "eps_clip", {"type": float, "metavar": "EPS"}),
+    ("--entropy-coef", "entropy_coef", {"type": float, "metavar": "C"}),
     ("--hidden-size", "hidden_size", {"type": int, "metavar": "H"}),
     ("--num-layers", "num_layers", {"type": int, "metavar": "L"}),
     ("--num-attention-heads", "num_attention_heads", {"type": int, "metavar": "A"}),

@@ -57,6 +57,20 @@ def test_mechanism_fields_are_validated_together():
         DemoConfig(true_on_policy=True, staleness=2)
 
 
+def test_entropy_coef_reaches_every_arms_loss_and_is_validated():
+    """--entropy-coef is the loss's entropy bonus in every arm (none, the built-in PPO variants and
+    a preset), and a value outside [0, 1] is an error naming it."""
+    from megatron_mis.config.base import ConfigError
+    from megatron_mis.testbed.demo.train import arm_spec
+
+    cfg = DemoConfig(entropy_coef=0.02, **_SMALL)
+    for correction in ("none", "bypass_ppo", "decoupled_ppo", "token_tis", "zscore_rs_token_mis"):
+        assert arm_spec(correction, cfg).loss.entropy_coef == 0.02, correction
+    assert arm_spec("none", DemoConfig(**_SMALL)).loss.entropy_coef == 0.0
+    with pytest.raises(ConfigError, match=r"entropy_coef=-0.1 must lie in \[0, 1\]"):
+        DemoConfig(entropy_coef=-0.1)
+
+
 # ------------------------------------------------------------------------------ staleness
 def _staleness_run(k: int, updates: int, steps: int):
     from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state

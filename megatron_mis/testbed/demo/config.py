@@ -140,6 +140,11 @@ class DemoConfig(ConfigBase):
     )
     clip_grad: float = doc(1.0, "Gradient-norm clipping (0: off).")
     eps_clip: float = doc(0.2, "PPO clip range.")
+    entropy_coef: float = doc(
+        0.0,
+        "Entropy bonus of the loss (LossConfig.entropy_coef, slime --entropy-coef); keeps the long-tail task's free "
+        "scratchpad tokens from collapsing to one sequence.",
+    )
     # ---- model ---------------------------------------------------------------------------
     hidden_size: int = doc(64, "GPT width.")
     num_layers: int = doc(2, "GPT layers.")
@@ -239,6 +244,8 @@ class DemoConfig(ConfigBase):
             out.append(f"lr={self.lr!r} must be > 0")
         if self.clip_grad < 0:
             out.append(f"clip_grad={self.clip_grad!r} must be >= 0 (0: off)")
+        if not 0.0 <= self.entropy_coef <= 1.0:
+            out.append(f"entropy_coef={self.entropy_coef!r} must lie in [0, 1]")
         if not 0 < self.eps_clip < 1:
             out.append(f"eps_clip={self.eps_clip!r} must lie in (0, 1)")
         if self.threads is not None and self.threads < 1:
