@@ -50,6 +50,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--num-moe-experts", "num_moe_experts", {"type": int, "metavar": "E"}),
     ("--moe-router-topk", "moe_router_topk", {"type": int, "metavar": "K"}),
     ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", {"type": int, "metavar": "F"}),
+    ("--rollout-router-noise", "rollout_router_noise", {"type": float, "metavar": "SIGMA"}),
     ("--tp", "tp", {"type": int, "metavar": "N"}),
     ("--cp", "cp", {"type": int, "metavar": "N"}),
     ("--pp", "pp", {"type": int, "metavar": "N"}),

@@ -165,3 +165,68 @@ def test_moe_config_errors():
         DemoConfig(num_moe_experts=4, moe_router_topk=5, tp=2, true_on_policy=True)
     text = str(e.value)
     assert "moe_router_topk=5" in text and "tp=2" in text and "true_on_policy with num_moe_experts" in text
+
+
+def _router_noise_flips():
+    from megatron_mis.testbed.cpu_moe import build_cpu_moe_gpt
+    from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine, weights_from_megatron
+    from megatron_mis.testing.distributed import megatron_parallel
+
+    out = {}
+    with megatron_parallel(seed=3):
+        model = build_cpu_moe_gpt(SPEC, moe_layer_freq=1)
+        weights = weights_from_megatron(model)
+        batches = {}
+        for sigma in (None, 0.0, 0.1, 0.5):
+            cfg = RolloutConfig(precision="fp32", max_new_tokens=10, eos_token_id=EOS,
+                                **({} if sigma is None else {"router_noise": sigma}))
+            batches[sigma] = RolloutEngine(weights, cfg).generate(_prompts(24), generator=torch.Generator().manual_seed(1))
+        for sigma, batch in batches.items():
+            _, natural = _trainer_routes(model, batch.sequences)
+            offsets = torch.cumsum(batch.total_lengths, 0) - batch.total_lengths
+            flips = pairs = 0
+            for i, routes in enumerate(batch.routed_experts):
+                t, off = int(batch.total_lengths[i]), int(offsets[i])
+                for layer in natural:
+                    for a, b in zip(routes[:, layer].tolist(), natural[layer][off: off + t - 1].tolist()):
+                        flips += len(set(a) - set(b))
+                        pairs += K
+            out[sigma] = flips / pairs
+        out["same_at_zero"] = all(torch.equal(a, b) for a, b in zip(batches[None].sequences, batches[0.0].sequences)) and all(
+            torch.equal(a, b) for a, b in zip(batches[None].rollout_log_probs, batches[0.0].rollout_log_probs))
+    return out
+
+
+def test_router_noise_flips_expert_choices_at_a_rate_that_grows_with_it(pool1):
+    """rollout router noise (the moe-noise sweep's dose): 0 is exactly the noiseless engine (same
+    tokens, log-probs, no generator draw), and the share of the rollout's experts the fp32 trainer
+    would not choose grows with sigma (fp32 rollouts: the noise is the only routing mismatch)."""
+    (res,) = pool1.run(_router_noise_flips)
+    assert res["same_at_zero"]
+    assert res[None] == res[0.0] <= 0.01
+    assert res[0.0] < res[0.1] < res[0.5], res
+    assert res[0.1] > 0.02 and res[0.5] > 0.15, res
+
+
+def test_r3_removes_the_router_noise_mismatch(tmp_path):
+    """With fp32 rollouts and router noise, R3 (the trainer replays the rollout's experts) leaves
+    only fp32 rounding between pi_old and the rollout; without it the flips show in K3."""
+    from megatron_mis.testbed.demo.launch import _run_in_group
+    from megatron_mis.testbed.demo.config import DemoConfig
+
+    k3 = {}
+    for replay in (True, False):
+        cfg = DemoConfig(
+            steps=2, prompts_per_step=4, samples_per_prompt=4, micro_batch_size=8, rollout_precision="fp32",
+            num_moe_experts=E, moe_router_topk=K, routing_replay=replay, rollout_router_noise=0.5,
+            correction="none", out_dir=str(tmp_path), name=f"noise-{replay}", progress=False, plot=False, threads=1,
+        )
+        (result,) = _run_in_group(cfg, 0, 1, str(tmp_path / f"store-{replay}"))
+        k3[replay] = [rec["mis_k3_kl"] for rec in result.records]
+        flips = [rec["route_flip_fraction"] for rec in result.records]
+        assert all(f > 0.05 for f in flips), flips  # the rollout's choices differ from the trainer's own
+    assert max(k3[True]) < 1e-9 < 1e-5 < min(k3[False]), k3
+    with pytest.raises(ConfigError, match="rollout_router_noise=0.1 needs an MoE model"):
+        DemoConfig(rollout_router_noise=0.1)
+    with pytest.raises(ConfigError, match=r"rollout_router_noise=-1.0 must lie in \[0, 10\]"):
+        DemoConfig(rollout_router_noise=-1.0, num_moe_experts=E)

@@ -50,6 +50,11 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     moe = StudyConfig(sweep="moe-ties")
     assert "r3" in moe.arm_names and run_config(moe.for_dose("e64"), "r3", 0).routing_replay
     assert [run_config(moe.for_dose(e), "none", 0).num_moe_experts for e in ("e16", "e32", "e64")] == [16, 32, 64]
+    noise = StudyConfig(sweep="moe-noise")
+    n2 = run_config(noise.for_dose("n0.2"), "none", 0)
+    assert (n2.rollout_router_noise, n2.precision, n2.num_moe_experts) == (0.2, "fp32", 16)
+    assert run_config(noise.for_dose("n0.2"), "r3", 0).routing_replay
+    assert run_config(noise.for_dose("n0.2"), "ref_fp32", 0).rollout_router_noise == 0.0  # the reference routes noiselessly
     # megatron-mis demo --compare --preset staleness-k4 sets bypass PPO (the sweep's best) against none
     assert SETTINGS["staleness-k4"].demo_values()["correction"] == "bypass_ppo"
     assert SETTINGS["staleness-k4"].demo_values()["staleness"] == 4

@@ -156,6 +156,12 @@ class DemoConfig(ConfigBase):
     )
     moe_router_topk: int = doc(2, "MoE: experts per token.")
     moe_ffn_hidden_size: int | None = doc(None, "MoE: each expert's MLP width; null: 4 x hidden_size.")
+    rollout_router_noise: float = doc(
+        0.0,
+        "MoE only: the rollout engine adds Gaussian noise of this many standard deviations of each token's router "
+        "logits before its top-k (the trainer's routers stay noiseless), so choices near a tie flip at a rate "
+        "that grows with it: a dose for routing mismatch that R3 removes. 0: off.",
+    )
     routing_replay: bool = doc(
         False,
         "MoE only: rollout routing replay (R3) — the trainer's routers use the experts the rollout engine "
@@ -280,6 +286,10 @@ class DemoConfig(ConfigBase):
                 out.append("true_on_policy with num_moe_experts: the aligned rollout path mirrors dense layers only")
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
             out.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size!r} must be >= 1 or null")
+        if not 0.0 <= self.rollout_router_noise <= 10.0:
+            out.append(f"rollout_router_noise={self.rollout_router_noise!r} must lie in [0, 10] (router-logit standard deviations)")
+        elif self.rollout_router_noise > 0 and self.num_moe_experts is None:
+            out.append(f"rollout_router_noise={self.rollout_router_noise!r} needs an MoE model (set num_moe_experts)")
         if self.routing_replay and self.num_moe_experts is None:
             out.append("routing_replay=True needs an MoE model (set num_moe_experts)")
         if not 0.0 <= self.digit_credit < 1.0:

@@ -266,6 +266,7 @@ class GRPOTrainer:
             true_on_policy=cfg.true_on_policy,
             micro_batch_size=cfg.micro_batch_size if cfg.true_on_policy else None,
             record_support=cfg.trainer_truncation,
+            router_noise=cfg.rollout_router_noise,
         )
         self.engine = RolloutEngine(self._weights(), self.rollout_config)
         # staleness: a ring buffer of (optimizer step, weights); the oldest entry is the rollout's policy
@@ -469,7 +470,8 @@ class GRPOTrainer:
         the same numbers."""
         from megatron_mis.testbed.demo.rollout import RolloutConfig, RolloutEngine
 
-        cfg = {**self.rollout_config.to_dict(), "precision": "fp32", "top_k": 1, "true_on_policy": False, "micro_batch_size": None}
+        cfg = {**self.rollout_config.to_dict(), "precision": "fp32", "top_k": 1, "true_on_policy": False, "micro_batch_size": None,
+               "router_noise": 0.0}
         engine = RolloutEngine(self._weights(), RolloutConfig(**cfg))
         problems = self.task.sample(num_prompts, generator=torch.Generator().manual_seed(self.cfg.seed + 7919))
         batch = engine.generate([p.prompt for p in problems], generator=torch.Generator().manual_seed(0))

@@ -241,6 +241,16 @@ SWEEPS: dict[str, Sweep] = {
             {**_SWEEP_BASE, "rollout_precision": "int4", "moe_router_topk": 2, "moe_ffn_hidden_size": 64},
             MOE_ARMS,
         ),
+        Sweep(
+            "moe-noise",
+            "the MoE GPT (16 experts of width 64, top-2, every layer MoE) with fp32 rollouts whose routers add Gaussian "
+            "noise of sigma router-logit standard deviations before the top-k: expert choices near a tie flip against "
+            "the noiseless trainer at a rate that grows with sigma (routing mismatch alone; R3 among the arms)",
+            "rollout_router_noise",
+            tuple((f"n{n:g}", {"rollout_router_noise": n}) for n in (0.05, 0.1, 0.2, 0.4)),
+            {**_SWEEP_BASE, "num_moe_experts": 16, "moe_router_topk": 2, "moe_ffn_hidden_size": 64},
+            ("none", "ref_fp32", "r3", "token_tis", "sequence_mis"),
+        ),
     )
 }
 for _w in SWEEPS.values():
@@ -255,7 +265,7 @@ for _w in SWEEPS.values():
 #: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
 #: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
 _NO_MECHANISM: dict[str, Any] = {"staleness": 0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
-                                 "rollout_logprobs": "raw", "trainer_truncation": False}
+                                 "rollout_logprobs": "raw", "trainer_truncation": False, "rollout_router_noise": 0.0}
 
 
 def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:

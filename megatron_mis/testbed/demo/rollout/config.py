@@ -41,6 +41,13 @@ class RolloutConfig(ConfigBase):
         "support it was drawn from), so that the trainer can replay the truncation "
         "(megatron_mis.parallel.tp_logprobs.TokenSupport; slime's top-p replay).",
     )
+    router_noise: float = doc(
+        0.0,
+        "MoE, fast path: before each router's top-k, add Gaussian noise of this many standard deviations of the "
+        "token's router logits (over its experts), drawn from the sampling generator, so expert choices near a "
+        "tie flip against the trainer's noiseless router at a rate that grows with it (a dose for routing "
+        "mismatch). 0: off. score() has no random source and applies none.",
+    )
     eos_token_id: int | None = doc(None, "Token that ends a response (kept in it); null: always max_new_tokens.")
     pad_token_id: int = doc(0, "Token written into padding and not-yet-generated positions.")
     true_on_policy: bool = doc(
@@ -58,6 +65,10 @@ class RolloutConfig(ConfigBase):
         out = []
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens={self.max_new_tokens!r} must be >= 1")
+        if not 0.0 <= self.router_noise <= 10.0:
+            out.append(f"router_noise={self.router_noise!r} must lie in [0, 10] (standard deviations of the router logits)")
+        if self.router_noise > 0 and self.true_on_policy:
+            out.append("router_noise with true_on_policy: the aligned path is the trainer's own forward, noiseless by design")
         if not self.temperature > 0:
             out.append(f"temperature={self.temperature!r} must be > 0")
         if self.top_k < 0:

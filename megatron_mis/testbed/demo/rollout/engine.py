@@ -44,7 +44,7 @@ class RolloutEngine:
         if self.config.true_on_policy:
             self._model: Any = _AlignedModel(weights)
         else:
-            self._model = _FastModel(weights, self.config.precision)
+            self._model = _FastModel(weights, self.config.precision, router_noise=self.config.router_noise)
 
     # ------------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -106,7 +106,7 @@ class RolloutEngine:
         cache = model.new_cache(n, total)
         routes = _RouteRecorder(self.arch, ps, pad) if self.arch.is_moe else None
         step_routes = None if routes is None else []
-        logits = model.forward(tokens, positions, cache, 0, mask[:, None], step_routes)[:, -1]  # [N, V]
+        logits = model.forward(tokens, positions, cache, 0, mask[:, None], step_routes, generator)[:, -1]  # [N, V]
         if routes is not None:
             routes.add_prefill(step_routes)
         out_tokens: list[list[int]] = [[] for _ in range(n)]
@@ -131,7 +131,7 @@ class RolloutEngine:
             pos = (lengths + step)[:, None]
             step_mask = key_ok[:, None, None, : col + 1]
             step_routes = None if routes is None else []
-            logits = model.forward(feed[:, None], pos, cache, col, step_mask, step_routes)[:, -1]
+            logits = model.forward(feed[:, None], pos, cache, col, step_mask, step_routes, generator)[:, -1]
             if routes is not None:
                 routes.add_step(step_routes, alive)
         extra: dict[str, Any] = {} if out_support is None else {"support": out_support}

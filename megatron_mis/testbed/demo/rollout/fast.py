@@ -59,9 +59,9 @@ class _Linear:
 class _FastModel:
     """Batch-first inference with a KV cache in ``precision``."""
 
-    def __init__(self, weights: RolloutWeights, precision: str) -> None:
+    def __init__(self, weights: RolloutWeights, precision: str, *, router_noise: float = 0.0) -> None:
         a = weights.arch
-        self.arch, self.precision = a, precision
+        self.arch, self.precision, self.router_noise = a, precision, float(router_noise)
         self.dtype = DTYPES[precision]
         self.embedding = weights.tensors["embedding.word_embeddings.weight"].to(self.dtype)
         self.inv_freq = weights.inv_freq.float()
@@ -114,13 +114,23 @@ class _FastModel:
             return act(gate) * up
         return act(inter)
 
-    def _moe(self, layer: dict[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(
+        self, layer: dict[str, Any], h: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h [B, s, hidden]`` -> (output ``[B, s, hidden]``, chosen experts ``[B, s, k]`` int64 in
-        descending score order)."""
+        descending score order). With ``router_noise`` (and a ``generator``) the top-k is taken on
+        the logits plus ``router_noise`` x their per-token standard deviation x N(0, 1), and the
+        chosen experts' noiseless logits are soft-maxed: only the choice is perturbed."""
         b, s, d = h.shape
         x = h.reshape(-1, d)
-        logits = layer["router"](x)  # [n, E] in this path's dtype
-        top, idx = torch.topk(logits.float(), self.arch.moe_router_topk, dim=-1)
+        logits = layer["router"](x).float()  # [n, E], computed in this path's dtype
+        if self.router_noise > 0 and generator is not None:
+            noise = torch.randn(logits.shape, generator=generator, dtype=logits.dtype)
+            scale = logits.std(dim=-1, keepdim=True) * self.router_noise
+            idx = torch.topk(logits + noise * scale, self.arch.moe_router_topk, dim=-1).indices
+            top = logits.gather(-1, idx)
+        else:
+            top, idx = torch.topk(logits, self.arch.moe_router_topk, dim=-1)
         probs = torch.softmax(top, dim=-1).to(self.dtype)  # [n, k]
         out = torch.zeros_like(x)
         for e, (fc1, fc2) in enumerate(layer["experts"]):
@@ -144,11 +154,12 @@ class _FastModel:
         start: int,
         mask: torch.Tensor,
         routes: list[torch.Tensor | None] | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """``tokens / positions [B, s]`` written at cache columns ``[start, start+s)``;
         ``mask [B, 1, s, start+s]`` bool (True = attend). Returns float32 logits ``[B, s, V]``.
         ``routes``, when given, receives one entry per layer: the chosen experts ``[B, s, k]``
-        of an MoE layer, ``None`` for a dense one."""
+        of an MoE layer, ``None`` for a dense one. ``generator``: the router noise's source."""
         a = self.arch
         b, s = tokens.shape
         rep = a.num_attention_heads // a.num_query_groups
@@ -173,7 +184,7 @@ class _FastModel:
             x = x + layer["proj"](out.transpose(1, 2).reshape(b, s, -1))
             h = self._norm(x, layer["ln2_w"], layer["ln2_b"])
             if "experts" in layer:
-                out, chosen = self._moe(layer, h)
+                out, chosen = self._moe(layer, h, generator)
                 x = x + out
                 if routes is not None:
                     routes.append(chosen)
