@@ -253,6 +253,23 @@ def test_zscore_threshold_forms_and_errors(tmp_path):
     assert len(info.value.problems) == 2
 
 
+def test_zscore_batch_k3_counts_valid_tokens_only():
+    """k3: batch is the mean k3 over VALID tokens: a neutralised non-finite loss token is not in it.
+    By hand: X = log r [0.2, 0.2] + two NaN tokens, Y = four tokens of log r 0. k3 of 0.2 is
+    e^0.2 - 1.2 = 0.0214028, so K = 0.0428055 / 6 = 0.0071343 (over the 8 loss tokens it would be
+    0.0053507). X's mean log r is 0.2 over its 2 valid tokens: |0.2 + K| / sqrt(2 K / 2) = 2.452
+    (2.807 with the loss-token K), so z = 2.6 keeps X and z = 2.3 rejects it; Y (|K| / sqrt(K / 2)
+    = 0.119) stays."""
+    train = [torch.tensor([-1.0 + 0.2, -1.0 + 0.2, float("nan"), float("nan")]), torch.full((4,), -1.0)]
+    rollout = [torch.full((4,), -1.0), torch.full((4,), -1.0)]
+    masks = [torch.ones(4, dtype=torch.int64)] * 2
+    for z, rejected in ((2.6, [False, False]), (2.3, [True, False])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the NaN tokens' warning
+            res = compute_mis_from_lists(train, rollout, masks, MISConfig(use_rs=True, rs_criteria={"seq_zscore_k1": {"k3": "batch", "z": z}}))
+        assert res.seq_rejected.tolist() == rejected, z
+
+
 def test_zscore_batch_k3_with_a_global_kept_normaliser_is_an_error():
     """The global normaliser decides over the whole step's sequences at once: a K3 measured per
     call would keep other sequences there than in the loss's calls."""
