@@ -45,6 +45,11 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
                for w in SWEEPS.values() if not w.name.startswith(("long-tail", "moe")) for lab in w.labels)
     lt = run_config(StudyConfig(sweep="long-tail").for_dose("s253"), "none", 0)
     assert (lt.vocab_size, lt.scratchpad, lt.precision, lt.distractors) == (512, 253, "int4", 4)
+    assert (lt.entropy_coef, lt.scratchpad_position) == (0.03, "after")  # the tail stays high-entropy
+    stale = StudyConfig(sweep="long-tail-stale").for_dose("k2")
+    ls, lr = run_config(stale, "none", 0), run_config(stale, "ref_fp32", 0)
+    assert (ls.staleness, ls.scratchpad, ls.precision, lr.staleness, lr.precision) == (2, 61, "int4", 0, "fp32")
+    assert "zscore_rs_token_mis" in stale.arm_names and "sequence_tis" in stale.arm_names
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
             for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]
     moe = StudyConfig(sweep="moe-ties")

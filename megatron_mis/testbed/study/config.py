@@ -145,12 +145,16 @@ SWEEP_STEPS = 300
 _SWEEP_BASE: dict[str, Any] = {"rollout_precision": "fp32", "steps": SWEEP_STEPS}
 _CORRECTIONS: tuple[str, ...] = ("none", "ref_fp32", "token_tis", "token_mis", "sequence_mis")
 
-#: The long-tail task (issue 29): a vocabulary of 512 ids, distractors, a free scratchpad before the
+#: The long-tail task (issue 29): a vocabulary of 512 ids, distractors, a free scratchpad after the
 #: answer; a small batch (8 prompts x 8 samples in micro-batches of 4: the packed attention costs
-#: grow with the micro-batch's length) so a step stays about a second at 64-token responses.
+#: grow with the micro-batch's length) so a step stays about a second at 64-token responses. An
+#: entropy bonus of 0.03 keeps the scratchpad a high-entropy tail (entropy ~5.8 of ln 512 = 6.2:
+#: tokens sampled at probabilities near 1/512); without one it collapsed to a single sequence by
+#: step 60-160 in pilots at lr 1e-3-5e-3 (with the scratchpad before or after the answer), and the
+#: answer froze at a guess (docs/study.md).
 _LONG_TAIL: dict[str, Any] = {
-    "vocab_size": 512, "distractors": 4, "digit_credit": 0.3, "scratchpad_position": "before",
-    "prompts_per_step": 8, "samples_per_prompt": 8, "micro_batch_size": 4, "lr": 5e-3,
+    "vocab_size": 512, "distractors": 4, "digit_credit": 0.3, "scratchpad_position": "after",
+    "prompts_per_step": 8, "samples_per_prompt": 8, "micro_batch_size": 4, "lr": 3e-3, "entropy_coef": 0.03,
 }
 
 SWEEPS: dict[str, Sweep] = {
@@ -216,12 +220,24 @@ SWEEPS: dict[str, Sweep] = {
         ),
         Sweep(
             "long-tail",
-            "the long-tail task: vocabulary 512, 4 distractor ids in the prompt, a free scratchpad of S tokens "
-            "(responses of S + 3 = 64, 128, 256 tokens) and 3 digits to copy; int4 rollouts",
+            "the long-tail task: vocabulary 512, 4 distractor ids in the prompt, 3 digits to copy and then a free "
+            "scratchpad of S tokens (responses of S + 3 = 64, 128, 256 tokens) kept high-entropy by an entropy bonus; "
+            "int4 rollouts",
             "scratchpad",
             tuple((f"s{n}", {"scratchpad": n}) for n in (61, 125, 253)),
             {**_SWEEP_BASE, **_LONG_TAIL, "rollout_precision": "int4"},
             _CORRECTIONS + ("sequence_tis", "geo_rs_token_tis"),
+        ),
+        Sweep(
+            "long-tail-stale",
+            "the long-tail task with 64-token responses (scratchpad 61, int4) and rollouts from the weights of k "
+            "optimizer steps earlier: the sequence log-weight SD sqrt(2 L K3) passes 1 (K3 ~ 0.04 at k = 2), where "
+            "token- and sequence-level corrections should separate",
+            "staleness",
+            tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2, 4)),
+            {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 61, "rollout_precision": "int4"},
+            ("none", "ref_fp32", "token_tis", "sequence_tis", "sequence_mis", "zscore_rs_token_mis", "bypass_ppo"),
+            demo_correction="token_tis",
         ),
         Sweep(
             "long-tail-precision",
