@@ -46,7 +46,8 @@ def test_token_level_carries_the_length_scaled_band():
     assert r.sequence_log_weight_sd == pytest.approx(2.0)
     assert r.geometric_band == pytest.approx((math.exp(-4e-3), math.exp(2e-3)))
     assert r.rs_criteria == {"seq_zscore_k1": {"k3": 1e-3, "z": 3.0}}
-    assert "not yet measured" in r.basis
+    assert "long-tail-stale" in r.basis and "not yet measured" in r.basis  # the band's benefit is not measured
+    assert "not yet measured" in recommend(1e-3, 200).basis  # the sequence-level regime: literature only
     assert recommend(1e-3, 200).geometric_band is None and recommend(1e-3, 200).rs_criteria is None
     # the advice is a valid config: the preset with the pinned K3, and at the mean length it keeps
     # exactly the band reported
