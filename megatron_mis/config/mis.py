@@ -619,6 +619,7 @@ def _parse_criteria(value: Any) -> tuple[list[RSBound], list[str]]:
             bounds.append(RSBound(name, 0.0, float(upper)))
     return bounds, problems
 
+
 def _parse_zscore(name: str, value: Any) -> tuple[RSBound | None, str | None]:
     """``seq_zscore_k1``'s threshold: ``{k3: K, z: Z}`` (``K`` a positive number or ``'batch'``,
     ``Z`` a positive number, default 3) or one number ``K``; ``(bound, None)`` or ``(None, problem)``."""

@@ -231,7 +231,7 @@ SWEEPS: dict[str, Sweep] = {
         Sweep(
             "long-tail-stale",
             "the long-tail task with 64-token responses (scratchpad 61, int4) and rollouts from the weights of k "
-            "optimizer steps earlier: the sequence log-weight SD sqrt(2 L K3) passes 1 (K3 ~ 0.04 at k = 2), where "
+            "optimizer steps earlier: the sequence log-weight SD sqrt(2 L K3) passes 1 (K3 ~ 0.03 at k = 2), where "
             "token- and sequence-level corrections should separate",
             "staleness",
             tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2, 4)),
