@@ -344,7 +344,7 @@ class MISConfig(ConfigBase):
                 + ", ".join(repr(x) for x in allowed_levels)
                 + " (for a sequence-level band use tis_mode: mask, which rejects the sequence)"
             )
-        _, criteria_problems = _parse_criteria(self.rs_criteria)
+        criteria_bounds, criteria_problems = _parse_criteria(self.rs_criteria)
         problems += criteria_problems
         if self.rs_criteria and self.use_rs and not criteria_problems:
             ignored = [f"{n}={getattr(self, n)!r}" for n in ("rs_lower_bound", "rs_upper_bound") if getattr(self, n) is not None]
@@ -378,7 +378,7 @@ class MISConfig(ConfigBase):
             )
         if (self.use_rs and not criteria_problems and self.tis_batch_normalize_scope == "global"
                 and self.tis_batch_normalize_over == "kept"
-                and any(b.name == "seq_zscore_k1" and b.lower == ZSCORE_BATCH_K3 for b in self.rs_bounds())):
+                and any(b.name == "seq_zscore_k1" and b.lower == ZSCORE_BATCH_K3 for b in criteria_bounds)):
             problems.append(
                 "rs_criteria: seq_zscore_k1 with k3: batch measures K3 per call (micro-batch), but the global "
                 "normaliser (tis_batch_normalize_scope='global', tis_batch_normalize_over='kept') decides what is kept "

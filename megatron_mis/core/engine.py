@@ -10,7 +10,8 @@ With ``log r_t = log pi_train(y_t) - log pi_rollout(y_t)`` on the loss-mask toke
   ``w`` inside ``[L, U]``, else weight 0 with the token kept in the mask;
 - RS at its own level: reject where the level's ratio lies outside ``[L_rs, U_rs]`` — or, with
   ``rs_criteria``, where a divergence criterion fails (k1 / k2 / k3 per token, or their sum, mean
-  or max over the sequence; the max from the sequence's log-ratio extrema);
+  or max over the sequence; the max from the sequence's log-ratio extrema; ``seq_zscore_k1``: the
+  mean log-ratio more than z standard deviations of its own length from ``-K3``);
 - veto: reject the whole sequence if any kept token has ``r_t < rs_veto_threshold``, or a token
   probability below ``prob_veto_threshold``;
 - self-normalisation: divide the weights by their mean over kept tokens (token level) or kept
