@@ -146,6 +146,23 @@ def test_sweep_plan_is_seed_major_and_runs_a_repeated_configuration_once(tmp_pat
     assert run_jobs(study, jobs, "test")["copied"] == 1
 
 
+def test_a_sweep_of_some_doses_copies_a_finished_run_of_another_dose(tmp_path):
+    """`--doses k2` after `--doses k0`: the reference resets the dose, so k0's finished reference
+    run is k2's too and is copied, not run again (a 300-step long-tail run costs 4 minutes)."""
+    from megatron_mis.testbed.study.runner import load_run, run_sweep
+
+    common = dict(sweep="staleness", seeds=1, quick=True, steps=2, out_dir=str(tmp_path), progress=False)
+    first = run_sweep(StudyConfig(doses=["k0"], arms=["ref_fp32"], **common))
+    assert (first["ran"], first["copied"]) == (1, 0)
+    later = run_sweep(StudyConfig(doses=["k2"], arms=["none", "ref_fp32"], **common))
+    assert (later["ran"], later["reused"], later["copied"]) == (1, 0, 1)  # none at k2 runs, its reference is copied
+    copy = tmp_path / "staleness-k2" / "ref_fp32" / "seed-0.jsonl"
+    assert json.loads(copy.read_text().splitlines()[0])["copied_from"].endswith("staleness-k0/ref_fp32/seed-0.jsonl")
+    assert load_run(copy)["records"] == load_run(tmp_path / "staleness-k0" / "ref_fp32" / "seed-0.jsonl")["records"]
+    # a dose's own runs are not copied from a dose whose configuration differs
+    assert not (tmp_path / "staleness-k0" / "none").exists()
+
+
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
 def test_an_interrupted_sweep_exits_promptly(tmp_path, delay):
     """Ctrl-C (or `timeout -s INT`) during a sweep with more queued jobs than a pipe holds, early

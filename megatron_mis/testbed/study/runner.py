@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mis.testbed.demo.launch import stop_processes
-from megatron_mis.testbed.study.config import StudyConfig, run_config
+from megatron_mis.testbed.study.config import SWEEPS, StudyConfig, run_config
 
 __all__ = ["RunJob", "StudyError", "load_run", "plan_sweep", "run_jobs", "run_path", "run_study", "run_sweep"]
 
@@ -226,20 +226,26 @@ def run_sweep(study: StudyConfig) -> dict[str, Any]:
     in up to ``study.num_jobs`` worker processes; returns ``{"ran", "reused", "wall_s"}``."""
     if study.sweep is None:
         raise ValueError("run_sweep needs a StudyConfig with a sweep")
-    return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}")
+    chosen = set(study.dose_labels)
+    # the doses not chosen (``--doses``) can still hold a finished run of the same configuration
+    # (the reference, which resets the dose): copy it rather than run it again
+    others = [job for label in SWEEPS[study.sweep].labels if label not in chosen
+              for job in plan(study.for_dose(label))]
+    return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}", sources=others)
 
 
-def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str) -> dict[str, Any]:
+def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str, sources: list[RunJob] = ()) -> dict[str, Any]:
     """Run the jobs not yet finished on disk (``study.num_jobs`` workers of ``study.threads``
     threads); returns ``{"ran", "reused", "copied", "wall_s"}`` (``copied``: runs whose resolved
-    configuration equals another run's, written as a copy of its file).
+    configuration equals another run's, written as a copy of its file). ``sources``: more runs
+    whose files a job may copy when they are finished on disk (never run here).
 
     Raises:
         StudyError: a run raised (its traceback) or a worker died; finished runs stay on disk.
     """
     from tqdm.auto import tqdm
 
-    todo, copies = _deduplicate(jobs)
+    todo, copies = _deduplicate(jobs, sources)
     reused = len(jobs) - len(todo) - len(copies)
     t0 = time.perf_counter()
     bar = tqdm(total=len(jobs), initial=reused, desc=desc, unit="run",
@@ -271,17 +277,20 @@ def _config_key(config: dict[str, Any]) -> str:
     return json.dumps(_comparable(config), sort_keys=True, default=str)
 
 
-def _deduplicate(jobs: list[RunJob]) -> tuple[list[RunJob], list[tuple[RunJob, RunJob]]]:
+def _deduplicate(jobs: list[RunJob], sources: list[RunJob] = ()) -> tuple[list[RunJob], list[tuple[RunJob, RunJob]]]:
     """The jobs to run, and ``(source, job)`` pairs of jobs whose resolved configuration equals an
     earlier job's (a sweep's reference arm resets the dose, so it is the same run at every dose):
-    those are run once and their file copied, ``source`` being finished on disk or in the list to
-    run. Jobs finished on disk are in neither list."""
+    those are run once and their file copied, ``source`` being finished on disk (one of ``jobs``
+    or of ``sources``) or in the list to run. Jobs finished on disk are in neither list."""
     keys = [_config_key(job.config) for job in jobs]
     done = [_finished(job) for job in jobs]
     source = {}  # configuration -> the job whose file the others copy: a finished one if any
     for job, key, finished in zip(jobs, keys, done):
         if finished:
             source.setdefault(key, job)
+    for job in sources:
+        if _finished(job):
+            source.setdefault(_config_key(job.config), job)
     todo, copies = [], []
     for job, key, finished in zip(jobs, keys, done):
         if finished:
