@@ -25,6 +25,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--top-k", "top_k", {"type": int, "metavar": "K"}),
     ("--rollout-logprobs", "rollout_logprobs", {"choices": ("raw", "processed")}),
     ("--staleness", "staleness", {"type": int, "metavar": "K"}),
+    ("--stale-fraction", "stale_fraction", {"type": float, "metavar": "F"}),
     ("--task", "task", {"choices": ("copy", "reverse", "sort")}),
     ("--min-digits", "min_digits", {"type": int, "metavar": "N"}),
     ("--max-digits", "max_digits", {"type": int, "metavar": "N"}),
@@ -230,7 +231,8 @@ def _mechanisms(cfg) -> str:
     """The dose-response mechanisms switched on (an empty string by default)."""
     parts = []
     if cfg.staleness:
-        parts.append(f"rollouts from the weights of {cfg.staleness} optimizer step(s) earlier")
+        share = "" if cfg.stale_fraction == 1 else f" for {cfg.stale_fraction:g} of the prompt groups (the rest fresh)"
+        parts.append(f"rollouts from the weights of {cfg.staleness} optimizer step(s) earlier{share}")
     if cfg.resolved_trainer_temperature != cfg.temperature:
         parts.append(f"rollout temperature {cfg.temperature:g}, trainer temperature {cfg.resolved_trainer_temperature:g}")
     if cfg.top_p < 1 or cfg.top_k:

@@ -107,6 +107,79 @@ def test_staleness_samples_with_the_weights_of_k_optimizer_steps_earlier(pool1, 
         assert row["lag"] == n - want
 
 
+def _mixed_staleness_run(k: int, fraction: float, steps: int):
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(staleness=k, stale_fraction=fraction, steps=steps, correction="none", **_SMALL)
+    out = []
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec("none", cfg))
+        history = [trainer._weights().tensors]
+        calls = []
+        generate = trainer.engine.generate
+
+        def spy(prompts, *, generator=None):  # which weights each generate call samples with
+            used = trainer.engine.weights.tensors
+            calls.append((len(prompts), [n for n, h in enumerate(history) if all(torch.equal(h[key], used[key]) for key in h)]))
+            batch = generate(prompts, generator=generator)
+            calls[-1] += (batch.num_sequences,)
+            return batch
+
+        trainer.engine.generate = spy
+        for step in range(1, steps + 1):
+            calls.clear()
+            record = trainer.step(step)
+            out.append({"n_before": len(history) - 1, "calls": list(calls), "lag": record["policy_lag"],
+                        "share": record.get("stale_fraction")})
+            history.append(trainer._weights().tensors)
+        trainer.close()
+    return out
+
+
+@pytest.mark.parametrize("k,fraction", [(2, 0.5), (3, 0.25)])
+def test_mixed_staleness_samples_the_first_groups_stale_and_the_rest_fresh(pool1, k, fraction):
+    """stale_fraction f: the first f x prompts_per_step groups come from the weights of k optimizer
+    steps earlier, the other groups from the current weights, in one batch of every group."""
+    (rows,) = pool1.run(_mixed_staleness_run, k, fraction, 5)
+    stale = round(fraction * 4) * 4  # prompts_per_step 4 x samples_per_prompt 4
+    for step, row in enumerate(rows, start=1):
+        n = row["n_before"]
+        assert n == step - 1
+        assert [c[0] for c in row["calls"]] == [stale, 16 - stale] == [c[2] for c in row["calls"]]
+        if n - max(0, n - k):  # the versions differ: each part matches its own one only
+            assert row["calls"][0][1] == [max(0, n - k)] and row["calls"][1][1] == [n], (step, row)
+        assert row["lag"] == n - max(0, n - k) and row["share"] == fraction
+
+
+def test_stale_fraction_is_validated():
+    from megatron_mis.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="needs staleness >= 1"):
+        DemoConfig(stale_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"stale_fraction=0.3 x prompts_per_step=16 = 4.8 must be a whole number"):
+        DemoConfig(staleness=2, stale_fraction=0.3)
+    with pytest.raises(ConfigError, match=r"stale_fraction=1.5 must lie in \(0, 1\]"):
+        DemoConfig(staleness=2, stale_fraction=1.5)
+    assert DemoConfig(staleness=2, stale_fraction=0.25).stale_fraction == 0.25
+
+
+def test_rollout_batch_concat_keeps_the_order_and_refuses_mixed_engines():
+    from megatron_mis.testbed.demo.rollout import RolloutBatch
+
+    def batch(ids, precision="fp32", support=None):
+        return RolloutBatch(prompts=[torch.tensor([i]) for i in ids], responses=[torch.tensor([i, i + 1]) for i in ids],
+                            rollout_log_probs=[torch.tensor([-float(i), -1.0]) for i in ids],
+                            finished=torch.tensor([i % 2 == 0 for i in ids]), precision=precision, support=support)
+
+    joined = RolloutBatch.concat([batch([1, 2]), batch([3])])
+    assert [int(p) for p in joined.prompts] == [1, 2, 3] and joined.finished.tolist() == [False, True, False]
+    assert [r.tolist() for r in joined.rollout_log_probs] == [[-1.0, -1.0], [-2.0, -1.0], [-3.0, -1.0]]
+    with pytest.raises(ValueError, match="different engine configurations"):
+        RolloutBatch.concat([batch([1]), batch([2], precision="bf16")])
+    with pytest.raises(ValueError, match="routes or supports"):
+        RolloutBatch.concat([batch([1]), batch([2], support=[[[]]])])
+
+
 # ------------------------------------------------------------------------- temperature
 def _temperature_run(t_rollout: float):
     from megatron_mis.parallel.packing import pack_sequences

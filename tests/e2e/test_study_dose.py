@@ -60,6 +60,10 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     assert (n2.rollout_router_noise, n2.precision, n2.num_moe_experts) == (0.2, "fp32", 16)
     assert run_config(noise.for_dose("n0.2"), "r3", 0).routing_replay
     assert run_config(noise.for_dose("n0.2"), "ref_fp32", 0).rollout_router_noise == 0.0  # the reference routes noiselessly
+    mixed = StudyConfig(sweep="staleness-mixed").for_dose("f0.25")
+    mn, mr = run_config(mixed, "none", 0), run_config(mixed, "ref_fp32", 0)
+    assert (mn.staleness, mn.stale_fraction, mr.staleness, mr.stale_fraction) == (8, 0.25, 0, 1.0)
+    assert {"geo_rs_token_tis", "zscore_rs_token_mis", "bypass_ppo"} <= set(mixed.arm_names)
     # megatron-mis demo --compare --preset staleness-k4 sets bypass PPO (the sweep's best) against none
     assert SETTINGS["staleness-k4"].demo_values()["correction"] == "bypass_ppo"
     assert SETTINGS["staleness-k4"].demo_values()["staleness"] == 4

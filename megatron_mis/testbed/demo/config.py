@@ -93,6 +93,13 @@ class DemoConfig(ConfigBase):
         "Policy staleness as in asynchronous RL: each rollout uses the weights of this many optimizer steps "
         "earlier (a ring buffer of weight snapshots; the first steps use the initial weights). 0: fresh weights.",
     )
+    stale_fraction: float = doc(
+        1.0,
+        "With staleness k: the share of each rollout batch's prompt groups sampled with the k-step-old weights, "
+        "the rest with the current ones (a mixed batch, as slime's over-sampling buffer and partial rollouts hand "
+        "the trainer: a few old groups among fresh ones). 1: the whole batch stale. stale_fraction x "
+        "prompts_per_step must be a whole number of groups.",
+    )
     # ---- task ----------------------------------------------------------------------------
     task: Literal["copy", "reverse", "sort"] = doc("copy", "The synthetic task: copy, reverse or sort the prompt digits.")
     min_digits: int = doc(3, "Fewest digits per prompt.")
@@ -235,6 +242,15 @@ class DemoConfig(ConfigBase):
             out.append(f"rollout_logprobs={self.rollout_logprobs!r} must be 'raw' or 'processed'")
         if self.staleness < 0:
             out.append(f"staleness={self.staleness!r} must be >= 0")
+        if not 0 < self.stale_fraction <= 1:
+            out.append(f"stale_fraction={self.stale_fraction!r} must lie in (0, 1]")
+        elif self.stale_fraction < 1:
+            groups = self.stale_fraction * self.prompts_per_step
+            if self.staleness == 0:
+                out.append(f"stale_fraction={self.stale_fraction!r} needs staleness >= 1 (with fresh weights there is nothing stale to mix in)")
+            if abs(groups - round(groups)) > 1e-9 or round(groups) < 1:
+                out.append(f"stale_fraction={self.stale_fraction!r} x prompts_per_step={self.prompts_per_step} = {groups:g} "
+                           "must be a whole number of prompt groups >= 1")
         if self.trainer_truncation and not (self.top_k or self.top_p < 1):
             out.append("trainer_truncation needs top_p < 1 or top_k > 0 (there is no truncation to replay)")
         elif self.trainer_truncation and self.rollout_logprobs != "processed":

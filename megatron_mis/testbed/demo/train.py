@@ -357,14 +357,17 @@ class GRPOTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_mis.core.advantages import compute_advantages
+        from megatron_mis.testbed.demo.rollout import RolloutBatch
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        if cfg.staleness:  # the weights of `staleness` optimizer steps earlier (or the initial ones)
-            version, weights = self.snapshots[0]
-            self.engine.load_weights(weights)
-        else:
-            version = self.optimizer_steps
+        # staleness: the first `stale` prompt groups use the weights of `staleness` optimizer steps
+        # earlier (or the initial ones), the others the current weights (all groups unless stale_fraction < 1)
+        stale = round(cfg.stale_fraction * cfg.prompts_per_step) if cfg.staleness else 0
+        version = self.snapshots[0][0] if cfg.staleness else self.optimizer_steps
+        if stale == cfg.prompts_per_step:
+            self.engine.load_weights(self.snapshots[0][1])
+        elif not stale:
             self.engine.load_weights(self._weights())
         problems = self.task.sample(cfg.prompts_per_step, generator=self.g_task)
         expanded = [p for p in problems for _ in range(cfg.samples_per_prompt)]
@@ -379,7 +382,15 @@ class GRPOTrainer:
             self.fast_fp32.generate(prompts, generator=g)
             record["time_rollout_fast_s"] = time.perf_counter() - tf
         t_roll = time.perf_counter()
-        batch = self.engine.generate(prompts, generator=self.g_rollout)
+        if 0 < stale < cfg.prompts_per_step:  # a mixed batch: the stale groups first, then the fresh ones
+            cut = stale * cfg.samples_per_prompt
+            self.engine.load_weights(self.snapshots[0][1])
+            old_part = self.engine.generate(prompts[:cut], generator=self.g_rollout)
+            self.engine.load_weights(self._weights())
+            batch = RolloutBatch.concat([old_part, self.engine.generate(prompts[cut:], generator=self.g_rollout)])
+            record["stale_fraction"] = stale / cfg.prompts_per_step
+        else:
+            batch = self.engine.generate(prompts, generator=self.g_rollout)
         record["time_rollout_s"] = time.perf_counter() - t_roll
         rewards = self.task.rewards(expanded, batch.responses)
         correct = [self.task.is_correct(p, r) for p, r in zip(expanded, batch.responses)]

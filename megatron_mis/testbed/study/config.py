@@ -181,6 +181,17 @@ SWEEPS: dict[str, Sweep] = {
             demo_correction="bypass_ppo",
         ),
         Sweep(
+            "staleness-mixed",
+            "mixed batches as over-sampling buffers and partial rollouts make them: a share f of each batch's prompt "
+            "groups from the weights of 8 optimizer steps earlier, the rest fresh (fp32 rollouts, 1 update per "
+            "batch): a few outlier sequences that sequence-level rejection can drop and token-level weights cannot",
+            "stale_fraction",
+            tuple((f"f{f:g}", {"stale_fraction": f}) for f in (0.125, 0.25, 0.5, 1.0)),
+            {**_SWEEP_BASE, "staleness": 8},
+            ("none", "ref_fp32", "token_tis", "token_mis", "sequence_mis", "geo_rs_token_tis", "zscore_rs_token_mis", "bypass_ppo"),
+            demo_correction="geo_rs_token_tis",
+        ),
+        Sweep(
             "temperature",
             "the rollout engine samples at temperature T and records log_softmax(logits / T); the trainer "
             "computes its log-probs at T = 1 (a configuration bug class)",
@@ -280,7 +291,7 @@ for _w in SWEEPS.values():
         )
 #: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
 #: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
-_NO_MECHANISM: dict[str, Any] = {"staleness": 0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
+_NO_MECHANISM: dict[str, Any] = {"staleness": 0, "stale_fraction": 1.0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
                                  "rollout_logprobs": "raw", "trainer_truncation": False, "rollout_router_noise": 0.0}
 
 

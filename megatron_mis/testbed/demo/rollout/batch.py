@@ -53,6 +53,31 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return len(self.prompts)
 
+    @classmethod
+    def concat(cls, batches: "list[RolloutBatch]") -> "RolloutBatch":
+        """The sequences of ``batches`` in order, as one batch (the fast path's batches of one
+        engine configuration: same precision, MoE layout and support recording)."""
+        first = batches[0]
+        for b in batches[1:]:
+            if (b.precision, b.true_on_policy, b.moe_layers, b.num_experts) != (
+                    first.precision, first.true_on_policy, first.moe_layers, first.num_experts):
+                raise ValueError("RolloutBatch.concat: the batches come from different engine configurations")
+            if (b.routed_experts is None) != (first.routed_experts is None) or (b.support is None) != (first.support is None):
+                raise ValueError("RolloutBatch.concat: some batches carry routes or supports and others do not")
+        if first.true_on_policy:
+            raise ValueError("RolloutBatch.concat: an aligned (true on-policy) batch's slots belong to its micro-batches")
+        return cls(
+            prompts=[x for b in batches for x in b.prompts],
+            responses=[x for b in batches for x in b.responses],
+            rollout_log_probs=[x for b in batches for x in b.rollout_log_probs],
+            finished=torch.cat([b.finished for b in batches]),
+            precision=first.precision,
+            routed_experts=None if first.routed_experts is None else [x for b in batches for x in b.routed_experts],
+            moe_layers=first.moe_layers,
+            num_experts=first.num_experts,
+            support=None if first.support is None else [x for b in batches for x in b.support],
+        )
+
     @property
     def sequences(self) -> list[torch.Tensor]:
         """``N`` int64 ``[P_n + R_n]`` prompt + response."""
