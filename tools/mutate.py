@@ -293,6 +293,15 @@ MUTANTS: list[Mutant] = [
       "entropy_coef=cfg.entropy_coef,", "entropy_coef=0.0,",
       ["tests/distributed/test_testbed_mechanisms.py::test_entropy_coef_reaches_every_arms_loss_and_is_validated"],
       "--entropy-coef never reaches the loss"),
+    M("stale-fraction-all-fresh", "megatron_mis/testbed/demo/train.py",
+      "            old_part = self.engine.generate(prompts[:cut], generator=self.g_rollout)\n            self.engine.load_weights(self._weights())\n",
+      "            self.engine.load_weights(self._weights())\n            old_part = self.engine.generate(prompts[:cut], generator=self.g_rollout)\n",
+      ["tests/distributed/test_testbed_mechanisms.py::test_mixed_staleness_samples_the_first_groups_stale_and_the_rest_fresh"],
+      "a mixed batch sampled entirely with the current weights (staleness-mixed has no stale groups)"),
+    M("sweep-copy-ignores-other-doses", "megatron_mis/testbed/study/runner.py",
+      'f"sweep {study.sweep}", sources=others)', 'f"sweep {study.sweep}", sources=[])',
+      ["tests/e2e/test_study_dose.py::test_a_sweep_of_some_doses_copies_a_finished_run_of_another_dose"],
+      "--doses reruns the reference another dose already finished"),
 ]
 
 
