@@ -76,6 +76,23 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
         StudyConfig(doses=["t1"])
 
 
+def test_sweep_row_extras_hand_derived():
+    """The sweep report's per-arm extras: the mean gradient norm and rejected-sequence share over
+    every step of every seed, and the runs the monitor flagged on a mismatch metric / on any."""
+    from megatron_mis.testbed.study.sweep_report import _run_extras
+
+    runs = {
+        0: {"records": [{"grad_norm": 1.0, "rejected_seq_fraction": 0.25, "monitor_warnings": []},
+                        {"grad_norm": 3.0, "rejected_seq_fraction": 0.0, "monitor_warnings": ["mis_k3_kl is rising"]}]},
+        1: {"records": [{"grad_norm": 2.0, "rejected_seq_fraction": 0.5, "monitor_warnings": ["grad_norm is rising"]}]},
+    }
+    extras = _run_extras(runs)
+    assert extras["grad_norm_mean"] == pytest.approx(2.0)
+    assert extras["rejected_seq_mean"] == pytest.approx(0.25)  # (0.25 + 0 + 0.5) / 3 steps
+    assert extras["monitor_flagged"] == {"k": 1, "n": 2} and extras["monitor_any"] == {"k": 2, "n": 2}
+    assert _run_extras({0: {"records": [{"grad_norm": 1.0}]}})["rejected_seq_mean"] is None
+
+
 def test_list_names_the_sweeps(capsys):
     assert main(["study", "--list"]) == 0
     out = capsys.readouterr().out

@@ -31,13 +31,17 @@ def sweep_dir(study: StudyConfig) -> Path:
 
 
 def _run_extras(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Mean gradient norm over steps and seeds; the runs the mismatch monitor flagged on a
-    mismatch metric (K3 KL, log-ppl gap: warnings whose message starts with ``mis_``) and on any
-    metric (gradient norm included)."""
+    """Mean gradient norm over steps and seeds; the mean share of sequences a rejection rule
+    dropped (over steps and seeds, ``rejected_seq_fraction``); the runs the mismatch monitor
+    flagged on a mismatch metric (K3 KL, log-ppl gap: warnings whose message starts with ``mis_``)
+    and on any metric (gradient norm included)."""
     norms = [r["grad_norm"] for run in runs.values() for r in run["records"] if r.get("grad_norm") is not None]
+    rejected = [r["rejected_seq_fraction"] for run in runs.values() for r in run["records"]
+                if r.get("rejected_seq_fraction") is not None]
     warned = [[w for r in run["records"] for w in (r.get("monitor_warnings") or [])] for run in runs.values()]
     return {
         "grad_norm_mean": float(np.mean(norms)) if norms else None,
+        "rejected_seq_mean": float(np.mean(rejected)) if rejected else None,
         "monitor_flagged": {"k": sum(any(w.startswith("mis_") for w in ws) for ws in warned), "n": len(warned)},
         "monitor_any": {"k": sum(bool(ws) for ws in warned), "n": len(warned)},
     }
@@ -123,9 +127,11 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
             mon = row.get("monitor_flagged", {"k": 0, "n": 0})
             anyw = row.get("monitor_any", {"k": 0, "n": 0})
             flip = row.get("route_flip_mean")
+            rej = row.get("rejected_seq_mean")
             lines.append(
                 f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'}"
-                f"{'' if not flip else f' (flips {flip[0]:.1%})'} | {_fmt_ci(row['final_reward'])} "
+                f"{'' if not flip else f' (flips {flip[0]:.1%})'}{'' if not rej else f' (rejects {rej:.1%} of seqs)'} "
+                f"| {_fmt_ci(row['final_reward'])} "
                 f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {row['steps_to_threshold']['reached']}/{row['n']} "
                 f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
