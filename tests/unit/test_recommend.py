@@ -22,7 +22,7 @@ def test_sequence_sd_and_band_hand_derived():
         (1e-3, 5, "token_tis", "measured-harmless"),  # s = sqrt(0.01) = 0.1
         (1e-3, 200, "sequence_mis", "sequence-level"),  # s = 0.632
         (5e-3, 100, "sequence_mis", "sequence-level"),  # s = 1.0 exactly: still sequence-level
-        (1e-3, 2000, "zscore_rs_token_mis", "token-level"),  # s = 2
+        (1e-3, 2000, "token_tis", "token-level"),  # s = 2
         (2e-2, 5, "token_mis", "config-bug"),  # K3 above numerics
         (0.0, 4096, "token_tis", "measured-harmless"),
     ],
@@ -46,7 +46,9 @@ def test_token_level_carries_the_length_scaled_band():
     assert r.sequence_log_weight_sd == pytest.approx(2.0)
     assert r.geometric_band == pytest.approx((math.exp(-4e-3), math.exp(2e-3)))
     assert r.rs_criteria == {"seq_zscore_k1": {"k3": 1e-3, "z": 3.0}}
-    assert "long-tail-stale" in r.basis and "not yet measured" in r.basis  # the band's benefit is not measured
+    # measured: token TIS the one correction without a collapse at s 1.2-3.6; the band an option
+    assert r.correction == "token_tis" and r.regime == "token-level"
+    assert "long-tail-stale" in r.basis and "0/9 collapses" in r.basis and "Optional" in r.reason
     assert "not yet measured" in recommend(1e-3, 200).basis  # the sequence-level regime: literature only
     assert recommend(1e-3, 200).geometric_band is None and recommend(1e-3, 200).rs_criteria is None
     # the advice is a valid config: the preset with the pinned K3, and at the mean length it keeps
@@ -54,7 +56,8 @@ def test_token_level_carries_the_length_scaled_band():
     from megatron_mis import MISConfig
     from megatron_mis.presets import preset_path
 
-    cfg = MISConfig.from_yaml(preset_path(r.correction)).replace(rs_criteria=r.rs_criteria)
+    assert "zscore_rs_token_mis" in r.reason  # the option names the preset the criteria belong to
+    cfg = MISConfig.from_yaml(preset_path("zscore_rs_token_mis")).replace(rs_criteria=r.rs_criteria)
     assert tuple(cfg.rs_bounds()[0]) == ("seq_zscore_k1", 1e-3, 3.0)
 
 
