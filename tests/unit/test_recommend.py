@@ -49,7 +49,7 @@ def test_token_level_carries_the_length_scaled_band():
     # measured: token TIS the one correction without a collapse at s 1.2-3.6; the band an option
     assert r.correction == "token_tis" and r.regime == "token-level"
     assert "long-tail-stale" in r.basis and "0/9 collapses" in r.basis and "Optional" in r.reason
-    assert "not yet measured" in recommend(1e-3, 200).basis  # the sequence-level regime: literature only
+    assert "measured once" in recommend(1e-3, 200).basis and "s 0.6" in recommend(1e-3, 200).basis
     assert recommend(1e-3, 200).geometric_band is None and recommend(1e-3, 200).rs_criteria is None
     # the advice is a valid config: the preset with the pinned K3, and at the mean length it keeps
     # exactly the band reported
