@@ -28,9 +28,10 @@ Regimes (first match wins):
    testbed (``long-tail-stale`` k0, s 0.6): harmless there, no benefit to show (none not hurt).
 4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level truncation (``token_tis``),
    measured: in the study's ``long-tail-stale`` sweep (64-token responses, s 1.9-3.6 at 1, 2 and
-   4 steps of lag, K3 0.03-0.1, 3 seeds each; carried over to numeric K3 <= 1e-2 by s alone) token TIS was the only correction on the plateau at every dose
-   (0/9 collapses), while sequence MIS collapsed in 5/9 runs, sequence TIS in 2/9 and token MIS
-   with the length-scaled band in 2/9. The band (``zscore_rs_token_mis`` with ``rs_criteria:
+   4 steps of lag, K3 0.03-0.1, 3 seeds each; carried over to numeric K3 <= 1e-2 by s alone)
+   token TIS was the only correction on the plateau at every dose (0/9 collapses), while
+   sequence MIS collapsed in 5/9 runs, sequence TIS in 2/9 and token MIS with the length-scaled
+   band in 2/9. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice.
 """
@@ -139,8 +140,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
     return Recommendation(
         "token_tis", band, criteria, s, share, "token-level",
         f"s = {s:.3f}: sequence weights degenerate (effective share {share:.2g}); truncate the token weight at 2. "
-        f"Optional, against outlier sequences: the preset zscore_rs_token_mis (token MIS) rejects those whose mean log-ratio lies more than 3 SD from -K3 at "
-        f"their own length (at the mean length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, "
+        "Optional, against outlier sequences: the preset zscore_rs_token_mis (token MIS) rejects those whose "
+        f"mean log-ratio lies more than 3 SD from -K3 at their own length (at the mean length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, "
         f"{band[1]:.4f}]): rs_criteria: {{seq_zscore_k1: {{k3: {k3:.3g}, z: 3}}}}",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag, 3 seeds per "
         "dose): token TIS on the plateau at every dose (0/9 collapses; +0.105 [+0.018, +0.267] over none at 4 steps), "

@@ -64,6 +64,8 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     mn, mr = run_config(mixed, "none", 0), run_config(mixed, "ref_fp32", 0)
     assert (mn.staleness, mn.stale_fraction, mr.staleness, mr.stale_fraction) == (8, 0.25, 0, 1.0)
     assert {"geo_rs_token_tis", "zscore_rs_token_mis", "bypass_ppo"} <= set(mixed.arm_names)
+    # demo --compare --preset staleness-mixed-f0.25: the sweep's best arm (bypass) against none
+    assert SETTINGS["staleness-mixed-f0.25"].demo_values()["correction"] == "bypass_ppo"
     # megatron-mis demo --compare --preset staleness-k4 sets bypass PPO (the sweep's best) against none
     assert SETTINGS["staleness-k4"].demo_values()["correction"] == "bypass_ppo"
     assert SETTINGS["staleness-k4"].demo_values()["staleness"] == 4

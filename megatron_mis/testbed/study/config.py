@@ -189,7 +189,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"f{f:g}", {"stale_fraction": f}) for f in (0.125, 0.25, 0.5, 1.0)),
             {**_SWEEP_BASE, "staleness": 8},
             ("none", "ref_fp32", "token_tis", "token_mis", "sequence_mis", "geo_rs_token_tis", "zscore_rs_token_mis", "bypass_ppo"),
-            demo_correction="geo_rs_token_tis",
+            demo_correction="bypass_ppo",
         ),
         Sweep(
             "temperature",
