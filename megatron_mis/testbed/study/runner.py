@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,7 @@ def run_sweep(study: StudyConfig) -> dict[str, Any]:
     return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}", sources=others)
 
 
-def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str, sources: list[RunJob] = ()) -> dict[str, Any]:
+def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str, sources: Sequence[RunJob] = ()) -> dict[str, Any]:
     """Run the jobs not yet finished on disk (``study.num_jobs`` workers of ``study.threads``
     threads); returns ``{"ran", "reused", "copied", "wall_s"}`` (``copied``: runs whose resolved
     configuration equals another run's, written as a copy of its file). ``sources``: more runs
@@ -277,7 +278,7 @@ def _config_key(config: dict[str, Any]) -> str:
     return json.dumps(_comparable(config), sort_keys=True, default=str)
 
 
-def _deduplicate(jobs: list[RunJob], sources: list[RunJob] = ()) -> tuple[list[RunJob], list[tuple[RunJob, RunJob]]]:
+def _deduplicate(jobs: list[RunJob], sources: Sequence[RunJob] = ()) -> tuple[list[RunJob], list[tuple[RunJob, RunJob]]]:
     """The jobs to run, and ``(source, job)`` pairs of jobs whose resolved configuration equals an
     earlier job's (a sweep's reference arm resets the dose, so it is the same run at every dose):
     those are run once and their file copied, ``source`` being finished on disk (one of ``jobs``
@@ -288,9 +289,13 @@ def _deduplicate(jobs: list[RunJob], sources: list[RunJob] = ()) -> tuple[list[R
     for job, key, finished in zip(jobs, keys, done):
         if finished:
             source.setdefault(key, job)
+    # read a source's file only when an unfinished job has its configuration (a sweep's other doses
+    # hold hundreds of run files, and only the reference's match)
+    wanted = {key for key, finished in zip(keys, done) if not finished and key not in source}
     for job in sources:
-        if _finished(job):
-            source.setdefault(_config_key(job.config), job)
+        key = _config_key(job.config)
+        if key in wanted and _finished(job):
+            source.setdefault(key, job)
     todo, copies = [], []
     for job, key, finished in zip(jobs, keys, done):
         if finished:
