@@ -158,6 +158,8 @@ def test_stale_fraction_is_validated():
         DemoConfig(stale_fraction=0.5)
     with pytest.raises(ConfigError, match=r"stale_fraction=0.3 x prompts_per_step=16 = 4.8 must be a whole number"):
         DemoConfig(staleness=2, stale_fraction=0.3)
+    with pytest.raises(ConfigError, match=r"= 1.6e-11 must be a whole number of prompt groups >= 1"):
+        DemoConfig(staleness=2, stale_fraction=1e-12)  # within rounding of 0 groups: still no stale group
     with pytest.raises(ConfigError, match=r"stale_fraction=1.5 must lie in \(0, 1\]"):
         DemoConfig(staleness=2, stale_fraction=1.5)
     assert DemoConfig(staleness=2, stale_fraction=0.25).stale_fraction == 0.25
