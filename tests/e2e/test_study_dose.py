@@ -50,6 +50,13 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     ls, lr = run_config(stale, "none", 0), run_config(stale, "ref_fp32", 0)
     assert (ls.staleness, ls.scratchpad, ls.precision, lr.staleness, lr.precision) == (2, 61, "int4", 0, "fp32")
     assert "zscore_rs_token_mis" in stale.arm_names and "sequence_tis" in stale.arm_names
+    # the 128-token variant: twice the length, the same task otherwise; its k0 is long-tail-precision's int4
+    stale128 = StudyConfig(sweep="long-tail-stale-128")
+    l1 = run_config(stale128.for_dose("k1"), "none", 0)
+    assert (l1.staleness, l1.scratchpad, l1.precision) == (1, 125, "int4")
+    assert run_config(stale128.for_dose("k1"), "ref_fp32", 0).staleness == 0
+    assert run_config(stale128.for_dose("k0"), "none", 0) == run_config(
+        StudyConfig(sweep="long-tail-precision").for_dose("int4"), "none", 0)
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
             for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]
     moe = StudyConfig(sweep="moe-ties")
