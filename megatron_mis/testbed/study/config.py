@@ -254,7 +254,7 @@ SWEEPS: dict[str, Sweep] = {
             "long-tail-stale-128",
             "long-tail-stale at twice the length: 128-token responses (scratchpad 125, int4), rollouts from the "
             "weights of k optimizer steps earlier; at the same per-token K3 the sequence log-weight SD "
-            "sqrt(2 L K3) is sqrt(2) times the 64-token one (k0: fresh int4 alone, s ~ 0.8)",
+            "sqrt(2 L K3) is sqrt(2) times the 64-token one (k0: fresh int4 alone)",
             "staleness",
             tuple((f"k{k}", {"staleness": k}) for k in (0, 1, 2)),
             {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 125, "rollout_precision": "int4"},
