@@ -20,8 +20,8 @@ def test_sequence_sd_and_band_hand_derived():
     "k3,length,correction,regime",
     [
         (1e-3, 5, "token_tis", "measured-harmless"),  # s = sqrt(0.01) = 0.1
-        (1e-3, 200, "sequence_mis", "sequence-level"),  # s = 0.632
-        (5e-3, 100, "sequence_mis", "sequence-level"),  # s = 1.0 exactly: still sequence-level
+        (1e-3, 200, "token_tis", "sequence-level"),  # s = 0.632: sequence weights usable, the option
+        (5e-3, 100, "token_tis", "sequence-level"),  # s = 1.0 exactly: still sequence-level
         (1e-3, 2000, "token_tis", "token-level"),  # s = 2
         (2e-2, 5, "token_mis", "config-bug"),  # K3 above numerics
         (0.0, 4096, "token_tis", "measured-harmless"),
@@ -48,8 +48,10 @@ def test_token_level_carries_the_length_scaled_band():
     assert r.rs_criteria == {"seq_zscore_k1": {"k3": 1e-3, "z": 3.0}}
     # measured: token TIS the one correction without a collapse at s 1.2-3.6; the band an option
     assert r.correction == "token_tis" and r.regime == "token-level"
-    assert "long-tail-stale" in r.basis and "0/9 collapses" in r.basis and "Optional" in r.reason
-    assert "measured once" in recommend(1e-3, 200).basis and "s 0.6" in recommend(1e-3, 200).basis
+    assert "long-tail-stale" in r.basis and "0/12 collapses" in r.basis and "long-tail-stale-128" in r.basis and "Optional" in r.reason
+    mid = recommend(1e-3, 200)  # s 0.63: the advice token TIS, sequence MIS named as the option
+    assert "measured twice" in mid.basis and "s 0.6" in mid.basis and "s 0.4" in mid.basis
+    assert "the preset sequence_mis is the option" in mid.reason
     assert recommend(1e-3, 200).geometric_band is None and recommend(1e-3, 200).rs_criteria is None
     # the advice is a valid config: the preset with the pinned K3, and at the mean length it keeps
     # exactly the band reported
@@ -73,7 +75,7 @@ def test_analyze_report_hook():
 
     from megatron_mis.analysis.report import recommendation, to_json
 
-    assert recommendation({"overall": {"k3_mean": 1e-3, "response_length": 200.0}})["correction"] == "sequence_mis"
+    assert recommendation({"overall": {"k3_mean": 1e-3, "response_length": 200.0}})["regime"] == "sequence-level"
     assert recommendation({"overall": {"k3_mean": None, "response_length": 200.0}}) is None
     assert recommendation({"overall": {"k3_mean": float("nan"), "response_length": 5.0}}) is None
     out = json.loads(to_json({"overall": {"k3_mean": 1e-3, "response_length": 2000.0}}))
