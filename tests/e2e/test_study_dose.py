@@ -57,6 +57,13 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     assert run_config(stale128.for_dose("k1"), "ref_fp32", 0).staleness == 0
     assert run_config(stale128.for_dose("k0"), "none", 0) == run_config(
         StudyConfig(sweep="long-tail-precision").for_dose("int4"), "none", 0)
+    # the 256-token variant: its k0 is the long-tail sweep's s253 (the same resolved configuration)
+    stale256 = StudyConfig(sweep="long-tail-stale-256")
+    l256 = run_config(stale256.for_dose("k1"), "none", 0)
+    assert (l256.staleness, l256.scratchpad, l256.precision, l256.vocab_size) == (1, 253, "int4", 512)
+    assert run_config(stale256.for_dose("k1"), "ref_fp32", 0).staleness == 0
+    assert stale256.arm_names[:4] == ["none", "ref_fp32", "token_tis", "sequence_mis"]
+    assert run_config(stale256.for_dose("k0"), "none", 0) == run_config(StudyConfig(sweep="long-tail").for_dose("s253"), "none", 0)
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
             for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]
     moe = StudyConfig(sweep="moe-ties")

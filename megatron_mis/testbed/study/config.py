@@ -262,6 +262,17 @@ SWEEPS: dict[str, Sweep] = {
             demo_correction="token_tis",
         ),
         Sweep(
+            "long-tail-stale-256",
+            "long-tail-stale at four times the length: 256-token responses (scratchpad 253, int4), rollouts from the "
+            "weights of k optimizer steps earlier (k0: fresh int4 alone, the long-tail sweep's s253); the arms that "
+            "separated at 64 and 128 tokens",
+            "staleness",
+            tuple((f"k{k}", {"staleness": k}) for k in (0, 1)),
+            {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 253, "rollout_precision": "int4"},
+            ("none", "ref_fp32", "token_tis", "sequence_mis", "sequence_tis"),
+            demo_correction="token_tis",
+        ),
+        Sweep(
             "long-tail-precision",
             "the long-tail task with 128-token responses (vocabulary 512, scratchpad 125): bf16, int8 and int4 rollouts",
             "rollout_precision",
