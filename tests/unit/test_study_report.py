@@ -161,3 +161,48 @@ def test_collapse_majority_of_none_is_harm():
     ans = summary["answers"]["a_mismatch_hurts"]
     assert ans.startswith("YES: ") and "none collapsed in 4/6 seeds (a clear majority)" in ans
     assert "not measurably worse" in ans
+
+
+def _curve(run: dict, rewards: list[float]) -> dict:
+    for rec, r in zip(run["records"], rewards):
+        rec["reward_mean"] = r
+    return run
+
+
+def test_ended_low_counts_runs_that_never_reach_the_plateau():
+    """The reference gains 0.3 on every seed (start 0.1, the last steps 0.4), so the bar is
+    (1 - 0.5) x 0.3 = 0.15 of final - start. With last_k = 2 over 6 steps:
+
+    - none rises to +0.2 and stays: kept 0.2 >= 0.15, not low, and no collapse;
+    - sequence_mis learns nothing (flat 0.1): kept 0, low, but no collapse (it never gained 0.1);
+    - token_mis rises to +0.14 and stays: kept 0.14 < 0.15, low, no collapse (gain 0.14, kept all);
+    - length_decay rises to +0.3, falls back to +0.1: a collapse and low.
+    """
+    runs: dict[str, dict[int, dict]] = {a: {} for a in ("none", "ref_fp32", "token_mis", "sequence_mis", "length_decay")}
+    shapes = {
+        "ref_fp32": [0.1, 0.1, 0.3, 0.4, 0.4, 0.4],
+        "none": [0.1, 0.1, 0.2, 0.3, 0.3, 0.3],
+        "sequence_mis": [0.1] * STEPS,
+        "token_mis": [0.1, 0.1, 0.2, 0.24, 0.24, 0.24],
+        "length_decay": [0.1, 0.1, 0.4, 0.4, 0.2, 0.2],
+    }
+    for s in SEEDS:
+        for arm, shape in shapes.items():
+            runs[arm][s] = _curve(_run(0.0, [1e-6] * STEPS), shape)
+    summary = summarize_study(_study(list(runs)), runs)
+    arms = summary["arms"]
+    n = len(SEEDS)
+    low = {a: (arms[a]["ended_low"]["k"], arms[a]["collapse"]["k"]) for a in arms}
+    assert low == {"ref_fp32": (0, 0), "none": (0, 0), "sequence_mis": (n, 0), "token_mis": (n, 0), "length_decay": (n, n)}
+    assert arms["none"]["ended_low"]["bar"] == pytest.approx(0.15)
+    assert arms["none"]["ended_low"]["reference"] == "ref_fp32"
+    assert f"| sequence_mis | {n} |" in format_markdown(summary)
+    row = next(line for line in format_markdown(summary).splitlines() if line.startswith("| sequence_mis |"))
+    assert row.split(" | ")[4:6] == ["0/6", "6/6"]  # collapse, ended low
+    # a reference that gained less than MIN_GAIN leaves nothing to lose: no count
+    for s in SEEDS:
+        runs["ref_fp32"][s] = _curve(_run(0.0, [1e-9] * STEPS), [0.1, 0.1, 0.15, 0.15, 0.15, 0.15])
+    assert summarize_study(_study(list(runs)), runs)["arms"]["none"]["ended_low"] is None
+    # without a reference arm: no count either
+    del runs["ref_fp32"]
+    assert summarize_study(_study(list(runs)), runs)["arms"]["none"]["ended_low"] is None

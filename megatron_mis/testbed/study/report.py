@@ -16,6 +16,7 @@ import numpy as np
 from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig
 from megatron_mis.testbed.study.runner import load_run, run_machine, run_path, study_dir
 from megatron_mis.testbed.study.stats import (
+    MIN_GAIN,
     bootstrap_ci,
     curve_band,
     moving_mean,
@@ -24,7 +25,7 @@ from megatron_mis.testbed.study.stats import (
     wilson_interval,
 )
 
-__all__ = ["collect", "summarize_study", "format_markdown", "plot_study", "write_report"]
+__all__ = ["collect", "ended_low", "summarize_study", "format_markdown", "plot_study", "write_report"]
 
 BASELINE = "none"
 REFERENCES = ("ref_fp32", "ref_true_on_policy")
@@ -57,6 +58,27 @@ def _machine() -> dict[str, Any]:
     return {**run_machine(), "load_average_1m_at_report": load}
 
 
+def ended_low(metrics: dict[str, dict[int, dict[str, Any]]], collapse_fraction: float) -> dict[str, Any] | None:
+    """The runs that kept less than ``1 - collapse_fraction`` of what the reference learned.
+
+    The collapse count sees only a run that first gained ``MIN_GAIN`` and then lost part of it; a
+    run that never reached the plateau (it learned a little, or nothing) does not count. This
+    count does: with the reference arm's mean gain ``G = mean(peak - start)`` over its seeds, a
+    run *ended low* when ``final - start < (1 - collapse_fraction) G``. ``None`` without a
+    reference arm or when the reference itself gained less than ``MIN_GAIN`` (nothing to lose).
+    Returns ``{"reference", "reference_gain", "bar", "arms": {arm: seeds that ended low}}``."""
+    ref = next((r for r in REFERENCES if metrics.get(r)), None)
+    if ref is None:
+        return None
+    gain = float(np.mean([m["peak_reward"] - m["start_reward"] for m in metrics[ref].values()]))
+    if gain < MIN_GAIN:
+        return None
+    bar = (1.0 - collapse_fraction) * gain
+    return {"reference": ref, "reference_gain": gain, "bar": bar,
+            "arms": {arm: sorted(s for s, m in by_seed.items() if m["final_reward"] - m["start_reward"] < bar)
+                     for arm, by_seed in metrics.items()}}
+
+
 def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Per-arm statistics and paired differences of a (possibly partial) study."""
     runs = collect(study) if runs is None else runs
@@ -84,6 +106,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
                                   confidence=study.confidence, resamples=study.bootstrap)
 
     log10 = lambda v: math.log10(max(v, 1e-30))  # noqa: E731
+    low = ended_low(metrics, study.collapse_fraction)
     arms: dict[str, Any] = {}
     for i, arm in enumerate(study.arm_names):
         ms = list(metrics.get(arm, {}).values())
@@ -104,6 +127,8 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
             "peak_reward": _ci([m["peak_reward"] for m in ms], study, i),
             "collapse": {"k": collapses, "n": n, "rate": collapses / n,
                          "interval": list(wilson_interval(collapses, n, confidence=study.confidence))},
+            "ended_low": None if low is None else {"k": len(low["arms"][arm]), "n": n, "seeds": low["arms"][arm],
+                                                   "reference": low["reference"], "bar": low["bar"]},
             "steps_to_threshold": {"reached": len(reached), "n": n, "mean": _ci(reached, study, i)},
             "k3_mean": _ci([m["k3_mean"] for m in ms], study, i),
             "k3_max": _ci([m["k3_max"] for m in ms], study, i),
@@ -139,6 +164,10 @@ def _fmt_ci(ci: list[float] | None, fmt: str = "{:.3f}") -> str:
     if ci is None:
         return "-"
     return f"{fmt.format(ci[0])} [{fmt.format(ci[1])}, {fmt.format(ci[2])}]"
+
+
+def _fmt_count(c: dict[str, Any] | None) -> str:
+    return "-" if c is None else f"{c['k']}/{c['n']}"
 
 
 def _fmt_diff(d: dict[str, Any] | None, fmt: str = "{:+.3f}") -> str:
@@ -252,16 +281,18 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"machine: {s['machine']['cpu']}, {s['machine']['cores']} cores, {s['parallel_runs']} runs in parallel x "
         f"{s['threads_per_run']} thread(s). Means with {int(st['confidence'] * 100)}% percentile-bootstrap CIs "
         f"({st['bootstrap']} resamples); final reward = mean of the last {st['last_k']} steps; collapse: gained >= 0.1 "
-        f"then lost > {st['collapse_fraction']:.0%} of the gain; threshold {st['threshold']}. "
+        f"then lost > {st['collapse_fraction']:.0%} of the gain; ended low: kept less than "
+        f"{1 - st['collapse_fraction']:.0%} of the reference's mean gain (final - start), so also a run that never "
+        f"reached the plateau; threshold {st['threshold']}. "
         "Paired differences are per seed against `none`; `*` marks a CI that excludes 0.",
         "",
     ]
     moe = any(a.get("route_flip_mean") for a in s["arms"].values())
     flip_head = " route flips |" if moe else ""
     lines += [
-        "| arm | n | final reward | greedy reward | collapse | reached threshold (steps) | K3 mean | K3 max (step mean) | "
+        "| arm | n | final reward | greedy reward | collapse | ended low | reached threshold (steps) | K3 mean | K3 max (step mean) | "
         f"late/early K3 | rejected |{flip_head} final - none | greedy - none |",
-        "| --- " * (13 if moe else 12) + "|",
+        "| --- " * (14 if moe else 13) + "|",
     ]
     for arm, a in s["arms"].items():
         c = a["collapse"]
@@ -269,7 +300,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
         reach = f"{t['reached']}/{t['n']}" + (f" ({t['mean'][0]:.0f})" if t["mean"] else "")
         lines.append(
             f"| {arm} | {a['n']} | {_fmt_ci(a['final_reward'])} | {_fmt_ci(a['greedy_reward'])} | "
-            f"{c['k']}/{c['n']} | {reach} | {_fmt_ci(a['k3_mean'], '{:.1e}')} | {_fmt_ci(a['k3_max'], '{:.1e}')} | "
+            f"{c['k']}/{c['n']} | {_fmt_count(a.get('ended_low'))} | {reach} | {_fmt_ci(a['k3_mean'], '{:.1e}')} | {_fmt_ci(a['k3_max'], '{:.1e}')} | "
             f"{_fmt_ci(a['k3_late_early'], '{:.2f}')} | {a['rejected_fraction'][0]:.2%} | "
             + (f"{_fmt_ci(a.get('route_flip_mean'), '{:.2%}')} | " if moe else "")
             + f"{_fmt_diff(a['vs_none']['final_reward'])} | {_fmt_diff(a['vs_none']['greedy_reward'])} |"

@@ -16,7 +16,16 @@ from typing import Any
 import numpy as np
 
 from megatron_mis.testbed.study.config import SWEEPS, StudyConfig
-from megatron_mis.testbed.study.report import BASELINE, REFERENCES, _fmt_ci, _fmt_diff, _machine, collect, summarize_study
+from megatron_mis.testbed.study.report import (
+    BASELINE,
+    REFERENCES,
+    _fmt_ci,
+    _fmt_count,
+    _fmt_diff,
+    _machine,
+    collect,
+    summarize_study,
+)
 from megatron_mis.testbed.study.runner import machine_label
 from megatron_mis.testbed.study.stats import minimal_detectable_effect, seeds_for_effect
 
@@ -116,9 +125,9 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         "Runs made on: " + ("; ".join(f"{k} ({v} runs)" for k, v in summary.get("runs_made_on", {}).items()) or "-")
         + ". The same seed follows the same trajectory only on the same software and CPU kernels.",
         "",
-        "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | reached threshold "
+        "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | ended low | reached threshold "
         "| grad norm | monitor: mismatch / any |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in summary["doses"]:
         for arm, row in d["arms"].items():
@@ -133,12 +142,16 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
                 f"{'' if not flip else f' (flips {flip[0]:.1%})'}{'' if not rej else f' (rejects {rej:.1%} of seqs)'} "
                 f"| {_fmt_ci(row['final_reward'])} "
                 f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
-                f"| {row['collapse']['k']}/{row['collapse']['n']} | {row['steps_to_threshold']['reached']}/{row['n']} "
+                f"| {row['collapse']['k']}/{row['collapse']['n']} | {_fmt_count(row.get('ended_low'))} "
+                f"| {row['steps_to_threshold']['reached']}/{row['n']} "
                 f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
             )
     sd = summary["paired_sd"]
-    lines += ["", "`*`: the paired bootstrap interval excludes 0. Monitor: runs with a warning on K3 KL or the log-ppl "
-              "gap / runs with any warning (the gradient norm's included).", ""]
+    frac = summary["study"]["collapse_fraction"]
+    lines += ["", "`*`: the paired bootstrap interval excludes 0. Collapse: gained >= 0.1, then lost more than "
+              f"{frac:.0%} of it. Ended low: kept less than {1 - frac:.0%} of the dose's reference's mean gain (final - "
+              "start), which also counts a run that never reached the plateau. Monitor: runs with a warning on K3 KL or "
+              "the log-ppl gap / runs with any warning (the gradient norm's included).", ""]
     if sd is None:
         lines.append("Paired SD of none - reference: not measured (needs >= 2 seeds of none and the reference at a dose).")
     else:
