@@ -200,6 +200,24 @@ def test_a_sweep_of_some_doses_copies_a_finished_run_of_another_dose(tmp_path):
     assert not (tmp_path / "staleness-k0" / "none").exists()
 
 
+def test_a_sweep_copies_a_finished_run_of_another_sweep(tmp_path):
+    """The fresh fp32 reference of `staleness` k0 is the same run as `temperature` t1's (T = 1 in
+    both, no lag): in one out-dir the second sweep copies it; a run whose configuration no other
+    sweep's finished run has (the reference at t1.5 samples and trains at T = 1.5) runs."""
+    from megatron_mis.testbed.study.runner import load_run, run_sweep
+
+    common = dict(seeds=1, quick=True, steps=2, out_dir=str(tmp_path), progress=False)
+    first = run_sweep(StudyConfig(sweep="staleness", doses=["k0"], arms=["ref_fp32"], **common))
+    assert (first["ran"], first["copied"]) == (1, 0)
+    later = run_sweep(StudyConfig(sweep="temperature", doses=["t1", "t1.5"], arms=["ref_fp32"], **common))
+    assert (later["ran"], later["reused"], later["copied"]) == (1, 0, 1)
+    copy = tmp_path / "temperature-t1" / "ref_fp32" / "seed-0.jsonl"
+    assert json.loads(copy.read_text().splitlines()[0])["copied_from"].endswith("staleness-k0/ref_fp32/seed-0.jsonl")
+    assert load_run(copy)["records"] == load_run(tmp_path / "staleness-k0" / "ref_fp32" / "seed-0.jsonl")["records"]
+    assert json.loads((tmp_path / "temperature-t1.5" / "ref_fp32" / "seed-0.jsonl").read_text().splitlines()[0]).get(
+        "copied_from") is None
+
+
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
 def test_an_interrupted_sweep_exits_promptly(tmp_path, delay):
     """Ctrl-C (or `timeout -s INT`) during a sweep with more queued jobs than a pipe holds, early

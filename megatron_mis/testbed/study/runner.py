@@ -232,7 +232,33 @@ def run_sweep(study: StudyConfig) -> dict[str, Any]:
     # (the reference, which resets the dose): copy it rather than run it again
     others = [job for label in SWEEPS[study.sweep].labels if label not in chosen
               for job in plan(study.for_dose(label))]
-    return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}", sources=others)
+    return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}", sources=others + _other_sweeps_on_disk(study))
+
+
+def _other_sweeps_on_disk(study: StudyConfig) -> list[RunJob]:
+    """The runs of the other sweeps (their own arms, this study's seeds and flags) whose files
+    exist in ``study.out_dir``: a dose of one sweep can be another's, e.g. ``long-tail-stale-128``
+    k0 is ``long-tail-precision`` int4 and the fresh fp32 reference is the same run in every
+    staleness and sampling sweep, so such a run is copied rather than run again. Only paths that
+    exist are resolved (resolving every sweep's runs costs seconds). A dose whose study this
+    study's flags do not fit (its validation rejects one of its arms' configurations) is skipped."""
+    from megatron_mis.config import ConfigError
+
+    found = []
+    for name, sweep in SWEEPS.items():
+        if name == study.sweep:
+            continue
+        for label in sweep.labels:
+            try:
+                sub = StudyConfig(**{**study.to_dict(), "sweep": name, "doses": None, "arms": None}).for_dose(label)
+            except ConfigError:  # e.g. --quick's micro-batches do not split into staleness-multi's 4 updates
+                continue
+            for seed in sub.seed_list:
+                for arm in sub.arm_names:
+                    path = run_path(sub, arm, seed)
+                    if path.is_file():
+                        found.append(RunJob(sub.setting, arm, seed, run_config(sub, arm, seed).to_dict(), str(path)))
+    return found
 
 
 def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str, sources: Sequence[RunJob] = ()) -> dict[str, Any]:
