@@ -300,7 +300,8 @@ def format_markdown(summary: dict[str, Any]) -> str:
         reach = f"{t['reached']}/{t['n']}" + (f" ({t['mean'][0]:.0f})" if t["mean"] else "")
         lines.append(
             f"| {arm} | {a['n']} | {_fmt_ci(a['final_reward'])} | {_fmt_ci(a['greedy_reward'])} | "
-            f"{c['k']}/{c['n']} | {_fmt_count(a.get('ended_low'))} | {reach} | {_fmt_ci(a['k3_mean'], '{:.1e}')} | {_fmt_ci(a['k3_max'], '{:.1e}')} | "
+            f"{c['k']}/{c['n']} | {_fmt_count(a.get('ended_low'))} | {reach} | {_fmt_ci(a['k3_mean'], '{:.1e}')} | "
+            f"{_fmt_ci(a['k3_max'], '{:.1e}')} | "
             f"{_fmt_ci(a['k3_late_early'], '{:.2f}')} | {a['rejected_fraction'][0]:.2%} | "
             + (f"{_fmt_ci(a.get('route_flip_mean'), '{:.2%}')} | " if moe else "")
             + f"{_fmt_diff(a['vs_none']['final_reward'])} | {_fmt_diff(a['vs_none']['greedy_reward'])} |"

@@ -238,8 +238,8 @@ def run_sweep(study: StudyConfig) -> dict[str, Any]:
 def _other_sweeps_on_disk(study: StudyConfig) -> list[RunJob]:
     """The runs of the other sweeps (their own arms, this study's seeds and flags) whose files
     exist in ``study.out_dir``: a dose of one sweep can be another's, e.g. ``long-tail-stale-128``
-    k0 is ``long-tail-precision`` int4 and the fresh fp32 reference is the same run in every
-    staleness and sampling sweep, so such a run is copied rather than run again. Only paths that
+    k0 is ``long-tail-precision`` int4 and ``staleness`` k0's fresh fp32 reference is
+    ``temperature`` t1's, so such a run is copied rather than run again. Only paths that
     exist are resolved (resolving every sweep's runs costs seconds). A dose whose study this
     study's flags do not fit (its validation rejects one of its arms' configurations) is skipped."""
     from megatron_mis.config import ConfigError
