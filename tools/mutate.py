@@ -308,9 +308,13 @@ MUTANTS: list[Mutant] = [
       ["tests/unit/test_study_report.py::test_ended_low_counts_runs_that_never_reach_the_plateau"],
       "a run that reached the plateau and fell off it is not counted as ended low (the peak read for the end)"),
     M("sweep-copy-ignores-other-doses", "megatron_mis/testbed/study/runner.py",
-      'f"sweep {study.sweep}", sources=others)', 'f"sweep {study.sweep}", sources=[])',
+      "sources=others + _other_sweeps_on_disk(study))", "sources=_other_sweeps_on_disk(study))",
       ["tests/e2e/test_study_dose.py::test_a_sweep_of_some_doses_copies_a_finished_run_of_another_dose"],
       "--doses reruns the reference another dose already finished"),
+    M("sweep-copy-ignores-other-sweeps", "megatron_mis/testbed/study/runner.py",
+      "sources=others + _other_sweeps_on_disk(study))", "sources=others)",
+      ["tests/e2e/test_study_dose.py::test_a_sweep_copies_a_finished_run_of_another_sweep"],
+      "a sweep reruns a run another sweep in the same out-dir already finished"),
 ]
 
 

@@ -65,6 +65,13 @@ def synthetic_runs() -> dict[str, dict[int, dict]]:
     return runs
 
 
+def _curve(run: dict, rewards: list[float]) -> dict:
+    """``run`` with its per-step rewards set to ``rewards`` (a reward curve with a shape)."""
+    for rec, r in zip(run["records"], rewards):
+        rec["reward_mean"] = r
+    return run
+
+
 def _listed(part: str) -> list[str]:
     """The arm names of one half of the ``arms_vs_none`` answer ("ARM +0.123 [low, high] *, ...")."""
     return re.findall(r"(?:^|: |, )([a-z_0-9]+) [+-]\d", part)
@@ -151,22 +158,13 @@ def test_collapse_majority_of_none_is_harm():
     for s in SEEDS:
         b = 0.4 + 0.02 * s
         rewards = [b, b, b + 0.3, b + 0.3, b, b] if s < 4 else [b] * STEPS
-        run = _run(b, K3_NONE)
-        for rec, r in zip(run["records"], rewards):
-            rec["reward_mean"] = r
-        runs["none"][s] = run
+        runs["none"][s] = _curve(_run(b, K3_NONE), rewards)
         runs["ref_fp32"][s] = _run(b + _alt(s, 0.01), [1e-9] * STEPS)
     summary = summarize_study(_study(list(runs)), runs)
     assert summary["arms"]["none"]["collapse"]["k"] == 4
     ans = summary["answers"]["a_mismatch_hurts"]
     assert ans.startswith("YES: ") and "none collapsed in 4/6 seeds (a clear majority)" in ans
     assert "not measurably worse" in ans
-
-
-def _curve(run: dict, rewards: list[float]) -> dict:
-    for rec, r in zip(run["records"], rewards):
-        rec["reward_mean"] = r
-    return run
 
 
 def test_ended_low_counts_runs_that_never_reach_the_plateau():

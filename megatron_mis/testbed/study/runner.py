@@ -231,33 +231,41 @@ def run_sweep(study: StudyConfig) -> dict[str, Any]:
     # the doses not chosen (``--doses``) can still hold a finished run of the same configuration
     # (the reference, which resets the dose): copy it rather than run it again
     others = [job for label in SWEEPS[study.sweep].labels if label not in chosen
-              for job in plan(study.for_dose(label))]
+              for job in _on_disk(study.for_dose(label))]
     return run_jobs(study, plan_sweep(study), f"sweep {study.sweep}", sources=others + _other_sweeps_on_disk(study))
+
+
+def _on_disk(study: StudyConfig) -> list[RunJob]:
+    """:func:`plan`'s jobs whose run files exist, resolving only those (a copy's source must be
+    on disk; resolving every configuration of every dose costs seconds)."""
+    return [RunJob(study.setting, arm, seed, run_config(study, arm, seed).to_dict(), str(path))
+            for seed in study.seed_list for arm in study.arm_names
+            if (path := run_path(study, arm, seed)).is_file()]
 
 
 def _other_sweeps_on_disk(study: StudyConfig) -> list[RunJob]:
     """The runs of the other sweeps (their own arms, this study's seeds and flags) whose files
     exist in ``study.out_dir``: a dose of one sweep can be another's, e.g. ``long-tail-stale-128``
     k0 is ``long-tail-precision`` int4 and ``staleness`` k0's fresh fp32 reference is
-    ``temperature`` t1's, so such a run is copied rather than run again. Only paths that
-    exist are resolved (resolving every sweep's runs costs seconds). A dose whose study this
-    study's flags do not fit (its validation rejects one of its arms' configurations) is skipped."""
+    ``temperature`` t1's, so such a run is copied rather than run again. A sweep or dose whose
+    study this study's flags do not fit (its validation rejects one of its arms' configurations)
+    is skipped."""
     from megatron_mis.config import ConfigError
 
     found = []
     for name, sweep in SWEEPS.items():
         if name == study.sweep:
             continue
+        try:
+            other = StudyConfig(**{**study.to_dict(), "sweep": name, "doses": None, "arms": None})
+        except ConfigError:
+            continue
         for label in sweep.labels:
             try:
-                sub = StudyConfig(**{**study.to_dict(), "sweep": name, "doses": None, "arms": None}).for_dose(label)
+                sub = other.for_dose(label)
             except ConfigError:  # e.g. --quick's micro-batches do not split into staleness-multi's 4 updates
                 continue
-            for seed in sub.seed_list:
-                for arm in sub.arm_names:
-                    path = run_path(sub, arm, seed)
-                    if path.is_file():
-                        found.append(RunJob(sub.setting, arm, seed, run_config(sub, arm, seed).to_dict(), str(path)))
+            found += _on_disk(sub)
     return found
 
 
