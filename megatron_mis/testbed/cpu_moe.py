@@ -37,13 +37,11 @@ __all__ = ["SequenceParallelRMSNorm", "RoutingOnlyAttention", "cpu_moe_config", 
 
 @contextlib.contextmanager
 def cpu_rng_shims() -> Iterator[None]:
-    """While active (and only without CUDA): ``CudaRNGStatesTracker.fork`` yields without
-    touching CUDA RNG states, and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
-    (used by activation recomputation) read / leave the CPU generator (recomputation restores the
-    CPU state itself). Everything is restored on exit."""
-    if torch.cuda.is_available():
-        yield
-        return
+    """While active (also where CUDA is available: the models it serves run on the CPU):
+    ``CudaRNGStatesTracker.fork`` yields without touching CUDA RNG states, and Megatron's
+    ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (used by activation recomputation) read /
+    leave the CPU generator (recomputation restores the CPU state itself). Everything is restored
+    on exit."""
     from megatron.core.tensor_parallel import random as mrandom
 
     cls = mrandom.CudaRNGStatesTracker

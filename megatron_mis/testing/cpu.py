@@ -125,7 +125,9 @@ def cpu_compat_active() -> bool:
 def cpu_compat() -> Iterator[None]:
     """Install the CPU shims for Megatron-Core for the duration of the block.
 
-    Shims (only when ``torch.cuda.is_available()`` is false):
+    Shims (installed whether or not CUDA is available: the models built inside run on the CPU,
+    and on a GPU machine without the shims Megatron's schedules and optimizer put their buffers on
+    the GPU; the demo failed so, with a device mismatch, on an H100 on 2026-11-27):
 
     - ``torch.cuda.current_device()`` returns ``"cpu"``;
     - ``torch.cuda.synchronize()`` does nothing (the pipeline-parallel p2p shape exchange calls
@@ -143,9 +145,6 @@ def cpu_compat() -> Iterator[None]:
       (:func:`_pos_emb_on_this_cp_rank_cpu`) instead of a pinned CUDA one.
     """
     global _depth
-    if torch.cuda.is_available():
-        yield
-        return
     with _lock:
         _depth += 1
         if _depth == 1:
