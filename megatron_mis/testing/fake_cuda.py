@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import traceback
 import weakref
@@ -250,6 +251,18 @@ class SyncProbe(TorchDispatchMode):
                 f"{what or 'the probed code'}: {len(self.violations)} host synchronisation(s) / device error(s) on "
                 f"CUDA inputs (allowed: {allowed}):\n{self.report()}"
             )
+
+    def assert_matches(self, actual: Any, expected: Any, *, equal_nan: bool = False, msg: str | None = None) -> None:
+        """``actual`` (on the fake device) equals ``expected`` (the CPU run) bit for bit: the fake
+        device computes with the CPU's kernels. (:class:`~megatron_mis.testing.real_cuda.RealCudaProbe`
+        allows a GPU's rounding instead.)"""
+        torch.testing.assert_close(shadow(actual), expected, rtol=0, atol=0, equal_nan=equal_nan, msg=msg)
+
+    def assert_metric_matches(self, actual: float, expected: float, what: str) -> None:
+        """A reduced metric (a Python float) equals the CPU run's to float64 summation order
+        (relative 1e-9)."""
+        if not math.isclose(actual, expected, rel_tol=1e-9, abs_tol=1e-12):
+            raise AssertionError(f"{what}: {actual!r} != {expected!r}")
 
     def clear(self) -> None:
         self.violations.clear()

@@ -19,6 +19,7 @@ host synchronisation.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -96,6 +97,22 @@ class RealCudaProbe:
             raise AssertionError(
                 f"{what or 'the probed code'}: {len(self.violations)} host synchronisation(s) on the GPU "
                 f"(allowed: {allowed}):\n{self.report()}")
+
+    def assert_matches(self, actual: Any, expected: Any, *, equal_nan: bool = False, msg: str | None = None) -> None:
+        """``actual`` (on the GPU) equals ``expected`` (the CPU run) within torch's default
+        tolerance for the dtype (float32: 1.3e-6 relative, 1e-5 absolute): a GPU's kernels round
+        differently from the CPU's (on an H100, 2026-11-27: at most 1 ulp, 4.8e-7 on log-probs near
+        -4, 2.2e-16 on float64 summaries), so bit equality, which the fake device meets, is not
+        the test here; a wrong value is."""
+        from megatron_mis.testing.fake_cuda import shadow
+
+        torch.testing.assert_close(shadow(actual), expected, equal_nan=equal_nan, msg=msg)
+
+    def assert_metric_matches(self, actual: float, expected: float, what: str) -> None:
+        """A reduced metric (a Python float, reduced from float32 values) equals the CPU run's
+        within float32 rounding (relative 1.3e-6, absolute 1e-5: torch's float32 defaults)."""
+        if not math.isclose(actual, expected, rel_tol=1.3e-6, abs_tol=1e-5):
+            raise AssertionError(f"{what}: {actual!r} != {expected!r} (float32 tolerance)")
 
     def clear(self) -> None:
         self.violations.clear()

@@ -55,9 +55,9 @@ def test_compute_mis_has_no_host_synchronisation(probe, overrides):
         out = compute_mis(*probe.cuda((train, rollout, mask)), offsets, cfg)
         probe.check_outputs([out.weights, out.keep_mask, out.seq_weights, out.token_metrics, out.summary])
         probe.assert_clean(what=f"compute_mis({overrides})")
-        torch.testing.assert_close(shadow(out.weights), ref.weights, rtol=0, atol=0)
+        probe.assert_matches(out.weights, ref.weights)
         for name, value in ref.summary.items():
-            torch.testing.assert_close(shadow(out.summary[name]), value, rtol=0, atol=0, equal_nan=True)
+            probe.assert_matches(out.summary[name], value, equal_nan=True)
 
 
 def test_compute_mis_from_lists_has_no_host_synchronisation(probe):
@@ -168,7 +168,7 @@ def test_per_step_functions_read_at_most_once(probe):
         out = compute_advantages(probe.cuda(rewards), group_size=2)
     probe.check_outputs([out.advantages, out.valid])
     probe.assert_clean(allowed=1, what="compute_advantages")
-    torch.testing.assert_close(shadow(out.advantages), ref.advantages, rtol=0, atol=0)
+    probe.assert_matches(out.advantages, ref.advantages)
     assert out.advantages.device.type == "cuda" and out.num_nonfinite_rewards == 1
 
     probe.clear()
@@ -180,7 +180,7 @@ def test_per_step_functions_read_at_most_once(probe):
     lp = log_probs_from_shards(probe.cuda(shards), probe.cuda(targets))
     probe.check_outputs([lp])
     probe.assert_clean(allowed=1, what="log_probs_from_shards")
-    torch.testing.assert_close(shadow(lp), ref_lp, rtol=0, atol=0)
+    probe.assert_matches(lp, ref_lp)
 
     probe.clear()
     pack = pack_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], device="cuda")
