@@ -50,3 +50,21 @@ def test_cpu_compat_installs_and_removes_the_optimizer_twins():
         assert optimizer.clip_grad_by_total_norm_fp32 is _clip_grad_by_total_norm_cpu
         assert optimizer.torch.tensor([1.0], device="cuda").device.type == "cpu"
     assert (clip_grads.get_grad_norm_fp32, optimizer.clip_grad_by_total_norm_fp32, optimizer.torch) == before
+
+
+def test_cpu_compat_installs_its_shims_where_cuda_is_available_too(monkeypatch):
+    """The testbed's models run on the CPU on a GPU machine too: cpu_compat once returned early
+    there, and Megatron's schedule put its buffers on the GPU ('megatron-mis demo' failed with a
+    cuda:0 / cpu device mismatch on an H100, 2026-11-27). torch.cuda.is_available() is made True."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megatron_mis.testbed.cpu_moe import cpu_rng_shims
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fork = mrandom.CudaRNGStatesTracker.fork
+    with cpu_compat(), cpu_rng_shims():
+        assert torch.cuda.current_device() == "cpu"
+        assert schedules.torch.zeros(1, device="cuda").device.type == "cpu"
+        assert mrandom.CudaRNGStatesTracker.fork is not fork
+    assert mrandom.CudaRNGStatesTracker.fork is fork and schedules.torch is torch
