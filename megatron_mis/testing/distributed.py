@@ -41,7 +41,9 @@ class RemoteError(RuntimeError):
     """A function raised on a worker rank; the message holds that rank's traceback."""
 
 
-def _worker(rank: int, world_size: int, store: str, conn: Any, threads: int, timeout_s: float, cpu_compat: bool) -> None:
+def _worker(
+    rank: int, world_size: int, store: str, conn: Any, threads: int, timeout_s: float, cpu_compat: bool, backend: str = "gloo"
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -53,8 +55,10 @@ def _worker(rank: int, world_size: int, store: str, conn: Any, threads: int, tim
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world_size,
@@ -91,11 +95,17 @@ class ProcessGroupPool:
         timeout: seconds a single ``run`` may take before the pool is torn down.
         threads: intra-op threads per rank.
         cpu_compat: install :func:`megatron_mis.testing.cpu.cpu_compat` in every worker.
+        backend: ``"gloo"`` (default) or ``"nccl"`` (rank ``r`` on GPU ``r``; needs a GPU per rank).
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 180.0, threads: int = 1, cpu_compat: bool = True) -> None:
+    def __init__(
+        self, world_size: int, *, timeout: float = 180.0, threads: int = 1, cpu_compat: bool = True, backend: str = "gloo"
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be >= 1")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: allowed 'gloo' or 'nccl'")
+        self.backend = backend
         self.world_size = world_size
         self.timeout = timeout
         self.threads = threads
@@ -115,7 +125,7 @@ class ProcessGroupPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, store, child, self.threads, self.timeout, self.cpu_compat),
+                args=(rank, self.world_size, store, child, self.threads, self.timeout, self.cpu_compat, self.backend),
                 daemon=True,
             )
             proc.start()

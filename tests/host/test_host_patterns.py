@@ -527,6 +527,57 @@ class _UnpicklableCudaEvent:
         pass
 
 
+def _checkpoint_args():
+    return _args(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.5, rs_upper_bound=2.0,
+                 tis_upper_bound=2.0, tis_batch_normalize=True, tis_batch_normalize_scope="global",
+                 rs_veto_threshold=1e-4, length_decay_enabled=True)
+
+
+def _slime_job_on_the_device(args, cu):
+    """A slime job's calls with every tensor moved by ``cu`` (to ``cuda:0``): the per-rollout
+    hook, a bypass call, a call with a NaN rollout log-prob (a deferred count), and one more call
+    that polls it. Returns (the state, the first deferred count's event, the warnings)."""
+    from megatron_mis.integrations import scheduler_hooks
+
+    t0, r0 = _lp(0.1, -0.2, 0.3)
+    t1 = torch.tensor([-1.0, -1.0])
+    r1 = torch.tensor([-1.0, float("nan")])
+    data = {"log_probs": cu([t0, t1]), "rollout_log_probs": cu([r0, r1]),
+            "loss_masks": cu([torch.ones(3), torch.ones(2)]), "total_lengths": [6, 5], "response_lengths": [3, 2]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler_hooks.host_state(args)
+        tis_functions.prepare_global_normalizer(args, 0, data)
+        args.use_rollout_logprobs = True  # one bypass call: its warn-once is remembered
+        slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
+                                          rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
+                                          total_lengths=[6], response_lengths=[3])
+        args.use_rollout_logprobs = False
+        slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(2)), train_log_probs=cu([t1]),
+                                          rollout_log_probs=cu([r1]), loss_masks=cu([torch.ones(2)]),
+                                          total_lengths=[5], response_lengths=[2])
+        state = REGISTRY.peek(args)
+        first_event = state.pending_nonfinite._event
+        slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
+                                          rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
+                                          total_lengths=[6], response_lengths=[3])
+    return state, first_event, caught
+
+
+def _check_saved_unchanged(args, before, state, caught):
+    assert any("1 loss-mask token(s) had NaN or inf" in str(w.message) for w in caught)  # polled via the event
+    assert state.global_mean is not None and state.global_mean.mean.device.type == "cuda"
+    assert state.lr is not None and state.warned
+    with pytest.raises((TypeError, RuntimeError, pickle.PicklingError)):
+        pickle.dumps(state.pending_nonfinite)  # on args, this would break every checkpoint
+    assert vars(args) == before
+    assert vars(pickle.loads(pickle.dumps(args))) == before
+    buf = io.BytesIO()
+    torch.save({"args": args}, buf)
+    buf.seek(0)
+    assert vars(torch.load(buf, weights_only=False)["args"]) == before
+
+
 def test_checkpoint_save_of_args_after_the_cuda_branches_created_state():
     """The same checkpoint save (Megatron's ``state_dict['args'] = args``, torch.save) after a
     slime job's calls made on ``cuda:0`` tensors, so the CUDA branches create the state: the
@@ -535,51 +586,32 @@ def test_checkpoint_save_of_args_after_the_cuda_branches_created_state():
     call), bypass / veto warn-once keys and the LR hooks' state. Fake CUDA
     (megatron_mis/testing/fake_cuda.py) stands in for the GPU; torch.cuda.Event refuses pickling.
     The state is unpicklable, and args still pickles and saves unchanged."""
-    from megatron_mis.integrations import scheduler_hooks
     from megatron_mis.testing.fake_cuda import fake_cuda, fake_cuda_unavailable_reason
 
     reason = fake_cuda_unavailable_reason()
     if reason is not None:
         pytest.skip(f"fake CUDA unavailable: {reason}")
-    args = _args(use_tis=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.5, rs_upper_bound=2.0,
-                 tis_upper_bound=2.0, tis_batch_normalize=True, tis_batch_normalize_scope="global",
-                 rs_veto_threshold=1e-4, length_decay_enabled=True)
+    args = _checkpoint_args()
     before = dict(vars(args))
-    t0, r0 = _lp(0.1, -0.2, 0.3)
-    t1 = torch.tensor([-1.0, -1.0])
-    r1 = torch.tensor([-1.0, float("nan")])
     with fake_cuda() as probe:
         torch.cuda.Event = _UnpicklableCudaEvent  # fake_cuda() restores the real one on exit
-        cu = probe.cuda
-        data = {"log_probs": cu([t0, t1]), "rollout_log_probs": cu([r0, r1]),
-                "loss_masks": cu([torch.ones(3), torch.ones(2)]), "total_lengths": [6, 5], "response_lengths": [3, 2]}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            scheduler_hooks.host_state(args)
-            tis_functions.prepare_global_normalizer(args, 0, data)
-            args.use_rollout_logprobs = True  # one bypass call: its warn-once is remembered
-            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
-                                              rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
-                                              total_lengths=[6], response_lengths=[3])
-            args.use_rollout_logprobs = False
-            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(2)), train_log_probs=cu([t1]),
-                                              rollout_log_probs=cu([r1]), loss_masks=cu([torch.ones(2)]),
-                                              total_lengths=[5], response_lengths=[2])
-            state = REGISTRY.peek(args)
-            first_event = state.pending_nonfinite._event
-            slime.compute_mis_weights_with_cp(args, pg_loss=cu(torch.ones(3)), train_log_probs=cu([t0]),
-                                              rollout_log_probs=cu([r0]), loss_masks=cu([torch.ones(3)]),
-                                              total_lengths=[6], response_lengths=[3])
+        state, first_event, caught = _slime_job_on_the_device(args, probe.cuda)
     assert isinstance(first_event, _UnpicklableCudaEvent)  # made by the CUDA branch, not injected
     assert isinstance(state.pending_nonfinite._event, _UnpicklableCudaEvent)
-    assert any("1 loss-mask token(s) had NaN or inf" in str(w.message) for w in caught)  # polled via the event
-    assert state.global_mean is not None and state.global_mean.mean.device.type == "cuda"
-    assert state.lr is not None and state.warned
-    with pytest.raises(TypeError):
-        pickle.dumps(state.pending_nonfinite)  # on args, this would break every checkpoint
-    assert vars(args) == before
-    assert vars(pickle.loads(pickle.dumps(args))) == before
-    buf = io.BytesIO()
-    torch.save({"args": args}, buf)
-    buf.seek(0)
-    assert vars(torch.load(buf, weights_only=False)["args"]) == before
+    _check_saved_unchanged(args, before, state, caught)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real torch.cuda.Event state)")
+def test_checkpoint_save_of_args_after_drop_in_calls_on_a_gpu():
+    """The same job on a real GPU: the deferred counts hold real ``torch.cuda.Event`` objects,
+    and ``args`` still pickles and saves unchanged."""
+    from torch.utils._pytree import tree_map
+
+    args = _checkpoint_args()
+    before = dict(vars(args))
+    state, first_event, caught = _slime_job_on_the_device(
+        args, lambda t: tree_map(lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, t))
+    torch.cuda.synchronize()
+    assert isinstance(first_event, torch.cuda.Event) and isinstance(state.pending_nonfinite._event, torch.cuda.Event)
+    _check_saved_unchanged(args, before, state, caught)
