@@ -56,3 +56,10 @@ def test_megatron_parallel_leaves_no_groups_or_threads(pool2):
         groups = [g for g, _ in seen]
         assert groups[3] - groups[0] >= 3 * 10, seen
         assert seen[3][1] > seen[1][1] + 20, seen
+
+
+def test_pool_arguments_are_validated():
+    with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
+        ProcessGroupPool(0)
+    with pytest.raises(ValueError, match=r"backend='mpi': allowed 'gloo' or 'nccl'"):
+        ProcessGroupPool(1, backend="mpi")
