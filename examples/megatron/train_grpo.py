@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA (nccl) where available, else the CPU (gloo); cpu forces the CPU on a GPU machine")
     p.add_argument("--metrics", type=Path, default=Path("train_grpo_metrics.jsonl"), help="JSONL written by the reporting rank")
     return p.parse_args(argv)
 
@@ -284,13 +286,20 @@ def main(argv: list[str] | None = None) -> int:
         configs = load_configs(args.mis_config)
     except (ValueError, FileNotFoundError, KeyError) as exc:  # ConfigError is a ValueError
         problems.append(str(exc))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if use_cuda and not torch.cuda.is_available():
+        problems.append("--device=cuda but CUDA is not available here (torch.cuda.is_available() is False); use --device cpu")
+    elif use_cuda and torch.cuda.device_count() < local_world:
+        problems.append(f"{local_world} processes on this node but {torch.cuda.device_count()} visible GPU(s) with "
+                        f"--device={args.device}: nccl needs one GPU per rank; start at most "
+                        f"{torch.cuda.device_count()} per node, or use --device cpu")
     if problems:
         # every rank says it: torchrun stops the others as soon as one rank exits, so a message
         # printed by rank 0 alone was lost whenever another rank exited first
         print(f"error (rank {rank}): " + "\n       ".join(problems), file=sys.stderr, flush=True)
         return 2
 
-    use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_rank)
     else:

@@ -25,7 +25,8 @@ SCRIPT = REPO / "examples" / "megatron" / "train_grpo.py"
 
 def _torchrun(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), *args]
+    # --device cpu: these tests are about the CPU (gloo) path, also on a GPU machine
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--device", "cpu", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -66,4 +67,19 @@ def test_bad_flags_are_refused_together_before_any_process_group(tmp_path):
     assert "WORLD_SIZE=2 is not a multiple of tp x cp x pp = 4" in proc.stderr
     assert "no_such_preset" in proc.stderr
     assert "--lr=0.0 must be > 0" in proc.stderr
+    assert "TP=" not in proc.stdout
+
+
+def test_device_cuda_without_cuda_is_refused(tmp_path):
+    """``--device cuda`` where torch sees no GPU (this CI machine): refused before any process
+    group, naming the flag and the way out."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("CUDA is available here")
+    proc = _torchrun("--device", "cuda", "--steps", "1", cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "--device=cuda but CUDA is not available here" in proc.stderr and "use --device cpu" in proc.stderr
     assert "TP=" not in proc.stdout
