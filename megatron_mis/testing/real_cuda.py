@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from megatron_mis.testing.fake_cuda import CPU_OUTPUT, Violation, _leaves, _where
+from megatron_mis.testing.fake_cuda import CPU_OUTPUT, Violation, _leaves, _where, shadow
 
 __all__ = ["RealCudaProbe", "SYNC", "real_cuda"]
 
@@ -104,8 +104,6 @@ class RealCudaProbe:
         differently from the CPU's (on an H100, 2026-11-27: at most 1 ulp, 4.8e-7 on log-probs near
         -4, 2.2e-16 on float64 summaries), so bit equality, which the fake device meets, is not
         the test here; a wrong value is."""
-        from megatron_mis.testing.fake_cuda import shadow
-
         torch.testing.assert_close(shadow(actual), expected, equal_nan=equal_nan, msg=msg)
 
     def assert_metric_matches(self, actual: float, expected: float, what: str) -> None:
