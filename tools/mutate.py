@@ -315,6 +315,14 @@ MUTANTS: list[Mutant] = [
       "sources=others + _other_sweeps_on_disk(study))", "sources=others)",
       ["tests/e2e/test_study_dose.py::test_a_sweep_copies_a_finished_run_of_another_sweep"],
       "a sweep reruns a run another sweep in the same out-dir already finished"),
+    M("cpu-compat-skips-with-cuda", "megatron_mis/testing/cpu.py",
+      "    global _depth\n    with _lock:", "    global _depth\n    if torch.cuda.is_available():\n        yield\n        return\n    with _lock:",
+      ["tests/unit/test_testing_cpu.py::test_cpu_compat_installs_its_shims_where_cuda_is_available_too"],
+      "the CPU shims skipped where CUDA is available (the demo failed so on an H100)"),
+    M("pool-backend-ignored", "megatron_mis/testing/distributed.py",
+      "        if backend not in (\"gloo\", \"nccl\"):", "        if False:",
+      ["tests/distributed/test_group_cleanup.py::test_pool_arguments_are_validated"],
+      "an unknown process-group backend accepted silently"),
 ]
 
 
