@@ -26,19 +26,19 @@ Regimes (first match wins):
 3. ``0.15 < s <= 1``: sequence weights stay informative (share >= exp(-1) = 0.37) and are the
    unbiased correction (When Speed Kills Stability), so ``sequence_mis`` is printed as the
    option; the advice is ``token_tis``: in the long-response runs (64 and 128 tokens) it never
-   collapsed (0 of 23) and ended at most 0.011 below none.
+   collapsed (0 of 27) and, fresh, ended at most 0.011 below none.
    Measured twice with fresh int4 rollouts: ``long-tail-stale`` k0 (64 tokens, s 0.6, 3 seeds),
    every arm on the plateau; ``long-tail-stale-128`` k0 (128 tokens, s 0.4, 4 seeds), no
    correction helps (every CI includes 0), sequence MIS one collapse in four. A cautious choice,
    not a measured difference.
 4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level truncation (``token_tis``),
    measured: in the study's ``long-tail-stale`` sweeps (64-token responses, s 1.9-3.6 at 1, 2 and
-   4 steps of lag, K3 0.03-0.1; 128-token responses, s 1.2 and 2.3 at 1 and 2 steps, K3 5.7e-3
-   and 2.1e-2; 3-4 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
-   the only correction on the plateau at every dose (0/16 collapses), while sequence MIS
-   collapsed in 8/16 runs (11/16 ended low: below half of the reference's gain), sequence TIS in
-   4/16 (6/16 ended low), token MIS with the length-scaled band in 2/9 (64 tokens) and none in
-   2/16. The band (``zscore_rs_token_mis`` with ``rs_criteria:
+   4 steps of lag, K3 0.03-0.1; 128-token responses, s 1.2 and 2.4 at 1 and 2 steps, K3 5.7e-3
+   and 2.3e-2; 3-8 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
+   the only correction on the plateau at every dose (0/20 collapses, 0/20 ended low), while
+   sequence MIS collapsed in 9/20 runs (12/20 ended low: below half of the reference's gain),
+   sequence TIS in 6/20 (10/20 ended low), token MIS with the length-scaled band in 2/9 (64
+   tokens) and none in 2/20. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice.
 """
@@ -138,8 +138,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
             "token_tis", None, None, s, share, "sequence-level",
             f"s = {s:.3f}: sequence weights keep an effective share exp(-s^2) = {share:.2f}, so the unbiased "
             "sequence-level correction is usable: the preset sequence_mis is the option. The advice is a token "
-            "weight truncated at 2: in the study's long-response runs (64 and 128 tokens) it never collapsed (0 of 23 "
-            "runs) and ended at most 0.011 below none",
+            "weight truncated at 2: in the study's long-response runs (64 and 128 tokens) it never collapsed (0 of 27 "
+            "runs) and, with fresh rollouts, ended at most 0.011 below none",
             "study (docs/study.md), measured twice with fresh int4 rollouts: long-tail-stale k0 (64 tokens, s 0.6, 3 "
             "seeds), every arm on the plateau, none not hurt; long-tail-stale-128 k0 (128 tokens, s 0.4, 4 seeds), no "
             "correction helps (every CI includes 0), sequence MIS -0.054 [-0.154, +0.002] against none with one "
@@ -155,10 +155,10 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         f"mean log-ratio lies more than 3 SD from -K3 at their own length (at the mean length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, "
         f"{band[1]:.4f}]): rs_criteria: {{seq_zscore_k1: {{k3: {k3:.3g}, z: 3}}}}",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
-        "128 tokens, s 1.2 and 2.3 at 1 and 2 steps; 3-4 seeds per dose): token TIS on the plateau at every dose "
-        "(0/16 collapses; +0.105 [+0.018, +0.267] over none at 4 steps, 64 tokens), sequence MIS collapsed in 8/16 runs "
-        "(11/16 ended below half of the reference's gain), sequence TIS in 4/16 (6/16 ended low), token MIS with the "
-        "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/16. Measured with stale "
+        "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-8 seeds per dose): token TIS on the plateau at every dose "
+        "(0/20 collapses; +0.105 [+0.018, +0.267] over none at 4 steps, 64 tokens), sequence MIS collapsed in 9/20 runs "
+        "(12/20 ended below half of the reference's gain), sequence TIS in 6/20 (10/20 ended low), token MIS with the "
+        "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/20. Measured with stale "
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail",
     )
