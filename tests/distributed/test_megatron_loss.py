@@ -795,20 +795,28 @@ def test_on_the_gpu_over_nccl_equals_the_cpu_run(pool1, pool_nccl, case):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=lambda m: f"recomputed log-probs on the GPU: {m}")
 
 
-@pytest.mark.cuda
-@needs_cuda
-def test_bf16_training_on_the_gpu_is_finite_and_near_fp32(pool_nccl):
-    """bf16 parameters in Megatron's Float16Module on the GPU (Megatron's bf16 training): every
-    loss, gradient and update finite, the recomputed log-probs within 0.01 nats of the fp32
-    model's (bf16 keeps 8 significant bits, a rounding of 2^-9 relative per operation; the same
-    comparison on the CPU measured 1.4e-3 on 2026-11-27), and the parameters moved."""
+def _check_bf16_against_fp32(pool, device):
+    """bf16 parameters in Megatron's Float16Module (Megatron's bf16 training) on ``device``:
+    every loss, gradient and update finite, the recomputed log-probs within 0.01 nats of the fp32
+    model's (bf16 keeps 8 significant bits, a rounding of 2^-9 relative per operation; measured
+    1.4e-3 on the CPU on 2026-11-27), and the parameters moved."""
     cfg, mis = LOSS_CASES["decoupled_token_tis_rs_rejected_out"]
     batches = make_micro_batches(4)
-    fp32 = pool_nccl.run(train, 1, batches, cfg, mis, device="cuda")[0]
-    bf16 = pool_nccl.run(train, 1, batches, cfg, mis, device="cuda", params_dtype=torch.bfloat16)[0]
+    fp32 = pool.run(train, 1, batches, cfg, mis, device=device)[0]
+    bf16 = pool.run(train, 1, batches, cfg, mis, device=device, params_dtype=torch.bfloat16)[0]
     assert all(math.isfinite(h["loss"]) for h in bf16["history"]), bf16["history"]
     assert all(g.isfinite().all() for g in bf16["grads"].values())
     assert all(p.isfinite().all() for p in bf16["after"].values())
     assert any(not torch.equal(bf16["after"][n], p) for n, p in bf16["before"].items())
     gap = max(float((a - b).abs().max()) for a, b in zip(bf16["recomputed"], fp32["recomputed"]))
     assert 0 < gap <= 0.01, f"bf16 vs fp32 recomputed log-probs differ by {gap:.3g} nats"
+
+
+def test_bf16_training_is_finite_and_near_fp32(pool1):
+    _check_bf16_against_fp32(pool1, "cpu")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_bf16_training_on_the_gpu_is_finite_and_near_fp32(pool_nccl):
+    _check_bf16_against_fp32(pool_nccl, "cuda")
