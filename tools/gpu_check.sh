@@ -4,6 +4,13 @@
 # (Python 3.12 there); everything else (torch with CUDA, pytest, xdist, hypothesis, numpy,
 # matplotlib) is the machine's own. Each phase has its own time limit, so one that hangs cannot
 # hide the others. Usage: tools/gpu_check.sh [PHASE ...]  (default: every phase)
+# The wheel, fetched once where pip reaches PyPI (.whl/ is ignored by git; carry it to the GPU):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+# On 2026-11-27 (one H100): env 20 s, demo 20 s, realcuda 77 s, gpu 150 s, bench 60 s, and the
+# suite more than its 220 s; run the suite beside realcuda + gpu (GPU against CPUs) and the bench
+# alone: 5 minutes in all, e.g.  tools/gpu_check.sh env demo; tools/gpu_check.sh suite > /tmp/suite.out &
+#   tools/gpu_check.sh realcuda gpu; wait; cat /tmp/suite.out; tools/gpu_check.sh bench
 #   env       versions and the device
 #   realcuda  the fake-CUDA tier on the real device under set_sync_debug_mode (MEGATRON_MIS_REAL_CUDA_TIER=1)
 #   gpu       the CUDA-only tests (tests that skip without a GPU: NCCL, Megatron on CUDA, bf16, R3, checkpoint)
