@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
+from bench_logprobs import memory_micro_batch  # noqa: E402
 from bench_mis import SEED000, make_batch  # noqa: E402
 from naive_mis import naive_mis  # noqa: E402
 
@@ -141,22 +142,10 @@ def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
     import torch.distributed as dist
 
     from megatron_mis.config.loss import LossConfig
-    from megatron_mis.integrations.megatron_loss import MegatronRLLoss, RLMicroBatch
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss
 
-    g = torch.Generator().manual_seed(0)
-    num_seq = 8
-    prompt = max(1, tokens // (num_seq * 8))
-    resp = tokens // num_seq - prompt
-    totals = torch.full((num_seq,), prompt + resp)
-    responses = torch.full((num_seq,), resp)
-    num = int(responses.sum())
-    old = torch.randn(num, generator=g) * 0.3 - 2.0
-    mb = RLMicroBatch(
-        tokens=torch.randint(0, vocab, (int(totals.sum()),), generator=g),
-        cu_seqlens=torch.nn.functional.pad(torch.cumsum(totals, 0), (1, 0)).int(), response_lengths=responses,
-        loss_mask=torch.ones(num), advantages=torch.randn(num, generator=g), old_log_probs=old,
-        rollout_log_probs=old + 0.1 * torch.randn(num, generator=g),
-    )
+    mb, _ = memory_micro_batch(tokens, vocab)
+    totals, num = mb.total_lengths, int(mb.response_lengths.sum())
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:

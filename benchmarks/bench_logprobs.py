@@ -136,16 +136,10 @@ class LiveBytes:
         self.mode.__exit__(*exc)
 
 
-def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
-    """Peak extra memory of MegatronRLLoss.loss_func + backward, as a multiple of the logits."""
-    import tempfile
-    import types
-
-    import torch.distributed as dist
-
-    from megatron_mis import MISConfig
-    from megatron_mis.config.loss import LossConfig
-    from megatron_mis.integrations.megatron_loss import MegatronRLLoss, _on
+def memory_micro_batch(tokens: int, vocab: int):
+    """The micro-batch of the loss_func memory measurements (here and in bench_gpu.py): 8 packed
+    sequences of ``tokens / 8`` tokens, 1/8 of each a prompt; returns it and the generator that
+    made it (the logits are drawn from it next)."""
     from megatron_mis.integrations.rl_batch import RLMicroBatch
 
     g = torch.Generator().manual_seed(0)
@@ -162,6 +156,22 @@ def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
         loss_mask=torch.ones(num), advantages=torch.randn(num, generator=g), old_log_probs=old,
         rollout_log_probs=old + 0.1 * torch.randn(num, generator=g),
     )
+    return mb, g
+
+
+def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
+    """Peak extra memory of MegatronRLLoss.loss_func + backward, as a multiple of the logits."""
+    import tempfile
+    import types
+
+    import torch.distributed as dist
+
+    from megatron_mis import MISConfig
+    from megatron_mis.config.loss import LossConfig
+    from megatron_mis.integrations.megatron_loss import MegatronRLLoss, _on
+
+    mb, g = memory_micro_batch(tokens, vocab)
+    totals, num = mb.total_lengths, int(mb.response_lengths.sum())
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
