@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package
-from bench_logprobs import memory_micro_batch  # noqa: E402
+from bench_logprobs import memory_micro_batch, one_rank_group  # noqa: E402
 from bench_mis import SEED000, make_batch  # noqa: E402
 from naive_mis import naive_mis  # noqa: E402
 
@@ -93,16 +92,14 @@ def engine_figures(num_seqs: int, repeats: int) -> int:
 def model_share(tokens_per_seq: int, num_seqs: int, repeats: int) -> None:
     """One forward + backward of a bf16 GPTModel (Megatron-Core local spec, no Transformer Engine)
     on ``num_seqs x tokens_per_seq`` tokens, against the engine on the same number of tokens."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
     from megatron_mis.testbed.models.gpt import GPTSpec, build_gpt
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    with one_rank_group("nccl"):
+        ps.initialize_model_parallel()
         try:
-            ps.initialize_model_parallel()
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(0)
@@ -132,44 +129,36 @@ def model_share(tokens_per_seq: int, num_seqs: int, repeats: int) -> None:
             del model, gpt
         finally:
             ps.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
     """Peak extra GPU memory of ``MegatronRLLoss.loss_func`` forward + backward on float32 logits
     ``[1, T, V]`` (Megatron's Float16Module hands fp32 logits to the loss), as a multiple of the
     logits' size."""
-    import torch.distributed as dist
-
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss
 
     mb, _ = memory_micro_batch(tokens, vocab)
     totals, num = mb.total_lengths, int(mb.response_lengths.sum())
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            group = dist.new_group([0])
-            rl = MegatronRLLoss(LossConfig(policy_loss="decoupled_ppo", log_probs_chunk_size=chunk), MISConfig(use_tis=True),
-                                tp_group=group, cp_group=group, dp_group=group)
-            view = rl.local_view(mb)
-            den = rl.count_denominators([mb])
-            output = torch.randn(1, int(totals.sum()), vocab, device="cuda").requires_grad_()
-            size = output.numel() * output.element_size()
-            for attempt in ("warm-up", "measured"):
-                output.grad = None
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                loss, _, _ = rl.loss_func(mb, view, den, 1, output)
-                loss.backward()
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - base
-            print(f"loss_func: T={int(totals.sum())} (R={num} response rows) V={vocab} chunk={chunk} float32 logits "
-                  f"{size / 2**30:.2f} GiB: peak extra {peak / 2**30:.2f} GiB = {peak / size:.2f} x logits "
-                  "(the logits' own gradient is 1.00 x)")
-        finally:
-            dist.destroy_process_group()
+    with one_rank_group("nccl") as group:
+        rl = MegatronRLLoss(LossConfig(policy_loss="decoupled_ppo", log_probs_chunk_size=chunk), MISConfig(use_tis=True),
+                            tp_group=group, cp_group=group, dp_group=group)
+        view = rl.local_view(mb)
+        den = rl.count_denominators([mb])
+        output = torch.randn(1, int(totals.sum()), vocab, device="cuda").requires_grad_()
+        size = output.numel() * output.element_size()
+        for attempt in ("warm-up", "measured"):
+            output.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss, _, _ = rl.loss_func(mb, view, den, 1, output)
+            loss.backward()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        print(f"loss_func: T={int(totals.sum())} (R={num} response rows) V={vocab} chunk={chunk} float32 logits "
+              f"{size / 2**30:.2f} GiB: peak extra {peak / 2**30:.2f} GiB = {peak / size:.2f} x logits "
+              "(the logits' own gradient is 1.00 x)")
 
 
 def main() -> None:

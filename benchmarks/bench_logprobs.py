@@ -22,6 +22,7 @@ without its rounding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -136,6 +137,22 @@ class LiveBytes:
         self.mode.__exit__(*exc)
 
 
+@contextlib.contextmanager
+def one_rank_group(backend: str = "gloo"):
+    """A one-process default group (file store in a temporary folder) for the block; yields a
+    subgroup of rank 0 for the loss's TP / CP / DP groups, and destroys the default group on exit."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield dist.new_group([0])
+        finally:
+            dist.destroy_process_group()
+
+
 def memory_micro_batch(tokens: int, vocab: int):
     """The micro-batch of the loss_func memory measurements (here and in bench_gpu.py): 8 packed
     sequences of ``tokens / 8`` tokens, 1/8 of each a prompt; returns it and the generator that
@@ -161,10 +178,7 @@ def memory_micro_batch(tokens: int, vocab: int):
 
 def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
     """Peak extra memory of MegatronRLLoss.loss_func + backward, as a multiple of the logits."""
-    import tempfile
     import types
-
-    import torch.distributed as dist
 
     from megatron_mis import MISConfig
     from megatron_mis.config.loss import LossConfig
@@ -172,35 +186,28 @@ def loss_func_memory(tokens: int, vocab: int, chunk: int) -> None:
 
     mb, g = memory_micro_batch(tokens, vocab)
     totals, num = mb.total_lengths, int(mb.response_lengths.sum())
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            group = dist.new_group([0])
-            cfg = LossConfig(policy_loss="decoupled_ppo", log_probs_chunk_size=chunk)
-            results = {}
-            for name in ("index_select copy (before)", "rows= (after)"):
-                rl = MegatronRLLoss(cfg, MISConfig(use_tis=True), tp_group=group, cp_group=group, dp_group=group)
-                if name.startswith("index_select"):
-                    def copy_path(self, output_tensor, view, with_entropy):
-                        logits = output_tensor.reshape(-1, output_tensor.shape[-1])
-                        return vocab_parallel_log_probs(
-                            logits.index_select(0, _on(view.rows, logits.device)), _on(view.targets, logits.device),
-                            group=self.tp_group, temperature=self.config.rollout_temperature,
-                            with_entropy=with_entropy, chunk_size=self.config.log_probs_chunk_size,
-                        )
-                    rl._log_probs = types.MethodType(copy_path, rl)
-                view = rl.local_view(mb)
-                den = rl.count_denominators([mb])
-                output = (torch.randn(1, int(totals.sum()), vocab, generator=g)).requires_grad_()
-                size = output.numel() * output.element_size()
-                with LiveBytes(output) as live:
-                    loss, _, _ = rl.loss_func(mb, view, den, 1, output)
-                    loss.backward()
-                results[name] = live.peak / size
-                print(f"  {name:>28}: peak extra {live.peak / 2**20:8.1f} MiB = {live.peak / size:.2f} x logits "
-                      f"({size / 2**20:.1f} MiB; the logits' own gradient is 1.00 x of it)")
-        finally:
-            dist.destroy_process_group()
+    with one_rank_group("gloo") as group:
+        cfg = LossConfig(policy_loss="decoupled_ppo", log_probs_chunk_size=chunk)
+        for name in ("index_select copy (before)", "rows= (after)"):
+            rl = MegatronRLLoss(cfg, MISConfig(use_tis=True), tp_group=group, cp_group=group, dp_group=group)
+            if name.startswith("index_select"):
+                def copy_path(self, output_tensor, view, with_entropy):
+                    logits = output_tensor.reshape(-1, output_tensor.shape[-1])
+                    return vocab_parallel_log_probs(
+                        logits.index_select(0, _on(view.rows, logits.device)), _on(view.targets, logits.device),
+                        group=self.tp_group, temperature=self.config.rollout_temperature,
+                        with_entropy=with_entropy, chunk_size=self.config.log_probs_chunk_size,
+                    )
+                rl._log_probs = types.MethodType(copy_path, rl)
+            view = rl.local_view(mb)
+            den = rl.count_denominators([mb])
+            output = (torch.randn(1, int(totals.sum()), vocab, generator=g)).requires_grad_()
+            size = output.numel() * output.element_size()
+            with LiveBytes(output) as live:
+                loss, _, _ = rl.loss_func(mb, view, den, 1, output)
+                loss.backward()
+            print(f"  {name:>28}: peak extra {live.peak / 2**20:8.1f} MiB = {live.peak / size:.2f} x logits "
+                  f"({size / 2**20:.1f} MiB; the logits' own gradient is 1.00 x of it)")
     print(f"T={int(totals.sum())} (R={num} response rows) V={vocab} chunk={chunk} float32")
 
 
