@@ -56,7 +56,7 @@ def _worker(
 
     torch.set_num_threads(threads)
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank)
     dist.init_process_group(
         backend,
         init_method=f"file://{store}",
@@ -105,6 +105,12 @@ class ProcessGroupPool:
             raise ValueError(f"world_size={world_size!r} must be >= 1")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: allowed 'gloo' or 'nccl'")
+        if backend == "nccl":
+            import torch
+
+            if world_size > torch.cuda.device_count():
+                raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, "
+                                 f"{torch.cuda.device_count()} visible")
         self.backend = backend
         self.world_size = world_size
         self.timeout = timeout

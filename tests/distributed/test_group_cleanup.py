@@ -63,3 +63,8 @@ def test_pool_arguments_are_validated():
         ProcessGroupPool(0)
     with pytest.raises(ValueError, match=r"backend='mpi': allowed 'gloo' or 'nccl'"):
         ProcessGroupPool(1, backend="mpi")
+    import torch
+
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"backend='nccl' needs one GPU per rank: world_size={n + 1}, {n} visible"):
+        ProcessGroupPool(n + 1, backend="nccl")
