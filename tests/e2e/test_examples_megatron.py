@@ -19,6 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "megatron" / "train_grpo.py"
 
@@ -70,15 +73,10 @@ def test_bad_flags_are_refused_together_before_any_process_group(tmp_path):
     assert "TP=" not in proc.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_device_cuda_without_cuda_is_refused(tmp_path):
     """``--device cuda`` where torch sees no GPU (this CI machine): refused before any process
     group, naming the flag and the way out."""
-    import torch
-
-    if torch.cuda.is_available():
-        import pytest
-
-        pytest.skip("CUDA is available here")
     proc = _torchrun("--device", "cuda", "--steps", "1", cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "--device=cuda but CUDA is not available here" in proc.stderr and "use --device cpu" in proc.stderr
