@@ -143,6 +143,7 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
     assert "grad_norm_mean" in hot["none"] and hot["none"]["monitor_flagged"]["n"] == 2 == hot["none"]["monitor_any"]["n"]
     report = (tmp_path / "sweep-temperature" / "report.md").read_text()
     assert "| 1.5 | none | 2 |" in report and "Minimal detectable effect" in report
+    assert "runs whose 2-step mean reward reached 0.5, and the mean of their first such step" in report
     assert f"Runs made on: {header['machine']['cpu']}, Python {platform.python_version()}, torch {torch.__version__} (8 runs)" in report
     assert (tmp_path / "sweep-temperature" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again: every run is reused

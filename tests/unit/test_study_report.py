@@ -204,3 +204,42 @@ def test_ended_low_counts_runs_that_never_reach_the_plateau():
     # without a reference arm: no count either
     del runs["ref_fp32"]
     assert summarize_study(_study(list(runs)), runs)["arms"]["none"]["ended_low"] is None
+
+
+def test_steps_to_threshold_is_the_settings_own_unless_given():
+    """The long-tail task plateaus at 0.34-0.39, so its settings time the take-off at 0.2; the
+    others keep 0.5; an explicit threshold wins. With last_k = 2 the curve below has its 2-step
+    means 0.1, 0.1, 0.225, 0.375, 0.35 (steps 2..6): 0.2 is first reached at step 4, 0.3 at step 5
+    and 0.5 never."""
+    from megatron_mis.testbed.study.config import SWEEPS
+
+    long_tail = [name for name in SWEEPS if name.startswith("long-tail")]
+    assert long_tail and all(SWEEPS[n].threshold == 0.2 for n in long_tail)
+    assert all(w.threshold == 0.5 for n, w in SWEEPS.items() if n not in long_tail)
+    assert StudyConfig(sweep="long-tail-stale-256").resolved_threshold == 0.2
+    assert StudyConfig(sweep="long-tail-stale-256").for_dose("k1").resolved_threshold == 0.2
+    assert StudyConfig(sweep="staleness").for_dose("k2").resolved_threshold == 0.5
+    assert StudyConfig().resolved_threshold == 0.5
+    assert StudyConfig(sweep="long-tail", threshold=0.3).for_dose("s61").resolved_threshold == 0.3
+
+    curve = [0.1, 0.1, 0.1, 0.35, 0.4, 0.3]
+    runs = {"none": {s: _curve(_run(0.0, [1e-6] * STEPS), curve) for s in SEEDS}}
+
+    def reached(**kw) -> dict:
+        study = StudyConfig(arms=["none"], seeds=len(SEEDS), bootstrap=400, last_k=2, plot=False, **kw)
+        summary = summarize_study(study, runs)
+        return summary["threshold"], summary["arms"]["none"]["steps_to_threshold"]
+
+    threshold, t = reached(setting="long-tail-stale-256-k1")
+    assert threshold == 0.2 and t["reached"] == len(SEEDS) and t["mean"][0] == 4
+    threshold, t = reached(setting="int4")
+    assert threshold == 0.5 and t["reached"] == 0 and t["mean"] is None
+    threshold, t = reached(setting="int4", threshold=0.3)
+    assert threshold == 0.3 and t["reached"] == len(SEEDS) and t["mean"][0] == 5
+
+
+def test_sweep_report_shows_the_mean_first_step_of_the_runs_that_reached_the_threshold():
+    from megatron_mis.testbed.study.sweep_report import _fmt_reached
+
+    assert _fmt_reached({"reached": 3, "n": 4, "mean": [151.4, 114.0, 224.0]}) == "3/4 (151 [114, 224])"
+    assert _fmt_reached({"reached": 0, "n": 4, "mean": None}) == "0/4"

@@ -84,7 +84,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
     runs = collect(study) if runs is None else runs
     metrics = {
         arm: {
-            seed: run_metrics(run["records"], run["end"], last_k=study.last_k, threshold=study.threshold,
+            seed: run_metrics(run["records"], run["end"], last_k=study.last_k, threshold=study.resolved_threshold,
                               collapse_fraction=study.collapse_fraction)
             for seed, run in by_seed.items()
         }
@@ -151,6 +151,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
         "setting_description": SETTINGS[study.setting].description,
         "study": study.to_dict(),
         "steps": study.resolved_steps,
+        "threshold": study.resolved_threshold,
         "machine": _machine(),
         "threads_per_run": study.threads,
         "parallel_runs": study.num_jobs,
@@ -283,7 +284,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"({st['bootstrap']} resamples); final reward = mean of the last {st['last_k']} steps; collapse: gained >= 0.1 "
         f"then lost > {st['collapse_fraction']:.0%} of the gain; ended low: kept less than "
         f"{1 - st['collapse_fraction']:.0%} of the reference's mean gain (final - start), so also a run that never "
-        f"reached the plateau; threshold {st['threshold']}. "
+        f"reached the plateau; steps to threshold: the first step whose {min(st['last_k'], s['steps'])}-step mean reward reaches {s['threshold']}. "
         "Paired differences are per seed against `none`; `*` marks a CI that excludes 0.",
         "",
     ]

@@ -56,6 +56,11 @@ def _run_extras(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _fmt_reached(t: dict[str, Any]) -> str:
+    """``"k/n"``, and the mean first step of the ``k`` runs that reached the threshold with its CI."""
+    return f"{t['reached']}/{t['n']}" + (f" ({_fmt_ci(t['mean'], '{:.0f}')})" if t["mean"] else "")
+
+
 def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> dict[str, Any]:
     """Per dose the study summary's rows (plus gradient norm and monitor flags), the paired SD
     and the seed rule; also writes each dose's own report when ``write_dose_reports``."""
@@ -96,6 +101,7 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
         "measure": sweep.measure,
         "study": study.to_dict(),
         "steps": study.resolved_steps,
+        "threshold": study.resolved_threshold,
         "machine": _machine(),
         "runs_made_on": made_on,
         "threads_per_run": study.threads,
@@ -125,7 +131,7 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         "Runs made on: " + ("; ".join(f"{k} ({v} runs)" for k, v in summary.get("runs_made_on", {}).items()) or "-")
         + ". The same seed follows the same trajectory only on the same software and CPU kernels.",
         "",
-        "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | ended low | reached threshold "
+        "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | ended low | reached threshold (mean steps) "
         "| grad norm | monitor: mismatch / any |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -143,14 +149,15 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
                 f"| {_fmt_ci(row['final_reward'])} "
                 f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {_fmt_count(row.get('ended_low'))} "
-                f"| {row['steps_to_threshold']['reached']}/{row['n']} "
+                f"| {_fmt_reached(row['steps_to_threshold'])} "
                 f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
             )
     sd = summary["paired_sd"]
     frac = summary["study"]["collapse_fraction"]
     lines += ["", "`*`: the paired bootstrap interval excludes 0. Collapse: gained >= 0.1, then lost more than "
               f"{frac:.0%} of it. Ended low: kept less than {1 - frac:.0%} of the dose's reference's mean gain (final - "
-              "start), which also counts a run that never reached the plateau. Monitor: runs with a warning on K3 KL or "
+              "start), which also counts a run that never reached the plateau. Reached threshold: runs whose "
+              f"{min(summary['study']['last_k'], summary['steps'])}-step mean reward reached {summary['threshold']}, and the mean of their first such step. Monitor: runs with a warning on K3 KL or "
               "the log-ppl gap / runs with any warning (the gradient norm's included).", ""]
     if sd is None:
         lines.append("Paired SD of none - reference: not measured (needs >= 2 seeds of none and the reference at a dose).")
