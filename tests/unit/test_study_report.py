@@ -238,8 +238,27 @@ def test_steps_to_threshold_is_the_settings_own_unless_given():
     assert threshold == 0.3 and t["reached"] == len(SEEDS) and t["mean"][0] == 5
 
 
+    # paired against the reference and none, over the seeds on which both reached it: the reference
+    # reaches 0.2 at step 3 (2-step means 0.1, 0.225, ...) on every seed, sequence_mis (flat 0.1)
+    # never, token_mis at step 4 on even seeds and 5 on odd ones
+    runs["ref_fp32"] = {s: _curve(_run(0.0, [1e-6] * STEPS), [0.1, 0.1, 0.35, 0.4, 0.4, 0.4]) for s in SEEDS}
+    runs["sequence_mis"] = {s: _curve(_run(0.0, [1e-6] * STEPS), [0.1] * STEPS) for s in SEEDS}
+    runs["token_mis"] = {s: _curve(_run(0.0, [1e-6] * STEPS), curve if s % 2 == 0 else [0.1, 0.1, 0.1, 0.1, 0.35, 0.4])
+                         for s in SEEDS}
+    study = StudyConfig(setting="long-tail-stale-256-k1", arms=list(runs), seeds=len(SEEDS), bootstrap=400, last_k=2, plot=False)
+    arms = summarize_study(study, runs)["arms"]
+    d = arms["none"]["vs_reference"]["steps_to_threshold"]
+    assert d["n"] == len(SEEDS) and d["mean"] == d["low"] == d["high"] == 1 and d["excludes_zero"]
+    d = arms["token_mis"]["vs_none"]["steps_to_threshold"]
+    assert d["diffs"] == {s: s % 2 for s in SEEDS} and d["mean"] == pytest.approx(0.5)
+    assert arms["sequence_mis"]["vs_reference"]["steps_to_threshold"] is None  # no seed on which both reached it
+
+
 def test_sweep_report_shows_the_mean_first_step_of_the_runs_that_reached_the_threshold():
-    from megatron_mis.testbed.study.sweep_report import _fmt_reached
+    from megatron_mis.testbed.study.sweep_report import _fmt_paired_steps, _fmt_reached
 
     assert _fmt_reached({"reached": 3, "n": 4, "mean": [151.4, 114.0, 224.0]}) == "3/4 (151 [114, 224])"
     assert _fmt_reached({"reached": 0, "n": 4, "mean": None}) == "0/4"
+    d = {"n": 5, "mean": -27.4, "low": -48.2, "high": -4.0, "excludes_zero": True}
+    assert _fmt_paired_steps(d) == "-27 [-48, -4] * (n 5)"
+    assert _fmt_paired_steps(None) == "-"

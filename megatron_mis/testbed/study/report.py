@@ -142,8 +142,11 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
                 "greedy_reward": paired(arm, BASELINE, "greedy_reward"),
                 "log10_k3_mean": paired(arm, BASELINE, "k3_mean", log10),
                 "k3_late_early": paired(arm, BASELINE, "k3_late_early"),
+                "steps_to_threshold": paired(arm, BASELINE, "steps_to_threshold"),
             },
-            "vs_reference": {"reference": ref, "final_reward": paired(arm, ref, "final_reward") if ref else None},
+            # steps to threshold: over the seeds on which both runs reached it
+            "vs_reference": {"reference": ref, "final_reward": paired(arm, ref, "final_reward") if ref else None,
+                             "steps_to_threshold": paired(arm, ref, "steps_to_threshold") if ref else None},
             "per_seed": {str(s): metrics[arm][s] for s in sorted(metrics[arm])},
         }
     summary = {

@@ -61,6 +61,11 @@ def _fmt_reached(t: dict[str, Any]) -> str:
     return f"{t['reached']}/{t['n']}" + (f" ({_fmt_ci(t['mean'], '{:.0f}')})" if t["mean"] else "")
 
 
+def _fmt_paired_steps(d: dict[str, Any] | None) -> str:
+    """The paired steps-to-threshold difference, its CI and the seeds paired."""
+    return "-" if d is None else f"{_fmt_diff(d, '{:+.0f}')} (n {d['n']})"
+
+
 def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> dict[str, Any]:
     """Per dose the study summary's rows (plus gradient norm and monitor flags), the paired SD
     and the seed rule; also writes each dose's own report when ``write_dose_reports``."""
@@ -132,8 +137,8 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         + ". The same seed follows the same trajectory only on the same software and CPU kernels.",
         "",
         "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | ended low | reached threshold (mean steps) "
-        "| grad norm | monitor: mismatch / any |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| steps to threshold vs reference | grad norm | monitor: mismatch / any |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in summary["doses"]:
         for arm, row in d["arms"].items():
@@ -150,6 +155,7 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
                 f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {_fmt_count(row.get('ended_low'))} "
                 f"| {_fmt_reached(row['steps_to_threshold'])} "
+                f"| {_fmt_paired_steps(row['vs_reference'].get('steps_to_threshold'))} "
                 f"| {'-' if gn is None else f'{gn:.3f}'} | {mon['k']}/{mon['n']} / {anyw['k']}/{anyw['n']} |"
             )
     sd = summary["paired_sd"]
@@ -157,8 +163,10 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
     lines += ["", "`*`: the paired bootstrap interval excludes 0. Collapse: gained >= 0.1, then lost more than "
               f"{frac:.0%} of it. Ended low: kept less than {1 - frac:.0%} of the dose's reference's mean gain (final - "
               "start), which also counts a run that never reached the plateau. Reached threshold: runs whose "
-              f"{min(summary['study']['last_k'], summary['steps'])}-step mean reward reached {summary['threshold']}, and the mean of their first such step. Monitor: runs with a warning on K3 KL or "
-              "the log-ppl gap / runs with any warning (the gradient norm's included).", ""]
+              f"{min(summary['study']['last_k'], summary['steps'])}-step mean reward reached {summary['threshold']}, and "
+              "the mean of their first such step. Steps to threshold vs reference: that step minus the reference's, "
+              "paired over the n seeds on which both reached it (a run that never did is not in it). Monitor: runs "
+              "with a warning on K3 KL or the log-ppl gap / runs with any warning (the gradient norm's included).", ""]
     if sd is None:
         lines.append("Paired SD of none - reference: not measured (needs >= 2 seeds of none and the reference at a dose).")
     else:
