@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -219,12 +220,13 @@ def test_a_sweep_copies_a_finished_run_of_another_sweep(tmp_path):
         "copied_from") is None
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
+@pytest.mark.parametrize("delay", [0.3, 1.5, "running"])
 def test_an_interrupted_sweep_exits_promptly(tmp_path, delay):
     """Ctrl-C (or `timeout -s INT`) during a sweep with more queued jobs than a pipe holds, early
-    (while the workers start) or late (while they run): the process exits instead of hanging on
-    the task queue's feeder thread (seen on a 16-core run, and in the full suite on a loaded
-    machine when the interrupt came while the workers started)."""
+    (while the workers start) or late (``running``: once a worker has written into its scratch
+    folder): the process exits instead of hanging on the task queue's feeder thread (seen on a
+    16-core run, and in the full suite on a loaded machine when the interrupt came while the
+    workers started), and the killed workers' scratch folders are gone."""
     import subprocess
     import sys
 
@@ -238,8 +240,22 @@ assert len(jobs) == 2 * 7 * 16  # quick: the first and the last dose
 # a background job of a shell inherits SIGINT ignored (and Python then installs no handler):
 # restore the interactive meaning, as Ctrl-C or timeout -s INT meet it in a foreground run
 signal.signal(signal.SIGINT, signal.default_int_handler)
-threading.Timer({delay}, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+def interrupt(delay={delay!r}):
+    import glob, time
+    t0 = time.monotonic()
+    if delay == "running":
+        while not glob.glob(os.path.join(os.environ["TMPDIR"], "megatron_mis_study_*", "*")) and time.monotonic() - t0 < 40:
+            time.sleep(0.05)
+    else:
+        time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
 run_jobs(study, jobs, "interrupted")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    # the killed workers' scratch folders (half-written runs, file stores) are removed too
+    assert not list(tmp.glob("megatron_mis_study_*")), sorted(p.name for p in tmp.iterdir())

@@ -159,9 +159,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _worker(tasks: Any, results: Any, threads: int) -> None:
+def _worker(tasks: Any, results: Any, threads: int, scratch: str) -> None:
     """A worker process: one gloo world of size 1 for its whole life (Megatron imported once),
-    runs taken from ``tasks`` until ``None``."""
+    runs taken from ``tasks`` until ``None``. ``scratch``: its folder (made and removed by the
+    parent, so that a worker killed on Ctrl-C leaves nothing behind)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import warnings
 
@@ -170,7 +171,6 @@ def _worker(tasks: Any, results: Any, threads: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    scratch = tempfile.mkdtemp(prefix="megatron_mis_study_")
     try:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(scratch, 'store')}", rank=0, world_size=1)
         parent = mp.parent_process()
@@ -191,7 +191,6 @@ def _worker(tasks: Any, results: Any, threads: int) -> None:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def plan(study: StudyConfig) -> list[RunJob]:
@@ -360,6 +359,7 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
     tasks, results = ctx.Queue(), ctx.Queue()
     n = min(study.num_jobs, len(todo))
     procs: list[Any] = []
+    scratches: list[str] = []
     pending = len(todo)
     try:  # from the first put on: a Ctrl-C while the workers start (seconds on a loaded machine) is handled too
         for job in todo:
@@ -367,7 +367,8 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
         for _ in range(n):
             tasks.put(None)
         for _ in range(n):
-            procs.append(ctx.Process(target=_worker, args=(tasks, results, study.threads), daemon=True))
+            scratches.append(tempfile.mkdtemp(prefix="megatron_mis_study_"))
+            procs.append(ctx.Process(target=_worker, args=(tasks, results, study.threads, scratches[-1]), daemon=True))
             procs[-1].start()
         while pending:
             try:
@@ -390,3 +391,5 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
             tasks.cancel_join_thread()
             results.cancel_join_thread()
         stop_processes([p for p in procs if p.pid is not None], graceful=not pending)
+        for scratch in scratches:  # also a killed worker's (its half-written run, its file store)
+            shutil.rmtree(scratch, ignore_errors=True)
