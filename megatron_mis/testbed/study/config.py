@@ -14,6 +14,10 @@ __all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Settin
            "run_config"]
 
 
+#: A setting's steps-to-threshold reward unless it names its own (:attr:`Setting.threshold`).
+DEFAULT_THRESHOLD = 0.5
+
+
 @dataclass(frozen=True)
 class Setting:
     """A task and a mismatch source: the :class:`DemoConfig` fields every arm of the study shares."""
@@ -27,7 +31,7 @@ class Setting:
     arms: tuple[str, ...] | None = None
     #: the reward whose first crossing (k-step moving mean) is "steps to threshold": a point on
     #: the way to this task's plateau, which an unlearned run never reaches
-    threshold: float = 0.5
+    threshold: float = DEFAULT_THRESHOLD
 
     def demo_values(self) -> dict[str, Any]:
         """The :class:`DemoConfig` values ``megatron-mis demo --preset NAME`` starts from."""
@@ -63,7 +67,7 @@ _BASE: dict[str, Any] = {
 
 
 def _setting(name: str, description: str, *, arms: tuple[str, ...] | None = None, demo_correction: str = "token_tis",
-             threshold: float = 0.5, **changes: Any) -> Setting:
+             threshold: float = DEFAULT_THRESHOLD, **changes: Any) -> Setting:
     return Setting(name, description, {**_BASE, **changes}, demo_correction=demo_correction, arms=arms, threshold=threshold)
 
 
@@ -132,7 +136,7 @@ class Sweep:
     #: the correction ``megatron-mis demo --compare --preset NAME-DOSE`` sets against none
     demo_correction: str = "token_tis"
     #: the doses' :attr:`Setting.threshold`
-    threshold: float = 0.5
+    threshold: float = DEFAULT_THRESHOLD
 
     def setting_name(self, label: str) -> str:
         return f"{self.name}-{label}"
