@@ -8,7 +8,8 @@ gradient-norm buffers and a CUDA-only assert in gradient clipping), and (without
 undefined ``te_general_gemm`` name in the MoE router gating path, and a pinned-memory CUDA
 index in the rotary-embedding slice for context parallelism (bshd). :func:`cpu_compat` installs
 small, explicit shims for exactly these, and removes them again on exit. It is re-entrant (safe
-to apply twice) and does nothing on a machine where CUDA is available.
+to apply twice) and installs the same shims on a machine where CUDA is available (the models
+built inside run on the CPU there too).
 
 :func:`cpu_gpt_layer_spec` is Megatron-Core's local GPT layer spec with
 :class:`megatron_mis.testing.attention.SDPACoreAttention` as the core attention: Megatron's local
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -110,6 +112,24 @@ def _grad_norm_cpu(grads_for_norm: Any, norm_type: float = 2, grad_stats_paralle
     return float(total) if norm_type == math.inf else float(total) ** (1.0 / norm_type)
 
 
+def _current_device_for_cpu_models(real: Any) -> Any:
+    """``torch.cuda.current_device`` while the shims are on: ``"cpu"`` for Megatron (and every
+    other caller outside torch), so it places its buffers and router weights on the CPU; torch's
+    own modules keep the real device index where CUDA is available. TorchDynamo asks for it
+    (``torch._dynamo.device_interface``) to index the device properties when it compiles
+    Megatron's ``jit_fuser`` functions (the MoE router's ``_apply_expert_bias``): given ``"cpu"``
+    it failed with "list indices must be integers or slices, not str", which broke every MoE
+    model of the testbed on an H100 (32 tests, 2026-11-27)."""
+
+    def current_device() -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if (caller == "torch" or caller.startswith("torch.")) and torch.cuda.is_available():
+            return real()
+        return "cpu"
+
+    return current_device
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     existed = hasattr(obj, name)
     _restore.append((obj, name, getattr(obj, name, None), existed))
@@ -129,7 +149,8 @@ def cpu_compat() -> Iterator[None]:
     and on a GPU machine without the shims Megatron's schedules and optimizer put their buffers on
     the GPU; the demo failed so, with a device mismatch, on an H100 on 2026-11-27):
 
-    - ``torch.cuda.current_device()`` returns ``"cpu"``;
+    - ``torch.cuda.current_device()`` returns ``"cpu"`` to callers outside torch (torch's own
+      modules get the real index where CUDA is available: :func:`_current_device_for_cpu_models`);
     - ``torch.cuda.synchronize()`` does nothing (the pipeline-parallel p2p shape exchange calls
       it; CPU work is synchronous);
     - ``megatron.core.pipeline_parallel.schedules`` and Megatron's optimizer
@@ -148,7 +169,7 @@ def cpu_compat() -> Iterator[None]:
     with _lock:
         _depth += 1
         if _depth == 1:
-            _patch(torch.cuda, "current_device", lambda: "cpu")
+            _patch(torch.cuda, "current_device", _current_device_for_cpu_models(torch.cuda.current_device))
             _patch(torch.cuda, "synchronize", lambda device=None: None)
             for module_name in ("pipeline_parallel.schedules", "optimizer.optimizer", "optimizer.clip_grads"):
                 try:

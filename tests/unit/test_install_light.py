@@ -5,6 +5,7 @@ line names the `[demo]` extra instead of failing with a traceback when it is mis
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ print(json.dumps({
 def _probe(entry: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, PACKAGE_DIR, entry, ",".join(DEMO_EXTRA)],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, f"importing {entry} without {DEMO_EXTRA} failed:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -80,10 +81,13 @@ def test_probe_sees_an_import_from_our_package(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("try:\n    import tqdm\nexcept ImportError:\n    pass\nimport megatron_mis.cli\n")
     code = _PROBE
+    # PYTHONPATH: the stand-in package, then the checkout (where megatron_mis is on PYTHONPATH
+    # rather than installed, as on the GPU machine) and whatever the run had before
     proc = subprocess.run(
         [sys.executable, "-c", code, str(pkg), "fakepkg", ",".join(DEMO_EXTRA)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path for path in (
+            str(tmp_path), str(Path(PACKAGE_DIR).parent), os.environ.get("PYTHONPATH", "")) if path)},
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

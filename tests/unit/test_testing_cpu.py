@@ -55,16 +55,25 @@ def test_cpu_compat_installs_and_removes_the_optimizer_twins():
 def test_cpu_compat_installs_its_shims_where_cuda_is_available_too(monkeypatch):
     """The testbed's models run on the CPU on a GPU machine too: cpu_compat once returned early
     there, and Megatron's schedule put its buffers on the GPU ('megatron-mis demo' failed with a
-    cuda:0 / cpu device mismatch on an H100, 2026-11-27). torch.cuda.is_available() is made True."""
+    cuda:0 / cpu device mismatch on an H100, 2026-11-27). torch.cuda.is_available() is made True
+    and torch.cuda.current_device() returns device 0, as on a one-GPU machine.
+
+    torch's own modules still get the device index: TorchDynamo reads it
+    (``torch._dynamo.device_interface``) when it compiles Megatron's MoE router, and with ``"cpu"``
+    every MoE model of the testbed failed on an H100 ("list indices must be integers or slices,
+    not str", 32 tests, 2026-11-27)."""
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
+    from torch._dynamo.device_interface import CudaInterface
 
     from megatron_mis.testbed.cpu_moe import cpu_rng_shims
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fork = mrandom.CudaRNGStatesTracker.fork
     with cpu_compat(), cpu_rng_shims():
         assert torch.cuda.current_device() == "cpu"
+        assert CudaInterface.Worker.current_device() == 0
         assert schedules.torch.zeros(1, device="cuda").device.type == "cpu"
         assert mrandom.CudaRNGStatesTracker.fork is not fork
     assert mrandom.CudaRNGStatesTracker.fork is fork and schedules.torch is torch
