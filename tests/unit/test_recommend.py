@@ -48,9 +48,9 @@ def test_token_level_carries_the_length_scaled_band():
     assert r.rs_criteria == {"seq_zscore_k1": {"k3": 1e-3, "z": 3.0}}
     # measured: token TIS the one correction without a collapse at s 1.2-3.6; the band an option
     assert r.correction == "token_tis" and r.regime == "token-level"
-    assert "long-tail-stale" in r.basis and "0/20 collapses" in r.basis and "long-tail-stale-128" in r.basis and "Optional" in r.reason
+    assert "long-tail-stale" in r.basis and "0/23 collapses" in r.basis and "long-tail-stale-128" in r.basis and "Optional" in r.reason
     # stale rollouts at 256 tokens: token TIS did not recover none's loss, bypass did
-    assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.099" in r.basis
+    assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.068" in r.basis
     mid = recommend(1e-3, 200)  # s 0.63: the advice token TIS, sequence MIS named as the option
     assert "measured twice" in mid.basis and "s 0.6" in mid.basis and "s 0.4" in mid.basis
     assert "the preset sequence_mis is the option" in mid.reason
