@@ -5,6 +5,7 @@ correction, a markdown report and a PNG. See ``docs/study.md``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_mis.config import ConfigError
@@ -48,6 +49,8 @@ def add_parser(sub) -> None:
             "  megatron-mis study --quick                  # smoke run: 2 seeds x 4 small steps\n"
             "  megatron-mis study --setting bf16 --arms none,token_tis,ref_fp32 --seeds 4\n"
             "  megatron-mis study --report-only            # re-read the finished runs, rewrite the report\n"
+            "  megatron-mis study --sweep long-tail-stale-128 --seeds 16 \\\n"
+            "      --archive docs/study/sweep-long-tail-stale-128/runs.jsonl.gz   # extend a committed study\n"
             "  megatron-mis study --list                   # settings, arms and dose-response sweeps\n"
             "  megatron-mis study --sweep staleness --seeds 8 --jobs 2   # a dose-response sweep (resumable)\n"
             "  megatron-mis study --sweep temperature --quick            # its smoke run: first and last dose"
@@ -66,6 +69,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="Hide the progress bar.")
     p.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="Do not write report.png.")
     p.add_argument("--report-only", action="store_true", help="Do not run anything: write the report from the finished runs.")
+    p.add_argument("--archive", default=None, metavar="FILE",
+                   help="A runs.jsonl.gz of finished runs (e.g. docs/study/sweep-NAME/runs.jsonl.gz): its runs missing from "
+                        "OUT_DIR are written there first (and reused where their configuration matches), and every finished "
+                        "run of the study's settings is written back into FILE at the end.")
     p.add_argument("--list", action="store_true", help="List the settings, the arms and the dose-response sweeps and exit.")
     p.set_defaults(run=run)
 
@@ -128,12 +135,37 @@ def run(args: argparse.Namespace) -> int:
     for arm, key, mine, theirs in arm_overrides_of_extra(study):
         print(f"megatron-mis study: arm {arm} runs with {key}={mine!r}, not --set {key}={theirs!r} (an arm's own fields win)",
               file=sys.stderr)
+    if args.archive is None:
+        return _run(study, report_only=args.report_only)
+    from megatron_mis.testbed.study.archive import ArchiveError, restore_runs, update_archive
+
+    settings = ([SWEEPS[study.sweep].setting_name(label) for label in SWEEPS[study.sweep].labels]
+                if study.sweep is not None else [study.setting])
+    try:
+        if os.path.exists(args.archive):
+            got = restore_runs(args.archive, study.out_dir)
+            differ = f" ({got['differ']} of them differ from the archive's: the files on disk are kept)" if got["differ"] else ""
+            print(f"archive {args.archive}: restored {got['restored']} runs into {study.out_dir}, "
+                  f"{got['present']} already there{differ}", file=sys.stderr)
+        else:
+            print(f"archive {args.archive}: not there yet, it will be written", file=sys.stderr)
+    except ArchiveError as exc:
+        print(f"megatron-mis study: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run(study, report_only=args.report_only)
+    finally:  # a failed or interrupted study keeps its finished runs: so does the archive
+        wrote = update_archive(args.archive, study.out_dir, settings)
+        print(f"archive {args.archive}: {wrote['runs']} runs ({wrote['from_disk']} read from {study.out_dir})", file=sys.stderr)
+
+
+def _run(study, *, report_only: bool) -> int:
     if study.sweep is not None:
-        return _run_sweep(study, report_only=args.report_only)
+        return _run_sweep(study, report_only=report_only)
     from megatron_mis.testbed.study.report import format_markdown, write_report
     from megatron_mis.testbed.study.runner import StudyError, run_study, study_dir
 
-    if not args.report_only:
+    if not report_only:
         print(f"study {study.setting}: {len(study.arm_names)} arms x {study.seeds} seeds, {study.resolved_steps} steps each, "
               f"{study.num_jobs} runs in parallel x {study.threads} thread(s) -> {study_dir(study)}", file=sys.stderr)
         try:
