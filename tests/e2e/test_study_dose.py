@@ -135,6 +135,9 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
 
     import torch
     assert (header["machine"]["torch"], header["machine"]["python"]) == (torch.__version__, platform.python_version())
+    # the ISA torch's CPU kernels use: the same seed on another ISA follows another trajectory
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert header["machine"]["cpu_capability"] == isa
     summary = json.loads((tmp_path / "sweep-temperature" / "summary.json").read_text())
     assert [d["dose"] for d in summary["doses"]] == [1.0, 1.5]
     hot = summary["doses"][1]["arms"]
@@ -145,7 +148,7 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
     report = (tmp_path / "sweep-temperature" / "report.md").read_text()
     assert "| 1.5 | none | 2 |" in report and "Minimal detectable effect" in report
     assert "runs whose 2-step mean reward reached 0.5, and the mean of their first such step" in report
-    assert f"Runs made on: {header['machine']['cpu']}, Python {platform.python_version()}, torch {torch.__version__} (8 runs)" in report
+    assert f"Runs made on: {header['machine']['cpu']} [{isa}], Python {platform.python_version()}, torch {torch.__version__} (8 runs)" in report
     assert (tmp_path / "sweep-temperature" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again: every run is reused
     assert main(argv) == 0

@@ -262,3 +262,13 @@ def test_sweep_report_shows_the_mean_first_step_of_the_runs_that_reached_the_thr
     d = {"n": 5, "mean": -27.4, "low": -48.2, "high": -4.0, "excludes_zero": True}
     assert _fmt_paired_steps(d) == "-27 [-48, -4] * (n 5)"
     assert _fmt_paired_steps(None) == "-"
+
+
+def test_machine_label_names_the_isa_where_the_run_recorded_it():
+    from megatron_mis.testbed.study.runner import machine_label
+
+    old = {"cpu": "AMD EPYC", "python": "3.11.7", "torch": "2.13.0+cpu"}  # a run made before the ISA was recorded
+    assert machine_label({"header": {"machine": old}}) == "AMD EPYC, Python 3.11.7, torch 2.13.0+cpu"
+    new = {**old, "cpu_capability": "AVX512", "cpu_family_model": "25/17"}
+    assert machine_label({"header": {"machine": new}}) == "AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu"
+    assert machine_label({"header": {}}) == "not recorded"

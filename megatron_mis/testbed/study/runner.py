@@ -123,28 +123,44 @@ def _execute(job: RunJob, scratch: str) -> None:
 
 
 def run_machine() -> dict[str, Any]:
-    """Where a run was made: the CPU model, the cores this process may use, Python and torch
-    versions (the same seed gives the same numbers only on the same software, see docs/study.md)."""
+    """Where a run was made: the CPU model (with its family / model numbers from /proc/cpuinfo
+    where there is one), the vector instruction set torch's CPU kernels use (``AVX2``,
+    ``AVX512``, ...), the cores this process may use, Python and torch versions. The same seed
+    follows the same trajectory only with the same software *and* the same instruction set: a
+    different ISA rounds reductions differently and a 300-step run diverges (docs/study.md)."""
     import platform
 
     from megatron_mis.testbed.demo.config import available_cpus
 
     cpu = platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if fields:
+                        break  # the first processor's block is enough
+                    continue
+                fields.setdefault(key.strip(), value.strip())
+    cpu = fields.get("model name", cpu)
     import torch
 
-    return {"cpu": cpu, "cores": available_cpus(), "python": platform.python_version(), "torch": torch.__version__}
+    out = {"cpu": cpu, "cores": available_cpus(), "python": platform.python_version(), "torch": torch.__version__,
+           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if "cpu family" in fields and "model" in fields:
+        out["cpu_family_model"] = f"{fields['cpu family']}/{fields['model']}"
+    return out
 
 
 def machine_label(run: dict[str, Any]) -> str:
-    """``"CPU, Python x, torch y"`` of a loaded run (``"not recorded"`` for runs made before the
-    header held it)."""
+    """``"CPU [ISA], Python x, torch y"`` of a loaded run (``"not recorded"`` for runs made before
+    the header held it; ``[ISA]`` only where the header records it)."""
     m = run["header"].get("machine")
     if not m:
         return "not recorded"
-    return f"{m.get('cpu', '?')}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}"
+    isa = f" [{m['cpu_capability']}]" if m.get("cpu_capability") else ""
+    return f"{m.get('cpu', '?')}{isa}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}"
 
 
 def _jsonable(value: Any) -> Any:
