@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
             "  megatron-mis study --setting bf16 --arms none,token_tis,ref_fp32 --seeds 4\n"
             "  megatron-mis study --report-only            # re-read the finished runs, rewrite the report\n"
             "  megatron-mis study --sweep long-tail-stale-128 --seeds 16 \\\n"
-            "      --archive docs/study/sweep-long-tail-stale-128/runs.jsonl.gz   # extend a committed study\n"
+            "      --archive docs/study/sweep-long-tail-stale-128/runs   # extend a committed study\n"
             "  megatron-mis study --list                   # settings, arms and dose-response sweeps\n"
             "  megatron-mis study --sweep staleness --seeds 8 --jobs 2   # a dose-response sweep (resumable)\n"
             "  megatron-mis study --sweep temperature --quick            # its smoke run: first and last dose"
@@ -69,10 +69,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="Hide the progress bar.")
     p.add_argument("--no-plot", dest="plot", action="store_false", default=None, help="Do not write report.png.")
     p.add_argument("--report-only", action="store_true", help="Do not run anything: write the report from the finished runs.")
-    p.add_argument("--archive", default=None, metavar="FILE",
-                   help="A runs.jsonl.gz of finished runs (e.g. docs/study/sweep-NAME/runs.jsonl.gz): its runs missing from "
+    p.add_argument("--archive", default=None, metavar="DIR",
+                   help="A run archive folder (e.g. docs/study/sweep-NAME/runs: one .jsonl.gz per run): its runs missing from "
                         "OUT_DIR are written there first (and reused where their configuration matches), and every finished "
-                        "run of the study's settings is written back into FILE at the end.")
+                        "run of the study's settings is written back into DIR at the end.")
     p.add_argument("--list", action="store_true", help="List the settings, the arms and the dose-response sweeps and exit.")
     p.set_defaults(run=run)
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"archive {args.archive}: restored {got['restored']} runs into {study.out_dir}, "
                   f"{got['present']} already there{differ}", file=sys.stderr)
         else:
-            print(f"archive {args.archive}: not there yet, it will be written", file=sys.stderr)
+            print(f"archive {args.archive}: not there yet, it will be made", file=sys.stderr)
     except ArchiveError as exc:
         print(f"megatron-mis study: {exc}", file=sys.stderr)
         return 2
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(study, report_only=args.report_only)
     finally:  # a failed or interrupted study keeps its finished runs: so does the archive
         wrote = update_archive(args.archive, study.out_dir, settings)
-        print(f"archive {args.archive}: {wrote['runs']} runs ({wrote['from_disk']} read from {study.out_dir})", file=sys.stderr)
+        print(f"archive {args.archive}: {wrote['runs']} runs ({wrote['from_disk']} read from {study.out_dir}, "
+              f"{wrote['written']} files written)", file=sys.stderr)
 
 
 def _run(study, *, report_only: bool) -> int:

@@ -268,19 +268,19 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
     """`--archive`: the runs of a first study are written into the archive; a second study in an
     empty out-dir (another machine) restores them, runs only the new seed, and its report over
     the first seeds equals the first study's (the archive is lossless)."""
-    archive = tmp_path / "keep" / "runs.jsonl.gz"
+    archive = tmp_path / "keep" / "runs"
     common = ["study", "--sweep", "temperature", "--doses", "t1.5", "--arms", "none,ref_fp32", "--steps", "2",
               "--jobs", "1", "--quick", "--no-progress", "--no-plot", "--bootstrap", "200", "--archive", str(archive)]
     first, second = tmp_path / "first", tmp_path / "second"
     assert main([*common, "--seeds", "1", "--out-dir", str(first)]) == 0
     err = capsys.readouterr().err
-    assert f"archive {archive}: not there yet, it will be written" in err and "ran 2 runs, reused 0" in err
-    assert f"archive {archive}: 2 runs (2 read from {first})" in err
+    assert f"archive {archive}: not there yet, it will be made" in err and "ran 2 runs, reused 0" in err
+    assert f"archive {archive}: 2 runs (2 read from {first}, 2 files written)" in err
     assert main([*common, "--seeds", "2", "--out-dir", str(second)]) == 0
     err = capsys.readouterr().err
     assert f"archive {archive}: restored 2 runs into {second}, 0 already there" in err
     assert "ran 2 runs, reused 2" in err  # seed 1's two arms run, seed 0's are the archive's
-    assert f"archive {archive}: 4 runs (4 read from {second})" in err
+    assert f"archive {archive}: 4 runs (4 read from {second}, 2 files written)" in err  # seed 0's unchanged
     for rel in ("temperature-t1.5/none/seed-0.jsonl", "temperature-t1.5/ref_fp32/seed-0.jsonl"):
         assert (second / rel).read_bytes() == (first / rel).read_bytes()
     # the report over seed 0 from the restored runs is the first study's
@@ -292,8 +292,10 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
 
     assert doses(second) == doses(first)
     # an archive that is not one is refused before anything runs, and left as it is
-    bad = tmp_path / "bad.jsonl.gz"
-    bad.write_text("not gzip")
+    bad = tmp_path / "bad"
+    (bad / "temperature-t1.5" / "none").mkdir(parents=True)
+    (bad / "temperature-t1.5" / "none" / "seed-0.jsonl.gz").write_text("not gzip")
     assert main([*common[:-1], str(bad), "--seeds", "1", "--out-dir", str(tmp_path / "third")]) == 2
-    assert "not a readable gzip archive of runs" in capsys.readouterr().err
-    assert bad.read_text() == "not gzip" and not (tmp_path / "third").exists()
+    assert f"{bad}: no format.json, so not a run archive" in capsys.readouterr().err
+    assert sorted(p.name for p in bad.rglob("*")) == ["none", "seed-0.jsonl.gz", "temperature-t1.5"]
+    assert not (tmp_path / "third").exists()

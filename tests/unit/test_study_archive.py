@@ -1,11 +1,13 @@
-"""The study's run archive (``runs.jsonl.gz``): lossless round trip, a copied run's body stored
-once, unfinished files skipped, files on disk never overwritten, the same runs giving the same
-bytes, and every malformed archive refused with a message naming what is wrong."""
+"""The study's run archive (a folder: ``format.json``, ``SETTING/ARM/seed-S.jsonl.gz``, copies as
+``.copy.json``): lossless round trip, a copied run's body stored once, unfinished files skipped,
+files on disk never overwritten, unchanged runs never rewritten, and every malformed archive
+refused with a message naming what is wrong."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import pytest
 
@@ -43,13 +45,16 @@ def out(tmp_path):
 
 
 def test_round_trip_is_lossless_and_a_copied_body_is_stored_once(tmp_path, out):
-    archive = tmp_path / "keep" / "runs.jsonl.gz"
+    archive = tmp_path / "keep" / "runs"
     got = update_archive(archive, out, ["sw-k0", "sw-k1"])
-    assert got == {"runs": 4, "from_disk": 4, "stored_once": 1}  # the unfinished run is not archived
-    lines = [json.loads(x) for x in gzip.decompress(archive.read_bytes()).decode().splitlines()]
-    assert lines[0] == {"format": ARCHIVE_FORMAT}
-    shared = [x for x in lines[1:] if "body_of" in x]
-    assert [(x["path"], x["body_of"]) for x in shared] == [("sw-k1/ref_fp32/seed-0.jsonl", "sw-k0/ref_fp32/seed-0.jsonl")]
+    # the unfinished run is not archived; the copied reference is stored as its header only
+    assert got == {"runs": 4, "from_disk": 4, "stored_once": 1, "written": 4}
+    assert json.loads((archive / "format.json").read_text()) == {"format": ARCHIVE_FORMAT}
+    assert sorted(p.relative_to(archive).as_posix() for p in archive.rglob("seed-*")) == [
+        "sw-k0/none/seed-0.jsonl.gz", "sw-k0/none/seed-1.jsonl.gz", "sw-k0/ref_fp32/seed-0.jsonl.gz",
+        "sw-k1/ref_fp32/seed-0.copy.json"]
+    copy = json.loads((archive / "sw-k1/ref_fp32/seed-0.copy.json").read_text())
+    assert copy["body_of"] == "sw-k0/ref_fp32/seed-0.jsonl" and json.loads(copy["header"])["setting"] == "sw-k1"
     runs = read_archive(archive)
     assert sorted(runs) == ["sw-k0/none/seed-0.jsonl", "sw-k0/none/seed-1.jsonl", "sw-k0/ref_fp32/seed-0.jsonl",
                             "sw-k1/ref_fp32/seed-0.jsonl"]
@@ -61,65 +66,104 @@ def test_round_trip_is_lossless_and_a_copied_body_is_stored_once(tmp_path, out):
     for rel in runs:
         assert (fresh / rel).read_bytes() == (out / rel).read_bytes(), rel
     assert not (fresh / "sw-k1" / "none").exists() and not (fresh / "other-k0").exists()
-    # the same runs give the same bytes (gzip's time stamp is fixed), so an unchanged archive is no git change
-    again = tmp_path / "again.jsonl.gz"
+    # the same runs again: nothing is written, so an archive kept in git does not change
+    stamps = {p: p.stat().st_mtime_ns for p in archive.rglob("*")}
+    os.utime(archive / "sw-k0/none/seed-0.jsonl.gz", ns=(1, 1))
+    stamps[archive / "sw-k0/none/seed-0.jsonl.gz"] = 1
+    assert update_archive(archive, fresh, ["sw-k0", "sw-k1"])["written"] == 0
+    assert {p: p.stat().st_mtime_ns for p in archive.rglob("*")} == stamps
+    # and a second archive of the same runs has the same bytes (gzip's time stamp is fixed)
+    again = tmp_path / "again"
     update_archive(again, fresh, ["sw-k0", "sw-k1"])
-    assert again.read_bytes() == archive.read_bytes()
+    for p in archive.rglob("*"):
+        if p.is_file():
+            assert (again / p.relative_to(archive)).read_bytes() == p.read_bytes(), p
 
 
 def test_restore_keeps_files_on_disk_and_update_merges(tmp_path, out):
-    archive = tmp_path / "runs.jsonl.gz"
+    archive = tmp_path / "archive"
     update_archive(archive, out, ["sw-k0"])
     target = tmp_path / "target"
     _write(target, "sw-k0/none/seed-0.jsonl", _run_text("sw-k0", "none", 0, [0.7, 0.7]))  # a different run there
     _write(target, "sw-k0/none/seed-1.jsonl", (out / "sw-k0/none/seed-1.jsonl").read_text())  # the same one
     assert restore_runs(archive, target) == {"restored": 1, "present": 2, "differ": 1}
     assert json.loads((target / "sw-k0/none/seed-0.jsonl").read_text().splitlines()[1])["reward_mean"] == 0.7
-    # a new seed on disk joins the archive; an entry of a setting not named is kept; disk replaces
-    # the archive's entry of the same path
+    # a new seed on disk joins the archive; a run of a setting not named is kept; disk replaces
+    # the archive's run of the same path, and only the changed and new files are written
     _write(target, "sw-k0/none/seed-2.jsonl", _run_text("sw-k0", "none", 2, [0.4]))
     update_archive(archive, out, ["other-k0"])
     got = update_archive(archive, target, ["sw-k0"])
-    assert got["runs"] == 5 and got["from_disk"] == 4
+    assert (got["runs"], got["from_disk"], got["written"]) == (5, 4, 2)
     runs = read_archive(archive)
     assert "other-k0/none/seed-0.jsonl" in runs and "sw-k0/none/seed-2.jsonl" in runs
     assert runs["sw-k0/none/seed-0.jsonl"] == (target / "sw-k0/none/seed-0.jsonl").read_text()
 
 
-def _gz(tmp_path, lines: list) -> object:
-    path = tmp_path / "bad.jsonl.gz"
-    path.write_bytes(gzip.compress("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines).encode()))
-    return path
+def test_a_run_that_becomes_a_copy_or_stops_being_one_keeps_one_file(tmp_path):
+    out, archive = tmp_path / "out", tmp_path / "archive"
+    _write(out, "a-k0/ref/seed-0.jsonl", _run_text("a-k0", "ref", 0, [0.5]))
+    _write(out, "a-k1/ref/seed-0.jsonl", _run_text("a-k1", "ref", 0, [0.6]))
+    update_archive(archive, out, ["a-k0", "a-k1"])
+    assert (archive / "a-k1/ref/seed-0.jsonl.gz").is_file()
+    _write(out, "a-k1/ref/seed-0.jsonl", _run_text("a-k1", "ref", 0, [0.5]))  # now the same body as a-k0's
+    update_archive(archive, out, ["a-k1"])
+    assert (archive / "a-k1/ref/seed-0.copy.json").is_file() and not (archive / "a-k1/ref/seed-0.jsonl.gz").exists()
+    _write(out, "a-k1/ref/seed-0.jsonl", _run_text("a-k1", "ref", 0, [0.7]))
+    update_archive(archive, out, ["a-k1"])
+    assert (archive / "a-k1/ref/seed-0.jsonl.gz").is_file() and not (archive / "a-k1/ref/seed-0.copy.json").exists()
+    assert read_archive(archive)["a-k1/ref/seed-0.jsonl"] == (out / "a-k1/ref/seed-0.jsonl").read_text()
 
 
-@pytest.mark.parametrize(("lines", "message"), [
-    ([{"format": "megatron-mis-study-runs/0"}], "format 'megatron-mis-study-runs/0', expected 'megatron-mis-study-runs/1'"),
-    (["{not json"], "line 1 is not JSON"),
-    ([], "empty"),
-    ([{"format": ARCHIVE_FORMAT}, {"path": "../etc/none/seed-0.jsonl", "text": "x"}], "path '../etc/none/seed-0.jsonl'"),
-    ([{"format": ARCHIVE_FORMAT}, {"path": "/abs/none/seed-0.jsonl", "text": "x"}], "path '/abs/none/seed-0.jsonl'"),
-    ([{"format": ARCHIVE_FORMAT}, {"path": "s/none/seed-0.json", "text": "x"}], "is not SETTING/ARM/seed-S.jsonl"),
-    ([{"format": ARCHIVE_FORMAT}, {"path": "s/none/seed-0.jsonl", "header": "{}", "body_of": "s/none/seed-9.jsonl"}],
-     "body_of 's/none/seed-9.jsonl' names no earlier entry"),
-    ([{"format": ARCHIVE_FORMAT}, {"path": "s/none/seed-0.jsonl", "text": "a"}, {"path": "s/none/seed-0.jsonl", "text": "b"}],
-     "line 3: s/none/seed-0.jsonl appears twice"),
-    ([{"format": ARCHIVE_FORMAT}, {"path": "s/none/seed-0.jsonl"}], "line 2: an entry needs 'text', or 'header' and 'body_of'"),
-    ([{"format": ARCHIVE_FORMAT}, "[1, 2]"], "line 2 is not an object"),
+def _archive(tmp_path, files: dict) -> object:
+    root = tmp_path / "bad"
+    root.mkdir()
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return root
+
+
+_FMT = json.dumps({"format": ARCHIVE_FORMAT})
+_RUN = gzip.compress(_run_text("s", "none", 0, [0.1]).encode())
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"s/none/seed-0.jsonl.gz": _RUN}, "no format.json, so not a run archive"),
+    ({"format.json": json.dumps({"format": "megatron-mis-study-runs/0"})},
+     "format 'megatron-mis-study-runs/0', expected 'megatron-mis-study-runs/1'"),
+    ({"format.json": "{not json"}, "format.json: not a JSON object"),
+    ({"format.json": "[1]"}, "format.json: not a JSON object"),
+    ({"format.json": _FMT, "s/none/seed-0.jsonl.gz": "plain text"}, "seed-0.jsonl.gz: not a gzip run file"),
+    ({"format.json": _FMT, "s/none/seed-0.copy.json": json.dumps({"header": "{}", "body_of": "s/none/seed-9.jsonl"})},
+     "body_of 's/none/seed-9.jsonl' is not a run stored in full"),
+    ({"format.json": _FMT, "s/none/seed-0.copy.json": "{"}, "seed-0.copy.json: not JSON"),
+    ({"format.json": _FMT, "s/none/seed-0.copy.json": json.dumps({"header": "{}"})},
+     "a copy needs a 'header' and a 'body_of' string"),
+    ({"format.json": _FMT, "s/none/seed-0.jsonl.gz": _RUN,
+      "s/none/seed-0.copy.json": json.dumps({"header": "{}", "body_of": "s/none/seed-0.jsonl"})},
+     "s/none/seed-0.jsonl is also stored in full"),
 ])
-def test_malformed_archives_are_refused_naming_the_problem(tmp_path, lines, message):
-    path = _gz(tmp_path, lines)
+def test_malformed_archives_are_refused_naming_the_problem(tmp_path, files, message):
+    root = _archive(tmp_path, files)
     with pytest.raises(ArchiveError) as e:
-        read_archive(path)
-    assert message in str(e.value) and str(path) in str(e.value)
-    with pytest.raises(ArchiveError):  # and an update does not overwrite what it cannot read
-        update_archive(path, tmp_path, ["s"])
-    assert path.read_bytes()[:2] == b"\x1f\x8b"
+        read_archive(root)
+    assert message in str(e.value) and str(root) in str(e.value)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    with pytest.raises(ArchiveError):  # and an update writes nothing into what it cannot read
+        update_archive(root, tmp_path, ["s"])
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
 
 
-def test_not_gzip_and_missing(tmp_path):
-    path = tmp_path / "plain.jsonl.gz"
-    path.write_text(json.dumps({"format": ARCHIVE_FORMAT}))
-    with pytest.raises(ArchiveError, match="not a readable gzip archive of runs"):
+def test_not_a_folder_and_missing(tmp_path):
+    path = tmp_path / "runs.jsonl.gz"
+    path.write_bytes(gzip.compress(b"{}"))
+    with pytest.raises(ArchiveError, match="a run archive is a folder"):
         read_archive(path)
-    with pytest.raises(FileNotFoundError):
-        read_archive(tmp_path / "none.jsonl.gz")
+    with pytest.raises(FileNotFoundError, match="no such run archive"):
+        read_archive(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()  # a folder made for the archive: an empty one
+    assert read_archive(tmp_path / "empty") == {}
+    # files outside the layout are not read (a report beside the runs, a half-written temporary)
+    root = _archive(tmp_path, {"format.json": _FMT, "s/none/seed-0.jsonl.gz": _RUN, "report.md": "# r",
+                               "s/none/seed-1.jsonl.gz.tmp99": b"partial", "s/none/notes.txt": "x"})
+    assert list(read_archive(root)) == ["s/none/seed-0.jsonl"]

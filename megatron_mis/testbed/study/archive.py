@@ -1,20 +1,24 @@
-"""A study's finished run files kept in one compressed file (``runs.jsonl.gz``), so that a study
-can be extended later, on another machine, with more seeds, doses or arms: ``megatron-mis study
-... --archive FILE`` first writes the archive's runs that are missing into ``OUT_DIR`` (where the
-runner reuses every one whose configuration matches, as it reuses its own), then runs what is
-left and writes every finished run of the study's settings back into ``FILE``.
+"""A study's finished run files kept in a folder of compressed files (the run archive, e.g.
+``docs/study/sweep-NAME/runs/``), so that a study can be extended later, on another machine, with
+more seeds, doses or arms: ``megatron-mis study ... --archive DIR`` first writes the archive's runs
+that are missing into ``OUT_DIR`` (where the runner reuses every one whose configuration matches,
+as it reuses its own), then runs what is left and writes every finished run of the study's
+settings back into ``DIR``.
 
 The archive is lossless: a restored run file is byte for byte the file that was packed, so a
-report written from restored runs equals the report written from the originals.
+report written from restored runs equals the report written from the originals. One file per run,
+written only when its content changes, so that adding seeds to an archive kept in git adds the
+new runs' files and rewrites none of the others.
 
-Format (gzip of UTF-8 JSON lines)::
+Layout::
 
-    {"format": "megatron-mis-study-runs/1"}
-    {"path": "SETTING/ARM/seed-S.jsonl", "text": "<the whole run file>"}
-    {"path": "SETTING/ARM/seed-S.jsonl", "header": "<its first line>", "body_of": "<an earlier path>"}
+    DIR/format.json                          {"format": "megatron-mis-study-runs/1"}
+    DIR/SETTING/ARM/seed-S.jsonl.gz          a run file, gzip (time stamp 0)
+    DIR/SETTING/ARM/seed-S.copy.json         {"header": "<its first line>", "body_of": "SETTING/ARM/seed-S.jsonl"}
 
-The second form stores a run whose lines after the header equal an earlier entry's (a sweep's
-reference arm resets the dose, so its run is copied to every dose with only the header changed).
+A ``.copy.json`` stands for a run whose lines after the header equal another run's (a sweep's
+reference arm resets the dose, so its run is copied to every dose with only the header changed);
+``body_of`` names a run stored in full. Other files in ``DIR`` are not read.
 """
 
 from __future__ import annotations
@@ -24,83 +28,110 @@ import hashlib
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = ["ARCHIVE_FORMAT", "ArchiveError", "read_archive", "restore_runs", "update_archive"]
 
 ARCHIVE_FORMAT = "megatron-mis-study-runs/1"
+_FORMAT_FILE = "format.json"
 
 # SETTING/ARM/seed-S.jsonl: the runner's layout (runner.run_path); nothing else is read or written
-_REL_PATH = re.compile(r"^[A-Za-z0-9_.+-]+/[A-Za-z0-9_.+-]+/seed-[0-9]+\.jsonl$")
+_NAME = r"[A-Za-z0-9_.+-]+"
+_REL_PATH = re.compile(rf"^{_NAME}/{_NAME}/seed-[0-9]+\.jsonl$")
+_FULL, _COPY = ".gz", ".copy.json"
 
 
 class ArchiveError(ValueError):
-    """An archive that cannot be read: not gzip, another format, a malformed entry or path."""
+    """An archive that cannot be read: no or another format, a file that is not gzip or JSON, a
+    copy naming no run stored in full, the same run stored twice."""
 
 
-def _check_path(archive: Path, lineno: int, rel: object) -> str:
-    if not isinstance(rel, str) or not _REL_PATH.match(rel) or ".." in rel.split("/"):
-        raise ArchiveError(f"{archive}: line {lineno}: path {rel!r} is not SETTING/ARM/seed-S.jsonl")
-    return rel
+def _rel(path: Path, root: Path, suffix: str) -> str | None:
+    """``SETTING/ARM/seed-S.jsonl`` of an archive file, or ``None`` for a file outside the layout."""
+    rel = path.relative_to(root).as_posix()
+    if not rel.endswith(suffix):
+        return None
+    rel = rel[: -len(suffix)] if suffix == _FULL else rel[: -len(suffix)] + ".jsonl"
+    return rel if _REL_PATH.match(rel) else None
+
+
+def _check_format(archive: Path) -> None:
+    fmt = archive / _FORMAT_FILE
+    try:
+        found = json.loads(fmt.read_text(encoding="utf-8")).get("format")
+    except FileNotFoundError:
+        raise ArchiveError(f"{archive}: no {_FORMAT_FILE}, so not a run archive "
+                           f"(expected {{\"format\": {ARCHIVE_FORMAT!r}}})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ArchiveError(f"{fmt}: not a JSON object ({exc})") from exc
+    if found != ARCHIVE_FORMAT:
+        raise ArchiveError(f"{fmt}: format {found!r}, expected {ARCHIVE_FORMAT!r}")
+
+
+def _scan(archive: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """``({rel: .jsonl.gz path}, {rel: .copy.json path})`` of the archive's run files."""
+    full, copies = {}, {}
+    for path in sorted(archive.glob("*/*/seed-*")):
+        if not path.is_file():
+            continue
+        for suffix, found in ((_FULL, full), (_COPY, copies)):
+            rel = _rel(path, archive, suffix)
+            if rel is not None:
+                found[rel] = path
+    return full, copies
+
+
+def _gunzip(path: Path) -> str:
+    try:
+        return gzip.decompress(path.read_bytes()).decode("utf-8")
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        raise ArchiveError(f"{path}: not a gzip run file ({exc})") from exc
+
+
+def _read_copy(path: Path) -> tuple[str, str]:
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArchiveError(f"{path}: not JSON ({exc})") from exc
+    if not (isinstance(entry, dict) and isinstance(entry.get("header"), str) and isinstance(entry.get("body_of"), str)):
+        raise ArchiveError(f"{path}: a copy needs a 'header' and a 'body_of' string")
+    return entry["header"], entry["body_of"]
 
 
 def read_archive(archive: str | Path) -> dict[str, str]:
-    """``{"SETTING/ARM/seed-S.jsonl": run file text}`` of every run in ``archive``.
+    """``{"SETTING/ARM/seed-S.jsonl": run file text}`` of every run in the archive folder.
 
     Raises:
-        FileNotFoundError: ``archive`` does not exist.
-        ArchiveError: not a gzip file, a format other than :data:`ARCHIVE_FORMAT`, a malformed
-            line, an entry with a path outside the runner's layout, a ``body_of`` naming no
-            earlier entry, or the same path twice.
+        FileNotFoundError: ``archive`` does not exist (an empty folder is an empty archive).
+        ArchiveError: not a folder; files but no ``format.json`` or another format; a ``.jsonl.gz`` that is
+            not gzip; a ``.copy.json`` that is malformed or whose ``body_of`` is not a run stored
+            in full in the archive; a run stored both in full and as a copy.
     """
     archive = Path(archive)
-    runs: dict[str, str] = {}
-    try:
-        with gzip.open(archive, "rt", encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise ArchiveError(f"{archive}: not a readable gzip archive of runs ({exc})") from exc
-    if not lines:
-        raise ArchiveError(f"{archive}: empty (expected a {ARCHIVE_FORMAT!r} header line)")
-    try:
-        head = json.loads(lines[0])
-    except json.JSONDecodeError as exc:
-        raise ArchiveError(f"{archive}: line 1 is not JSON ({exc})") from exc
-    if not isinstance(head, dict) or head.get("format") != ARCHIVE_FORMAT:
-        found = head.get("format") if isinstance(head, dict) else head
-        raise ArchiveError(f"{archive}: format {found!r}, expected {ARCHIVE_FORMAT!r}")
-    for lineno, line in enumerate(lines[1:], start=2):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ArchiveError(f"{archive}: line {lineno} is not JSON ({exc})") from exc
-        if not isinstance(entry, dict):
-            raise ArchiveError(f"{archive}: line {lineno} is not an object")
-        rel = _check_path(archive, lineno, entry.get("path"))
+    if not archive.exists():
+        raise FileNotFoundError(f"{archive}: no such run archive")
+    if not archive.is_dir():
+        raise ArchiveError(f"{archive}: a run archive is a folder (format.json, SETTING/ARM/seed-S.jsonl.gz)")
+    if not any(archive.iterdir()):
+        return {}  # an empty folder: a new archive
+    _check_format(archive)
+    full, copies = _scan(archive)
+    runs = {rel: _gunzip(path) for rel, path in full.items()}
+    for rel, path in copies.items():
         if rel in runs:
-            raise ArchiveError(f"{archive}: line {lineno}: {rel} appears twice")
-        if isinstance(entry.get("text"), str):
-            runs[rel] = entry["text"]
-        elif isinstance(entry.get("header"), str) and isinstance(entry.get("body_of"), str):
-            source = runs.get(entry["body_of"])
-            if source is None:
-                raise ArchiveError(f"{archive}: line {lineno}: body_of {entry['body_of']!r} names no earlier entry")
-            header = entry["header"] if entry["header"].endswith("\n") else entry["header"] + "\n"
-            runs[rel] = header + _body(source)
-        else:
-            raise ArchiveError(f"{archive}: line {lineno}: an entry needs 'text', or 'header' and 'body_of'")
+            raise ArchiveError(f"{path}: {rel} is also stored in full ({full[rel]})")
+        header, body_of = _read_copy(path)
+        if body_of not in full:
+            raise ArchiveError(f"{path}: body_of {body_of!r} is not a run stored in full in {archive}")
+        runs[rel] = header.rstrip("\n") + "\n" + _body(runs[body_of])
     return runs
 
 
 def _body(text: str) -> str:
     """A run file's lines after its header line."""
-    _, _, body = text.partition("\n")
-    return body
+    return text.partition("\n")[2]
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -140,18 +171,20 @@ def _finished_text(path: Path) -> str | None:
         first, last = json.loads(lines[0]), json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         return None
-    return text if first.get("type") == "run" and last.get("type") == "end" else None
+    ok = isinstance(first, dict) and isinstance(last, dict) and first.get("type") == "run" and last.get("type") == "end"
+    return text if ok else None
 
 
 def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[str]) -> dict[str, int]:
-    """Write into ``archive`` every finished run file under ``OUT_DIR/SETTING/`` for each of
-    ``settings``, keeping the archive's other entries (a file on disk replaces the archive's entry
-    of the same path). Unfinished files (no end line) are skipped. The archive is replaced
-    atomically; gzip's time stamp is fixed, so the same runs give the same bytes. Returns
-    ``{"runs": entries written, "from_disk": files read, "stored_once": bodies shared}``.
+    """Write into the archive folder every finished run file under ``OUT_DIR/SETTING/`` for each
+    of ``settings``, keeping the archive's other runs (a file on disk replaces the archive's run of
+    the same path). Unfinished files (no end line) are skipped. A run whose body equals an earlier
+    run's (in path order) is stored as a ``.copy.json``. A file is written (atomically) only when
+    its content changes, and gzip's time stamp is fixed, so the same runs leave the folder as it
+    was. Returns ``{"runs", "from_disk", "stored_once", "written"}``.
 
     Raises:
-        ArchiveError: the existing archive cannot be read (it is not overwritten).
+        ArchiveError: the existing archive cannot be read (nothing is written).
     """
     archive, out = Path(archive), Path(out_dir)
     runs = read_archive(archive) if archive.exists() else {}
@@ -159,25 +192,32 @@ def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[
     for setting in settings:
         for path in sorted((out / setting).glob("*/seed-*.jsonl")):
             rel = path.relative_to(out).as_posix()
-            if not _REL_PATH.match(rel):
-                continue
-            text = _finished_text(path)
-            if text is not None:
+            if _REL_PATH.match(rel) and (text := _finished_text(path)) is not None:
                 runs[rel] = text
                 from_disk += 1
-    lines = [json.dumps({"format": ARCHIVE_FORMAT})]
-    bodies: dict[str, str] = {}  # sha256 of a body -> the first path that holds it
-    shared = 0
+    if not (archive / _FORMAT_FILE).exists():
+        _write_atomic(archive / _FORMAT_FILE, (json.dumps({"format": ARCHIVE_FORMAT}) + "\n").encode("utf-8"))
+    full, copies = _scan(archive)
+    bodies: dict[str, str] = {}  # sha256 of a body -> the first path (sorted) stored in full with it
+    shared = written = 0
     for rel in sorted(runs):
         text = runs[rel]
         header, _, body = text.partition("\n")
         digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
+        gz, cp = archive / (rel + _FULL), archive / (rel[: -len(".jsonl")] + _COPY)
         if body and digest in bodies:
-            lines.append(json.dumps({"path": rel, "header": header, "body_of": bodies[digest]}))
             shared += 1
+            data = (json.dumps({"header": header, "body_of": bodies[digest]}) + "\n").encode("utf-8")
+            if rel not in copies or cp.read_bytes() != data:
+                _write_atomic(cp, data)
+                written += 1
+            if rel in full:
+                gz.unlink()
         else:
             bodies.setdefault(digest, rel)
-            lines.append(json.dumps({"path": rel, "text": text}))
-    data = gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), compresslevel=9, mtime=0)
-    _write_atomic(archive, data)
-    return {"runs": len(runs), "from_disk": from_disk, "stored_once": shared}
+            if rel not in full or _gunzip(gz) != text:
+                _write_atomic(gz, gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
+                written += 1
+            if rel in copies:
+                cp.unlink()
+    return {"runs": len(runs), "from_disk": from_disk, "stored_once": shared, "written": written}
