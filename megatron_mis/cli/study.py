@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
     p.add_argument("--archive", default=None, metavar="DIR",
                    help="A run archive folder (e.g. docs/study/sweep-NAME/runs: one .jsonl.gz per run): its runs missing from "
                         "OUT_DIR are written there first (and reused where their configuration matches), and every finished "
-                        "run of the study's settings is written back into DIR at the end.")
+                        "run of the study's settings that DIR lacks is added at the end (it never replaces one).")
     p.add_argument("--list", action="store_true", help="List the settings, the arms and the dose-response sweeps and exit.")
     p.set_defaults(run=run)
 
@@ -156,8 +156,13 @@ def run(args: argparse.Namespace) -> int:
         return _run(study, report_only=args.report_only)
     finally:  # a failed or interrupted study keeps its finished runs: so does the archive
         wrote = update_archive(args.archive, study.out_dir, settings)
-        print(f"archive {args.archive}: {wrote['runs']} runs ({wrote['from_disk']} read from {study.out_dir}, "
+        print(f"archive {args.archive}: {wrote['runs']} runs ({wrote['added']} added from {study.out_dir}, "
               f"{wrote['written']} files written)", file=sys.stderr)
+        if wrote["conflicts"]:
+            print(f"archive {args.archive}: {len(wrote['conflicts'])} runs in {study.out_dir} differ from the archive's "
+                  f"runs of the same name and were not written (the archive keeps its runs; keep another configuration "
+                  f"in another archive): {', '.join(wrote['conflicts'][:5])}{' ...' if len(wrote['conflicts']) > 5 else ''}",
+                  file=sys.stderr)
 
 
 def _run(study, *, report_only: bool) -> int:

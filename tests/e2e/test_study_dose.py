@@ -275,12 +275,12 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
     assert main([*common, "--seeds", "1", "--out-dir", str(first)]) == 0
     err = capsys.readouterr().err
     assert f"archive {archive}: not there yet, it will be made" in err and "ran 2 runs, reused 0" in err
-    assert f"archive {archive}: 2 runs (2 read from {first}, 2 files written)" in err
+    assert f"archive {archive}: 2 runs (2 added from {first}, 2 files written)" in err
     assert main([*common, "--seeds", "2", "--out-dir", str(second)]) == 0
     err = capsys.readouterr().err
     assert f"archive {archive}: restored 2 runs into {second}, 0 already there" in err
     assert "ran 2 runs, reused 2" in err  # seed 1's two arms run, seed 0's are the archive's
-    assert f"archive {archive}: 4 runs (4 read from {second}, 2 files written)" in err  # seed 0's unchanged
+    assert f"archive {archive}: 4 runs (2 added from {second}, 2 files written)" in err  # seed 0's unchanged
     for rel in ("temperature-t1.5/none/seed-0.jsonl", "temperature-t1.5/ref_fp32/seed-0.jsonl"):
         assert (second / rel).read_bytes() == (first / rel).read_bytes()
     # the report over seed 0 from the restored runs is the first study's
@@ -291,6 +291,15 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
         return json.loads((root / "sweep-temperature" / "summary.json").read_text())["doses"]
 
     assert doses(second) == doses(first)
+    # a variant under the same names (here: 3 steps, not 2) runs in the out-dir but does not
+    # replace the archive's runs: the archive only grows, and the command names what it kept out
+    stamps = {p: p.read_bytes() for p in archive.rglob("*") if p.is_file()}
+    steps = common.index("--steps") + 1
+    assert main([*common[:steps], "3", *common[steps + 1:], "--seeds", "1", "--out-dir", str(second)]) == 0
+    err = capsys.readouterr().err
+    assert "ran 2 runs, reused 0" in err and f"archive {archive}: 4 runs (0 added from {second}, 0 files written)" in err
+    assert "2 runs in " in err and "differ from the archive's runs of the same name and were not written" in err
+    assert {p: p.read_bytes() for p in archive.rglob("*") if p.is_file()} == stamps
     # an archive that is not one is refused before anything runs, and left as it is
     bad = tmp_path / "bad"
     (bad / "temperature-t1.5" / "none").mkdir(parents=True)

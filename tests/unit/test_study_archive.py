@@ -48,7 +48,7 @@ def test_round_trip_is_lossless_and_a_copied_body_is_stored_once(tmp_path, out):
     archive = tmp_path / "keep" / "runs"
     got = update_archive(archive, out, ["sw-k0", "sw-k1"])
     # the unfinished run is not archived; the copied reference is stored as its header only
-    assert got == {"runs": 4, "from_disk": 4, "stored_once": 1, "written": 4}
+    assert got == {"runs": 4, "from_disk": 4, "added": 4, "stored_once": 1, "written": 4, "conflicts": []}
     assert json.loads((archive / "format.json").read_text()) == {"format": ARCHIVE_FORMAT}
     assert sorted(p.relative_to(archive).as_posix() for p in archive.rglob("seed-*")) == [
         "sw-k0/none/seed-0.jsonl.gz", "sw-k0/none/seed-1.jsonl.gz", "sw-k0/ref_fp32/seed-0.jsonl.gz",
@@ -88,30 +88,35 @@ def test_restore_keeps_files_on_disk_and_update_merges(tmp_path, out):
     _write(target, "sw-k0/none/seed-1.jsonl", (out / "sw-k0/none/seed-1.jsonl").read_text())  # the same one
     assert restore_runs(archive, target) == {"restored": 1, "present": 2, "differ": 1}
     assert json.loads((target / "sw-k0/none/seed-0.jsonl").read_text().splitlines()[1])["reward_mean"] == 0.7
-    # a new seed on disk joins the archive; a run of a setting not named is kept; disk replaces
-    # the archive's run of the same path, and only the changed and new files are written
+    # a new seed on disk joins the archive; a run of a setting not named is kept; the archive only
+    # grows: a different run on disk under a name the archive holds is not written, but named
     _write(target, "sw-k0/none/seed-2.jsonl", _run_text("sw-k0", "none", 2, [0.4]))
     update_archive(archive, out, ["other-k0"])
     got = update_archive(archive, target, ["sw-k0"])
-    assert (got["runs"], got["from_disk"], got["written"]) == (5, 4, 2)
+    assert (got["runs"], got["from_disk"], got["added"], got["written"]) == (5, 4, 1, 1)
+    assert got["conflicts"] == ["sw-k0/none/seed-0.jsonl"]
     runs = read_archive(archive)
     assert "other-k0/none/seed-0.jsonl" in runs and "sw-k0/none/seed-2.jsonl" in runs
-    assert runs["sw-k0/none/seed-0.jsonl"] == (target / "sw-k0/none/seed-0.jsonl").read_text()
+    assert runs["sw-k0/none/seed-0.jsonl"] == (out / "sw-k0/none/seed-0.jsonl").read_text()
 
 
-def test_a_run_that_becomes_a_copy_or_stops_being_one_keeps_one_file(tmp_path):
+def test_a_run_becomes_a_copy_when_an_earlier_name_with_its_body_joins(tmp_path):
+    """Bodies are stored in full under the first name in path order: a reference added at k0
+    after k1 and k2 were archived takes the body, k1 becomes a copy of it and k2's copy points to it."""
     out, archive = tmp_path / "out", tmp_path / "archive"
+    for dose in ("k1", "k2"):
+        _write(out, f"a-{dose}/ref/seed-0.jsonl", _run_text(f"a-{dose}", "ref", 0, [0.5]))
+    update_archive(archive, out, ["a-k1", "a-k2"])
+    assert (archive / "a-k1/ref/seed-0.jsonl.gz").is_file() and (archive / "a-k2/ref/seed-0.copy.json").is_file()
     _write(out, "a-k0/ref/seed-0.jsonl", _run_text("a-k0", "ref", 0, [0.5]))
-    _write(out, "a-k1/ref/seed-0.jsonl", _run_text("a-k1", "ref", 0, [0.6]))
-    update_archive(archive, out, ["a-k0", "a-k1"])
-    assert (archive / "a-k1/ref/seed-0.jsonl.gz").is_file()
-    _write(out, "a-k1/ref/seed-0.jsonl", _run_text("a-k1", "ref", 0, [0.5]))  # now the same body as a-k0's
-    update_archive(archive, out, ["a-k1"])
-    assert (archive / "a-k1/ref/seed-0.copy.json").is_file() and not (archive / "a-k1/ref/seed-0.jsonl.gz").exists()
-    _write(out, "a-k1/ref/seed-0.jsonl", _run_text("a-k1", "ref", 0, [0.7]))
-    update_archive(archive, out, ["a-k1"])
-    assert (archive / "a-k1/ref/seed-0.jsonl.gz").is_file() and not (archive / "a-k1/ref/seed-0.copy.json").exists()
-    assert read_archive(archive)["a-k1/ref/seed-0.jsonl"] == (out / "a-k1/ref/seed-0.jsonl").read_text()
+    got = update_archive(archive, out, ["a-k0", "a-k1", "a-k2"])
+    assert (got["added"], got["stored_once"], got["written"]) == (1, 2, 3)
+    assert sorted(p.relative_to(archive).as_posix() for p in archive.rglob("seed-*")) == [
+        "a-k0/ref/seed-0.jsonl.gz", "a-k1/ref/seed-0.copy.json", "a-k2/ref/seed-0.copy.json"]
+    assert json.loads((archive / "a-k2/ref/seed-0.copy.json").read_text())["body_of"] == "a-k0/ref/seed-0.jsonl"
+    runs = read_archive(archive)
+    for dose in ("k0", "k1", "k2"):
+        assert runs[f"a-{dose}/ref/seed-0.jsonl"] == (out / f"a-{dose}/ref/seed-0.jsonl").read_text()
 
 
 def _archive(tmp_path, files: dict) -> object:

@@ -176,25 +176,34 @@ def _finished_text(path: Path) -> str | None:
 
 
 def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[str]) -> dict[str, int]:
-    """Write into the archive folder every finished run file under ``OUT_DIR/SETTING/`` for each
-    of ``settings``, keeping the archive's other runs (a file on disk replaces the archive's run of
-    the same path). Unfinished files (no end line) are skipped. A run whose body equals an earlier
-    run's (in path order) is stored as a ``.copy.json``. A file is written (atomically) only when
-    its content changes, and gzip's time stamp is fixed, so the same runs leave the folder as it
-    was. Returns ``{"runs", "from_disk", "stored_once", "written"}``.
+    """Add to the archive folder every finished run file under ``OUT_DIR/SETTING/`` for each of
+    ``settings`` that it does not hold yet. The archive only grows: a file on disk whose text
+    differs from the archive's run of the same path (another configuration, e.g. a ``--quick``
+    or ``--steps`` variant run in an out-dir the archive was restored into) is not written and is
+    listed in ``"conflicts"``. Unfinished files (no end line) are skipped. A run whose body equals
+    an earlier run's (in path order) is stored as a ``.copy.json``. A file is written (atomically)
+    only when its content changes, and gzip's time stamp is fixed, so the same runs leave the
+    folder as it was. Returns ``{"runs", "from_disk", "added", "stored_once", "written",
+    "conflicts"}``.
 
     Raises:
         ArchiveError: the existing archive cannot be read (nothing is written).
     """
     archive, out = Path(archive), Path(out_dir)
     runs = read_archive(archive) if archive.exists() else {}
-    from_disk = 0
+    from_disk = added = 0
+    conflicts: list[str] = []
     for setting in settings:
         for path in sorted((out / setting).glob("*/seed-*.jsonl")):
             rel = path.relative_to(out).as_posix()
-            if _REL_PATH.match(rel) and (text := _finished_text(path)) is not None:
+            if not _REL_PATH.match(rel) or (text := _finished_text(path)) is None:
+                continue
+            from_disk += 1
+            if rel not in runs:
                 runs[rel] = text
-                from_disk += 1
+                added += 1
+            elif runs[rel] != text:
+                conflicts.append(rel)
     if not (archive / _FORMAT_FILE).exists():
         _write_atomic(archive / _FORMAT_FILE, (json.dumps({"format": ARCHIVE_FORMAT}) + "\n").encode("utf-8"))
     full, copies = _scan(archive)
@@ -220,4 +229,5 @@ def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[
                 written += 1
             if rel in copies:
                 cp.unlink()
-    return {"runs": len(runs), "from_disk": from_disk, "stored_once": shared, "written": written}
+    return {"runs": len(runs), "from_disk": from_disk, "added": added, "stored_once": shared, "written": written,
+            "conflicts": conflicts}
