@@ -31,6 +31,7 @@ import re
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ARCHIVE_FORMAT", "ArchiveError", "read_archive", "restore_runs", "update_archive"]
 
@@ -175,7 +176,7 @@ def _finished_text(path: Path) -> str | None:
     return text if ok else None
 
 
-def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[str]) -> dict[str, int]:
+def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[str]) -> dict[str, Any]:
     """Add to the archive folder every finished run file under ``OUT_DIR/SETTING/`` for each of
     ``settings`` that it does not hold yet. The archive only grows: a file on disk whose text
     differs from the archive's run of the same path (another configuration, e.g. a ``--quick``
