@@ -172,3 +172,30 @@ def test_not_a_folder_and_missing(tmp_path):
     root = _archive(tmp_path, {"format.json": _FMT, "s/none/seed-0.jsonl.gz": _RUN, "report.md": "# r",
                                "s/none/seed-1.jsonl.gz.tmp99": b"partial", "s/none/notes.txt": "x"})
     assert list(read_archive(root)) == ["s/none/seed-0.jsonl"]
+
+
+def test_the_committed_archive_reads_and_gives_its_report_s_numbers():
+    """docs/study/sweep-long-tail-stale-128/runs (the first archive kept): every run is complete,
+    and the per-seed none - reference differences recomputed from it are the ones its report
+    (replication-avx2/summary.json) quotes, so a format change that broke committed archives, or
+    an archive that drifted from its report, fails here."""
+    from pathlib import Path
+
+    from megatron_mis.testbed.study.stats import run_metrics
+
+    root = Path(__file__).resolve().parents[2] / "docs" / "study" / "sweep-long-tail-stale-128"
+    runs = read_archive(root / "runs")
+    summary = json.loads((root / "replication-avx2" / "summary.json").read_text())
+    (dose,) = summary["doses"]
+    final = {}
+    for rel, text in runs.items():
+        lines = [json.loads(x) for x in text.splitlines()]
+        assert lines[0]["type"] == "run" and lines[-1]["type"] == "end", rel
+        setting, arm, _ = rel.split("/")
+        assert setting == dose["setting"] == lines[0]["setting"] and arm == lines[0]["arm"]
+        records = [x for x in lines if x["type"] == "step"]
+        assert len(records) == summary["steps"]
+        final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=summary["study"]["last_k"], threshold=summary["threshold"],
+                                                   collapse_fraction=summary["study"]["collapse_fraction"])["final_reward"]
+    diffs = {str(seed): final["none", seed] - final["ref_fp32", seed] for arm, seed in final if arm == "none"}
+    assert diffs == pytest.approx(dose["none_vs_reference"]["diffs"], abs=1e-12) and len(diffs) == 6
