@@ -332,7 +332,7 @@ MUTANTS: list[Mutant] = [
       "        if False:",
       ["tests/unit/test_testing_cpu.py::test_cpu_compat_installs_its_shims_where_cuda_is_available_too"],
       "torch.cuda.current_device() is \"cpu\" for torch's own modules too (TorchDynamo failed so on an H100)"),
-    M("archive-shares-bodies-by-header", "megatron_mis/testbed/study/archive.py",
+    M("archive-shares-bodies-by-prefix", "megatron_mis/testbed/study/archive.py",
       "        digest = hashlib.sha256(body.encode(\"utf-8\")).hexdigest()",
       "        digest = hashlib.sha256(body[:40].encode(\"utf-8\")).hexdigest()",
       ["tests/unit/test_study_archive.py::test_round_trip_is_lossless_and_a_copied_body_is_stored_once"],
