@@ -225,7 +225,9 @@ def update_archive(archive: str | Path, out_dir: str | Path, settings: Iterable[
                 gz.unlink()
         else:
             bodies.setdefault(digest, rel)
-            if rel not in full or _gunzip(gz) != text:
+            # a run stored in full already holds this text: the archive's runs are never replaced
+            # (read_archive read it from that very file), so only a new or formerly copied run is written
+            if rel not in full:
                 _write_atomic(gz, gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
                 written += 1
             if rel in copies:
