@@ -264,6 +264,47 @@ run_jobs(study, jobs, "interrupted")
     assert not list(tmp.glob("megatron_mis_study_*")), sorted(p.name for p in tmp.iterdir())
 
 
+def test_sigterm_stops_a_sweep_and_keeps_its_runs_in_the_archive(tmp_path):
+    """SIGTERM (a scheduler's preemption or time limit; `kill` of a background launch, whose SIGINT
+    is ignored) to `megatron-mis study` mid-sweep: the command exits with 128 + 15 and says how to
+    resume, its workers are stopped (no run file appears after it exits, as an orphaned worker's
+    would), their scratch folders are gone, and the archive holds every run finished before it.
+    Without the handler the process dies at once, its workers run on and the archive stays unwritten."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, archive, tmp = tmp_path / "out", tmp_path / "archive", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "megatron_mis", "study", "--sweep", "temperature", "--doses", "t1.5", "--arms",
+           "none,ref_fp32", "--quick", "--seeds", "16", "--jobs", "2", "--no-progress", "--no-plot",
+           "--out-dir", str(out), "--archive", str(archive)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+
+    def finished():
+        return sorted(p.relative_to(out).as_posix() for p in out.rglob("seed-*.jsonl"))
+
+    t0 = time.monotonic()
+    while not finished() and proc.poll() is None and time.monotonic() - t0 < 300:
+        time.sleep(0.1)
+    assert proc.poll() is None and finished(), "no run finished within 300 s, or the sweep ended first"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert f"stopped by SIGTERM; the finished runs stay in {out}" in err, err[-2000:]
+    runs = finished()
+    assert 1 <= len(runs) < 32, runs  # stopped part-way
+    time.sleep(5)  # an orphaned worker would finish its 4-step run and write it within this
+    assert finished() == runs
+    assert not list(tmp.glob("megatron_mis_study_*")), sorted(p.name for p in tmp.iterdir())
+    kept = sorted(p.relative_to(archive).as_posix().removesuffix(".gz") for p in archive.rglob("seed-*.jsonl.gz"))
+    copies = sorted(p.relative_to(archive).as_posix().replace(".copy.json", ".jsonl")
+                    for p in archive.rglob("seed-*.copy.json"))
+    assert sorted(kept + copies) == runs, err[-2000:]
+
+
 def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
     """`--archive`: the runs of a first study are written into the archive; a second study in an
     empty out-dir (another machine) restores them, runs only the new seed, and its report over
@@ -308,3 +349,48 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
     assert f"{bad}: no format.json, so not a run archive" in capsys.readouterr().err
     assert sorted(p.name for p in bad.rglob("*")) == ["none", "seed-0.jsonl.gz", "temperature-t1.5"]
     assert not (tmp_path / "third").exists()
+
+
+def test_the_stop_handler_is_scoped_and_holds_a_signal_back_while_the_archive_is_written():
+    """`_stop_on_sigterm` turns SIGTERM into a stop (signal 15) only inside the command and puts
+    the previous handler back. `_deferring`
+    holds SIGTERM back until its block (the archive update) ends, then it is delivered."""
+    import signal
+
+    from megatron_mis.cli.study import _deferring, _stop_on_sigterm, _Stopped
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with pytest.raises(_Stopped) as stopped:
+            with _stop_on_sigterm():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs between bytecodes
+                    pass
+        assert stopped.value.signum == signal.SIGTERM and stopped.value.name == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # ours again, not the default
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+        written = None
+        with pytest.raises(_Stopped):
+            with _stop_on_sigterm():
+                with _deferring(signal.SIGTERM):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    written = sum(range(1000))  # held back: the block runs to its end
+                raise AssertionError("SIGTERM was not delivered after the block")
+        assert written == 499500
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_ctrl_c_stops_the_command_with_130_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """Ctrl-C takes the SIGTERM path's exit: 128 + 2 and the resume hint, not a traceback (the
+    runner's own clean-up on KeyboardInterrupt is test_an_interrupted_sweep_exits_promptly's)."""
+    import megatron_mis.cli.study as cli_study
+
+    def interrupted(args, study):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_study, "_run_archived", interrupted)
+    assert main(["study", "--sweep", "temperature", "--quick", "--out-dir", str(tmp_path)]) == 130
+    assert f"stopped by an interrupt (Ctrl-C); the finished runs stay in {tmp_path}" in capsys.readouterr().err
