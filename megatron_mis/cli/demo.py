@@ -258,11 +258,18 @@ def run(args: argparse.Namespace) -> int:
 
     from megatron_mis.testbed.demo.launch import DemoError, launch
 
+    from megatron_mis.cli.stopping import Stopped, stop_on_sigterm, stopped_exit
+
     print(describe(cfg), flush=True)
     try:
-        results = launch(cfg)
+        with stop_on_sigterm():  # SIGTERM stops the ranks as Ctrl-C does, instead of orphaning them
+            results = launch(cfg)
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (Stopped, KeyboardInterrupt) as exc:
+        status, message = stopped_exit("demo", exc, "; its ranks were stopped and nothing was written")
+        print(message, file=sys.stderr)
+        return status
     report(cfg, results)
     return 0

@@ -5,12 +5,11 @@ correction, a markdown report and a PNG. See ``docs/study.md``."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
-import threading
 
+from megatron_mis.cli.stopping import Stopped, deferring, stop_on_sigterm, stopped_exit
 from megatron_mis.config import ConfigError
 
 # (flag, StudyConfig field, argparse extras); help texts come from the config's field docs
@@ -139,58 +138,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"megatron-mis study: arm {arm} runs with {key}={mine!r}, not --set {key}={theirs!r} (an arm's own fields win)",
               file=sys.stderr)
     try:
-        with _stop_on_sigterm():
+        with stop_on_sigterm():
             return _run_archived(args, study)
-    except (_Stopped, KeyboardInterrupt) as exc:
-        name = exc.name if isinstance(exc, _Stopped) else "an interrupt (Ctrl-C)"
-        print(f"megatron-mis study: stopped by {name}; the finished runs stay in {study.out_dir} (and in the archive, "
-              f"with --archive): rerun the same command to resume", file=sys.stderr)
-        return 128 + (exc.signum if isinstance(exc, _Stopped) else signal.SIGINT)
-
-
-class _Stopped(BaseException):
-    """A study stopped by a signal (a BaseException, as KeyboardInterrupt is, so that no
-    ``except Exception`` on the way takes it for a failed run)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-
-
-@contextlib.contextmanager
-def _stop_on_sigterm():
-    """While the study runs, SIGTERM (a batch scheduler's preemption or time limit, ``kill``, a
-    background launch whose SIGINT is ignored) stops it as Ctrl-C does: the workers are stopped,
-    their scratch folders removed, the finished runs kept and the archive updated, instead of the
-    process dying with its workers orphaned. A second SIGTERM kills at once. The previous handler
-    is restored on the way out; off the main thread (where no handler can be set) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise _Stopped(signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _deferring(signum: int):
-    """Hold ``signum`` back while the block runs (it is delivered when the block ends)."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows
-        yield
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    except (Stopped, KeyboardInterrupt) as exc:
+        status, message = stopped_exit("study", exc, f"; the finished runs stay in {study.out_dir} (and in the archive, "
+                                                     f"with --archive): rerun the same command to resume")
+        print(message, file=sys.stderr)
+        return status
 
 
 def _run_archived(args: argparse.Namespace, study) -> int:
@@ -218,7 +172,7 @@ def _run_archived(args: argparse.Namespace, study) -> int:
     try:
         return _run(study, report_only=args.report_only)
     finally:  # a failed or interrupted study keeps its finished runs: so does the archive
-        with _deferring(signal.SIGTERM):  # a SIGTERM now stops the command once the archive is written
+        with deferring(signal.SIGTERM):  # a SIGTERM now stops the command once the archive is written
             wrote = update_archive(args.archive, study.out_dir, settings)
         print(f"archive {args.archive}: {wrote['runs']} runs ({wrote['added']} added from {study.out_dir}, "
               f"{wrote['written']} files written)", file=sys.stderr)

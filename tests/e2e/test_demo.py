@@ -183,3 +183,58 @@ def test_help_documents_every_flag(capsys):
         flag = {"progress": "--no-progress", "plot": "--no-plot"}.get(name, "--" + name.replace("_", "-"))
         assert flag in text, flag
     assert "--quick" in text and "--preset" in text
+
+
+def test_sigterm_stops_a_multi_process_demo_and_its_ranks(tmp_path):
+    """SIGTERM to `megatron-mis demo --tp 2` (a scheduler's time limit, `kill`) while its ranks
+    train: the command exits with 128 + 15 and says so, both ranks are gone within 10 s (no process
+    with the run's marker in its environment is left, as orphaned ranks would be: they would train
+    on to the end) and the launcher's scratch folder is removed. Without the handler the parent dies at
+    once and its ranks run on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    marker = f"MEGATRON_MIS_TEST_RUN={uuid.uuid4().hex}".encode()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "MEGATRON_MIS_TEST_RUN": marker.split(b"=")[1].decode()}
+
+    def marked() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if marker in f.read().split(b"\0"):
+                            pids.append(int(entry))
+                except OSError:  # gone, or not ours
+                    pass
+        return pids
+
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_mis", "demo", "--tp", "2", "--steps", "2000", "--no-progress",
+                             "--no-plot", "--out-dir", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        t0 = time.monotonic()  # the ranks have met once their file store exists
+        while not list(tmp.glob("megatron_mis_demo_*/store")) and proc.poll() is None and time.monotonic() - t0 < 300:
+            time.sleep(0.1)
+        # the parent, its two ranks and multiprocessing's resource tracker
+        assert proc.poll() is None and len(marked()) >= 3, "the two ranks did not start within 300 s"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert "megatron-mis demo: stopped by SIGTERM; its ranks were stopped" in err, err[-2000:]
+        t1 = time.monotonic()  # the resource tracker leaves when its pipe closes
+        while marked() and time.monotonic() - t1 < 10:
+            time.sleep(0.2)
+        assert marked() == []
+        assert not list(tmp.glob("megatron_mis_demo_*")), sorted(p.name for p in tmp.iterdir())
+    finally:
+        for pid in marked():
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

@@ -351,38 +351,6 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
     assert not (tmp_path / "third").exists()
 
 
-def test_the_stop_handler_is_scoped_and_holds_a_signal_back_while_the_archive_is_written():
-    """`_stop_on_sigterm` turns SIGTERM into a stop (signal 15) only inside the command and puts
-    the previous handler back. `_deferring`
-    holds SIGTERM back until its block (the archive update) ends, then it is delivered."""
-    import signal
-
-    from megatron_mis.cli.study import _deferring, _stop_on_sigterm, _Stopped
-
-    seen = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    try:
-        with pytest.raises(_Stopped) as stopped:
-            with _stop_on_sigterm():
-                os.kill(os.getpid(), signal.SIGTERM)
-                for _ in range(1000):  # the handler runs between bytecodes
-                    pass
-        assert stopped.value.signum == signal.SIGTERM and stopped.value.name == "SIGTERM"
-        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # ours again, not the default
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert seen == [signal.SIGTERM]
-        written = None
-        with pytest.raises(_Stopped):
-            with _stop_on_sigterm():
-                with _deferring(signal.SIGTERM):
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    written = sum(range(1000))  # held back: the block runs to its end
-                raise AssertionError("SIGTERM was not delivered after the block")
-        assert written == 499500
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def test_ctrl_c_stops_the_command_with_130_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
     """Ctrl-C takes the SIGTERM path's exit: 128 + 2 and the resume hint, not a traceback (the
     runner's own clean-up on KeyboardInterrupt is test_an_interrupted_sweep_exits_promptly's)."""
