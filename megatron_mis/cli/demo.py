@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -256,9 +257,8 @@ def run(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
 
-    from megatron_mis.testbed.demo.launch import DemoError, launch
-
     from megatron_mis.cli.stopping import Stopped, stop_on_sigterm, stopped_exit
+    from megatron_mis.testbed.demo.launch import DemoError, launch
 
     print(describe(cfg), flush=True)
     try:
@@ -268,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (Stopped, KeyboardInterrupt) as exc:
-        status, message = stopped_exit("demo", exc, "; its ranks were stopped and nothing was written")
+        run_dir = os.path.join(cfg.out_dir, cfg.name)
+        status, message = stopped_exit("demo", exc, f"; its ranks were stopped (the steps it finished, if any, are in "
+                                                    f"{os.path.join(run_dir, 'metrics.jsonl')}; no report was written)")
         print(message, file=sys.stderr)
         return status
     report(cfg, results)

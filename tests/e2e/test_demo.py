@@ -227,7 +227,8 @@ def test_sigterm_stops_a_multi_process_demo_and_its_ranks(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-        assert "megatron-mis demo: stopped by SIGTERM; its ranks were stopped" in err, err[-2000:]
+        metrics = tmp_path / "out" / "demo" / "metrics.jsonl"
+        assert f"megatron-mis demo: stopped by SIGTERM; its ranks were stopped (the steps it finished, if any, are in {metrics}" in err, err[-2000:]
         t1 = time.monotonic()  # the resource tracker leaves when its pipe closes
         while marked() and time.monotonic() - t1 < 10:
             time.sleep(0.2)
