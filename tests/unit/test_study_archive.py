@@ -198,4 +198,4 @@ def test_the_committed_archive_reads_and_gives_its_report_s_numbers():
         final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=summary["study"]["last_k"], threshold=summary["threshold"],
                                                    collapse_fraction=summary["study"]["collapse_fraction"])["final_reward"]
     diffs = {str(seed): final["none", seed] - final["ref_fp32", seed] for arm, seed in final if arm == "none"}
-    assert diffs == pytest.approx(dose["none_vs_reference"]["diffs"], abs=1e-12) and len(diffs) == 6
+    assert diffs == pytest.approx(dose["none_vs_reference"]["diffs"], abs=1e-12) and len(diffs) == 12
