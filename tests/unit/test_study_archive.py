@@ -174,18 +174,22 @@ def test_not_a_folder_and_missing(tmp_path):
     assert list(read_archive(root)) == ["s/none/seed-0.jsonl"]
 
 
-def test_the_committed_archive_reads_and_gives_its_report_s_numbers():
-    """docs/study/sweep-long-tail-stale-128/runs (the first archive kept): every run is complete,
-    and the per-seed none - reference differences recomputed from it are the ones its report
-    (replication-avx2/summary.json) quotes, so a format change that broke committed archives, or
-    an archive that drifted from its report, fails here."""
+@pytest.mark.parametrize("sweep, report, n_seeds", [
+    ("sweep-long-tail-stale-128", "replication-avx2", 12),
+    ("sweep-long-tail-stale-256", "seeds-6-7", 2),
+])
+def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, n_seeds):
+    """docs/study/SWEEP/runs (the committed run archives): every run is complete, and the
+    per-seed none - reference differences recomputed from it are the ones its report
+    (REPORT/summary.json) quotes, so a format change that broke committed archives, or an
+    archive that drifted from its report, fails here."""
     from pathlib import Path
 
     from megatron_mis.testbed.study.stats import run_metrics
 
-    root = Path(__file__).resolve().parents[2] / "docs" / "study" / "sweep-long-tail-stale-128"
+    root = Path(__file__).resolve().parents[2] / "docs" / "study" / sweep
     runs = read_archive(root / "runs")
-    summary = json.loads((root / "replication-avx2" / "summary.json").read_text())
+    summary = json.loads((root / report / "summary.json").read_text())
     (dose,) = summary["doses"]
     final = {}
     for rel, text in runs.items():
@@ -198,4 +202,4 @@ def test_the_committed_archive_reads_and_gives_its_report_s_numbers():
         final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=summary["study"]["last_k"], threshold=summary["threshold"],
                                                    collapse_fraction=summary["study"]["collapse_fraction"])["final_reward"]
     diffs = {str(seed): final["none", seed] - final["ref_fp32", seed] for arm, seed in final if arm == "none"}
-    assert diffs == pytest.approx(dose["none_vs_reference"]["diffs"], abs=1e-12) and len(diffs) == 12
+    assert diffs == pytest.approx(dose["none_vs_reference"]["diffs"], abs=1e-12) and len(diffs) == n_seeds
