@@ -59,8 +59,25 @@ def _run_in_group(cfg: DemoConfig, rank: int, world: int, store: str):
                 dist.destroy_process_group()
 
 
+def thread_lock_for_tqdm() -> None:
+    """In a worker process this package spawned (a demo rank, a study worker), before any bar:
+    give tqdm a thread lock instead of the multiprocessing RLock its first bar creates. That RLock
+    is a named semaphore registered with the parent's resource tracker; a worker killed on a stop
+    (Ctrl-C, SIGTERM, a failed rank) never unregisters it, so the tracker warned of "leaked
+    semaphore objects" at the command's exit. A spawned worker shares its bars with no other
+    process, so a thread lock is all tqdm needs there. Not for the user's own process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no bar without tqdm either
+        return
+    import threading
+
+    tqdm.set_lock(threading.RLock())
+
+
 def _worker(cfg: DemoConfig, rank: int, world: int, store: str, conn: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
+    thread_lock_for_tqdm()
     try:
         conn.send(("ok", rank, _run_in_group(cfg, rank, world, store)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_mis.testbed.demo.launch import stop_processes
+from megatron_mis.testbed.demo.launch import stop_processes, thread_lock_for_tqdm
 from megatron_mis.testbed.study.config import SWEEPS, StudyConfig, run_config
 
 __all__ = ["RunJob", "StudyError", "load_run", "plan_sweep", "run_jobs", "run_path", "run_study", "run_sweep"]
@@ -180,6 +180,7 @@ def _worker(tasks: Any, results: Any, threads: int, scratch: str) -> None:
     runs taken from ``tasks`` until ``None``. ``scratch``: its folder (made and removed by the
     parent, so that a worker killed on Ctrl-C leaves nothing behind)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    thread_lock_for_tqdm()
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
