@@ -174,13 +174,13 @@ def test_not_a_folder_and_missing(tmp_path):
     assert list(read_archive(root)) == ["s/none/seed-0.jsonl"]
 
 
-@pytest.mark.parametrize("sweep, report, n_seeds", [
-    ("sweep-long-tail-stale-128", "replication-avx2", 12),
-    ("sweep-long-tail-stale-256", "seeds-6-7", 2),
+@pytest.mark.parametrize("sweep, report, arms, n_seeds", [
+    ("sweep-long-tail-stale-128", "replication-avx2", ("none",), 12),
+    ("sweep-long-tail-stale-256", "seeds-6-7", ("none", "token_tis", "bypass_ppo"), 2),
 ])
-def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, n_seeds):
+def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, arms, n_seeds):
     """docs/study/SWEEP/runs (the committed run archives): every run is complete, and the
-    per-seed none - reference differences recomputed from it are the ones its report
+    per-seed arm - reference differences of every arm recomputed from it are the ones its report
     (REPORT/summary.json) quotes, so a format change that broke committed archives, or an
     archive that drifted from its report, fails here."""
     from pathlib import Path
@@ -201,5 +201,9 @@ def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, repor
         assert len(records) == summary["steps"]
         final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=summary["study"]["last_k"], threshold=summary["threshold"],
                                                    collapse_fraction=summary["study"]["collapse_fraction"])["final_reward"]
-    diffs = {str(seed): final["none", seed] - final["ref_fp32", seed] for arm, seed in final if arm == "none"}
-    assert diffs == pytest.approx(dose["none_vs_reference"]["diffs"], abs=1e-12) and len(diffs) == n_seeds
+    assert sorted({arm for arm, _ in final} - {"ref_fp32"}) == sorted(arms)
+    for name in arms:
+        diffs = {str(seed): final[name, seed] - final["ref_fp32", seed] for arm, seed in final if arm == name}
+        quoted = dose["arms"][name]["vs_reference"]["final_reward"]["diffs"]
+        assert diffs == pytest.approx(quoted, abs=1e-12) and len(diffs) == n_seeds, name
+    assert dose["none_vs_reference"]["diffs"] == dose["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
