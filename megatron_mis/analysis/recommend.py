@@ -41,10 +41,11 @@ Regimes (first match wins):
    tokens) and none in 2/25. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice. With stale rollouts, bypass
-   instead: at 256 tokens with one step of lag (K3 3.3e-3, s 1.3, 6 seeds) bypass ended ahead of
-   none on every seed (+0.068 [+0.013, +0.160]) and level with the fresh reference, token TIS 0.09
-   below the reference; none itself is not measurably behind the reference at 8 seeds (-0.037
-   [-0.138, +0.048]).
+   instead: at 256 tokens with one step of lag (K3 3.3e-3, s 1.3, 8 seeds) bypass ended ahead of
+   none (+0.058 [+0.013, +0.129], on 7 of 8 seeds) and of token TIS (+0.073 [+0.019, +0.147]),
+   level with the fresh reference, and took off 63 [15, 107] steps before none; neither none
+   (-0.037 [-0.138, +0.048]) nor token TIS (-0.052 [-0.150, +0.029]) is measurably behind the
+   reference at 8 seeds.
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         f"mean log-ratio lies more than 3 SD from -K3 at their own length (at the mean length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, "
         f"{band[1]:.4f}]): rs_criteria: {{seq_zscore_k1: {{k3: {k3:.3g}, z: 3}}}}. If the rollouts are stale "
         "(asynchronous RL), use bypass instead (--use-rollout-logprobs, policy_loss: bypass_ppo): at 256 tokens with one "
-        "step of lag (K3 3.3e-3) bypass ended ahead of none on every seed and level with the fresh reference, where "
-        "token TIS ended 0.09 below the reference",
+        "step of lag (K3 3.3e-3, 8 seeds) bypass ended ahead of none on 7 of 8 seeds and of token TIS, level with the "
+        "fresh reference, and took off about 60 steps before none",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
         "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-8 seeds per dose): token TIS on the plateau at every dose "
         "(0/25 collapses; +0.105 [+0.018, +0.267] over none at 4 steps, 64 tokens), sequence MIS collapsed in 9/21 runs "
@@ -168,8 +169,9 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/25. Measured with stale "
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail. "
-        "Stale at 256 tokens (long-tail-stale-256 k1, s 1.3): bypass +0.068 [+0.013, +0.160] against none and -0.003 "
-        "[-0.019, +0.008] against the reference (6 seeds), token TIS -0.020 [-0.073, +0.017] against none and "
-        "-0.091 [-0.197, -0.013] against the reference (6 seeds); none itself -0.037 [-0.138, +0.048] against the "
-        "reference (8 seeds; each of the two missed the take-off in 300 steps on one seed)",
+        "Stale at 256 tokens (long-tail-stale-256 k1, s 1.3, 8 seeds): bypass +0.058 [+0.013, +0.129] against none "
+        "(take-off 63 [15, 107] steps earlier), +0.073 [+0.019, +0.147] against token TIS and +0.022 [-0.010, +0.070] "
+        "against the reference; token TIS -0.015 [-0.057, +0.016] against none and -0.052 [-0.150, +0.029] against "
+        "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself -0.037 [-0.138, +0.048] against the "
+        "reference (each of the two missed the take-off in 300 steps on one seed)",
     )

@@ -49,8 +49,9 @@ def test_token_level_carries_the_length_scaled_band():
     # measured: token TIS the one correction without a collapse at s 1.2-3.6; the band an option
     assert r.correction == "token_tis" and r.regime == "token-level"
     assert "long-tail-stale" in r.basis and "0/25 collapses" in r.basis and "long-tail-stale-128" in r.basis and "Optional" in r.reason
-    # stale rollouts at 256 tokens: bypass ahead of none and level with the reference, token TIS below it
-    assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.068" in r.basis
+    # stale rollouts at 256 tokens (8 seeds): bypass ahead of none and token TIS, level with the reference
+    assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.058 [+0.013, +0.129]" in r.basis
+    assert "8 seeds" in r.basis and "-0.052 [-0.150, +0.029]" in r.basis
     mid = recommend(1e-3, 200)  # s 0.63: the advice token TIS, sequence MIS named as the option
     assert "measured twice" in mid.basis and "s 0.6" in mid.basis and "s 0.4" in mid.basis
     assert "the preset sequence_mis is the option" in mid.reason
