@@ -174,25 +174,24 @@ def test_not_a_folder_and_missing(tmp_path):
     assert list(read_archive(root)) == ["s/none/seed-0.jsonl"]
 
 
-@pytest.mark.parametrize("sweep, report, arms, n_seeds", [
-    ("sweep-long-tail-stale-128", "replication-avx2", ("none",), 12),
-    ("sweep-long-tail-stale-256", "seeds-6-7", ("none", "token_tis", "bypass_ppo"), 2),
-])
-def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, arms, n_seeds):
-    """docs/study/SWEEP/runs (the committed run archives): every run is complete, and the
-    per-seed arm - reference differences of every arm recomputed from it are the ones its report
-    (REPORT/summary.json) quotes, so a format change that broke committed archives, or an
-    archive that drifted from its report, fails here."""
+#: the committed archives' reports: (sweep folder, report subfolder, {arm: seeds it quotes})
+_REPORTS = [
+    ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
+    ("sweep-long-tail-stale-128", "sequence-mis-seeds-4-5", {"none": (4, 5), "sequence_mis": (4, 5)}),
+    ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
+]
+
+
+def _committed_finals(sweep: str, summary: dict) -> dict:
+    """``{(arm, seed): final reward}`` of every run in docs/study/SWEEP/runs, each checked complete
+    and of the report's dose and step count."""
     from pathlib import Path
 
     from megatron_mis.testbed.study.stats import run_metrics
 
-    root = Path(__file__).resolve().parents[2] / "docs" / "study" / sweep
-    runs = read_archive(root / "runs")
-    summary = json.loads((root / report / "summary.json").read_text())
     (dose,) = summary["doses"]
     final = {}
-    for rel, text in runs.items():
+    for rel, text in read_archive(Path(__file__).resolve().parents[2] / "docs" / "study" / sweep / "runs").items():
         lines = [json.loads(x) for x in text.splitlines()]
         assert lines[0]["type"] == "run" and lines[-1]["type"] == "end", rel
         setting, arm, _ = rel.split("/")
@@ -201,9 +200,37 @@ def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, repor
         assert len(records) == summary["steps"]
         final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=summary["study"]["last_k"], threshold=summary["threshold"],
                                                    collapse_fraction=summary["study"]["collapse_fraction"])["final_reward"]
-    assert sorted({arm for arm, _ in final} - {"ref_fp32"}) == sorted(arms)
-    for name in arms:
-        diffs = {str(seed): final[name, seed] - final["ref_fp32", seed] for arm, seed in final if arm == name}
+    return final
+
+
+def _summary(sweep: str, report: str) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[2] / "docs" / "study" / sweep / report / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("sweep, report, arms", _REPORTS)
+def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, arms):
+    """docs/study/SWEEP/runs (the committed run archives): every run is complete, and the
+    per-seed arm - reference differences of every arm a report (REPORT/summary.json) quotes,
+    recomputed from the archive, are the ones it quotes, so a format change that broke committed
+    archives, or an archive that drifted from its report, fails here."""
+    summary = _summary(sweep, report)
+    final = _committed_finals(sweep, summary)
+    (dose,) = summary["doses"]
+    assert sorted(dose["arms"]) == sorted([*arms, "ref_fp32"])
+    for name, seeds in arms.items():
+        diffs = {str(seed): final[name, seed] - final["ref_fp32", seed] for seed in seeds}
         quoted = dose["arms"][name]["vs_reference"]["final_reward"]["diffs"]
-        assert diffs == pytest.approx(quoted, abs=1e-12) and len(diffs) == n_seeds, name
+        assert diffs == pytest.approx(quoted, abs=1e-12) and len(quoted) == len(seeds), name
     assert dose["none_vs_reference"]["diffs"] == dose["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
+
+
+@pytest.mark.parametrize("sweep", sorted({sweep for sweep, _, _ in _REPORTS}))
+def test_every_committed_run_is_in_a_report(sweep):
+    """A run added to a committed archive without a report that quotes it fails here."""
+    reports = [(report, arms) for s, report, arms in _REPORTS if s == sweep]
+    final = _committed_finals(sweep, _summary(sweep, reports[0][0]))
+    quoted = {(arm, seed) for _, arms in reports for arm, seeds in arms.items() for seed in seeds}
+    quoted |= {("ref_fp32", seed) for arm, seed in quoted}
+    assert set(final) == quoted
