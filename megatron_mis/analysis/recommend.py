@@ -36,7 +36,7 @@ Regimes (first match wins):
    4 steps of lag, K3 0.03-0.1; 128-token responses, s 1.2 and 2.4 at 1 and 2 steps, K3 5.7e-3
    and 2.3e-2; 3-8 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
    the only correction on the plateau at every dose (0/25 collapses, 0/25 ended low), while
-   sequence MIS collapsed in 9/21 runs (12/21 ended low: below half of the reference's gain),
+   sequence MIS collapsed in 10/23 runs (13/23 ended low: below half of the reference's gain),
    sequence TIS in 7/21 (11/21 ended low), token MIS with the length-scaled band in 2/9 (64
    tokens) and none in 2/25. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
@@ -164,8 +164,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "fresh reference, and took off about 60 steps before none",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
         "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-8 seeds per dose): token TIS on the plateau at every dose "
-        "(0/25 collapses; +0.105 [+0.018, +0.267] over none at 4 steps, 64 tokens), sequence MIS collapsed in 9/21 runs "
-        "(12/21 ended below half of the reference's gain), sequence TIS in 7/21 (11/21 ended low), token MIS with the "
+        "(0/25 collapses; +0.105 [+0.018, +0.267] over none at 4 steps, 64 tokens), sequence MIS collapsed in 10/23 runs "
+        "(13/23 ended below half of the reference's gain), sequence TIS in 7/21 (11/21 ended low), token MIS with the "
         "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/25. Measured with stale "
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail. "
