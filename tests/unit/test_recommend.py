@@ -52,6 +52,8 @@ def test_token_level_carries_the_length_scaled_band():
     # stale rollouts at 256 tokens (8 seeds): bypass ahead of none and token TIS, level with the reference
     assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.058 [+0.013, +0.129]" in r.basis
     assert "8 seeds" in r.basis and "-0.052 [-0.150, +0.029]" in r.basis
+    # and at 128 tokens (12 seeds): ahead of none by less
+    assert "long-tail-stale-128 k1" in r.basis and "+0.023 [+0.005, +0.048]" in r.basis and "12 seeds" in r.basis
     mid = recommend(1e-3, 200)  # s 0.63: the advice token TIS, sequence MIS named as the option
     assert "measured twice" in mid.basis and "s 0.6" in mid.basis and "s 0.4" in mid.basis
     assert "the preset sequence_mis is the option" in mid.reason
