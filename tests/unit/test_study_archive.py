@@ -5,9 +5,11 @@ refused with a message naming what is wrong."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -174,6 +176,8 @@ def test_not_a_folder_and_missing(tmp_path):
     assert list(read_archive(root)) == ["s/none/seed-0.jsonl"]
 
 
+#: docs/study: the committed sweeps' folders (SWEEP/runs the archive, SWEEP/REPORT/summary.json its reports)
+_STUDY_DOCS = Path(__file__).resolve().parents[2] / "docs" / "study"
 #: the committed archives' reports: (sweep folder, report subfolder, {arm: seeds it quotes})
 _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
@@ -186,28 +190,34 @@ _REPORTS = [
 def _committed_finals(sweep: str, summary: dict) -> dict:
     """``{(arm, seed): final reward}`` of every run in docs/study/SWEEP/runs, each checked complete
     and of the report's dose and step count."""
-    from pathlib import Path
+    (dose,) = summary["doses"]
+    study = summary["study"]
+    return _archive_finals(sweep, dose["setting"], summary["steps"], study["last_k"], summary["threshold"],
+                           study["collapse_fraction"])
 
+
+@functools.cache
+def _archive_finals(sweep: str, setting: str, steps: int, last_k: int, threshold: float,
+                    collapse_fraction: float) -> dict:
+    """:func:`_committed_finals` by value: an archive is read and its metrics computed once per
+    sweep and report parameters, not once per report that quotes it."""
     from megatron_mis.testbed.study.stats import run_metrics
 
-    (dose,) = summary["doses"]
     final = {}
-    for rel, text in read_archive(Path(__file__).resolve().parents[2] / "docs" / "study" / sweep / "runs").items():
+    for rel, text in read_archive(_STUDY_DOCS / sweep / "runs").items():
         lines = [json.loads(x) for x in text.splitlines()]
         assert lines[0]["type"] == "run" and lines[-1]["type"] == "end", rel
-        setting, arm, _ = rel.split("/")
-        assert setting == dose["setting"] == lines[0]["setting"] and arm == lines[0]["arm"]
+        run_setting, arm, _ = rel.split("/")
+        assert run_setting == setting == lines[0]["setting"] and arm == lines[0]["arm"]
         records = [x for x in lines if x["type"] == "step"]
-        assert len(records) == summary["steps"]
-        final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=summary["study"]["last_k"], threshold=summary["threshold"],
-                                                   collapse_fraction=summary["study"]["collapse_fraction"])["final_reward"]
+        assert len(records) == steps
+        final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=last_k, threshold=threshold,
+                                                   collapse_fraction=collapse_fraction)["final_reward"]
     return final
 
 
 def _summary(sweep: str, report: str) -> dict:
-    from pathlib import Path
-
-    return json.loads((Path(__file__).resolve().parents[2] / "docs" / "study" / sweep / report / "summary.json").read_text())
+    return json.loads((_STUDY_DOCS / sweep / report / "summary.json").read_text())
 
 
 @pytest.mark.parametrize("sweep, report, arms", _REPORTS)
