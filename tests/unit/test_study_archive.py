@@ -183,6 +183,7 @@ _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
     ("sweep-long-tail-stale-128", "sequence-mis-seeds-4-5", {"none": (4, 5), "sequence_mis": (4, 5)}),
     ("sweep-long-tail-stale-128", "bypass-k1", {"none": range(12), "bypass_ppo": range(12)}),
+    ("sweep-long-tail-stale-128", "token-tis-k1", {"none": range(12), "token_tis": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
 ]
 
