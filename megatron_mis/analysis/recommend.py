@@ -35,12 +35,12 @@ Regimes (first match wins):
 4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level truncation (``token_tis``),
    measured: in the study's ``long-tail-stale`` sweeps (64-token responses, s 1.9-3.6 at 1, 2 and
    4 steps of lag, K3 0.03-0.1; 128-token responses, s 1.2 and 2.4 at 1 and 2 steps, K3 5.7e-3
-   and 2.3e-2; 3-8 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
+   and 2.3e-2; 3-12 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
    the correction that failed least (1/37 collapses, 2/37 ended low: both at 128 tokens one step
    stale, in 12 seeds on a second machine, where it was not measurably behind none), while
    sequence MIS collapsed in 10/23 runs (13/23 ended low: below half of the reference's gain),
    sequence TIS in 7/21 (11/21 ended low), token MIS with the length-scaled band in 2/9 (64
-   tokens) and none in 2/37 (0/37 ended low). The band (``zscore_rs_token_mis`` with ``rs_criteria:
+   tokens) and none in 2/37. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice. With stale rollouts, bypass
    instead: at 256 tokens with one step of lag (K3 3.3e-3, s 1.3, 8 seeds) bypass ended ahead of
