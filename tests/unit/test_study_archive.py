@@ -246,3 +246,23 @@ def test_every_committed_run_is_in_a_report(sweep):
     quoted = {(arm, seed) for _, arms in reports for arm, seeds in arms.items() for seed in seeds}
     quoted |= {("ref_fp32", seed) for arm, seed in quoted}
     assert set(final) == quoted
+
+
+def test_the_quoted_bypass_over_token_tis_at_128_tokens_k1_comes_from_the_archive():
+    """README, docs/study.md and ``analyze`` quote bypass - token TIS at long-tail-stale-128 k1
+    (12 seeds on the second VM), a pair that no report prints: recomputed from the committed
+    archive with the reports' paired bootstrap, it is the figure they quote."""
+    from megatron_mis.analysis.recommend import recommend
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    summary = _summary("sweep-long-tail-stale-128", "token-tis-k1")
+    final = _committed_finals("sweep-long-tail-stale-128", summary)
+    bypass = {s: final["bypass_ppo", s] for s in range(12)}
+    token_tis = {s: final["token_tis", s] for s in range(12)}
+    d = paired_differences(bypass, token_tis, confidence=summary["study"]["confidence"],
+                           resamples=summary["study"]["bootstrap"])
+    quoted = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+    assert d["n"] == 12 and quoted == "+0.043 [+0.005, +0.088]"
+    readme = (_STUDY_DOCS.parents[1] / "README.md").read_text()
+    study_md = (_STUDY_DOCS.parent / "study.md").read_text()
+    assert quoted in readme and quoted in study_md and quoted in recommend(1e-3, 2000).basis
