@@ -9,6 +9,7 @@ import functools
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -205,16 +206,25 @@ def _archive_finals(sweep: str, setting: str, steps: int, last_k: int, threshold
     from megatron_mis.testbed.study.stats import run_metrics
 
     final = {}
+    for (run_setting, arm, seed), (records, end) in _archive_runs(sweep).items():
+        assert run_setting == setting and len(records) == steps, (run_setting, arm, seed)
+        final[arm, seed] = run_metrics(records, end, last_k=last_k, threshold=threshold,
+                                       collapse_fraction=collapse_fraction)["final_reward"]
+    return final
+
+
+@functools.cache
+def _archive_runs(sweep: str) -> dict:
+    """``{(setting, arm, seed): (step records, end record)}`` of every run in docs/study/SWEEP/runs,
+    each checked complete and filed under its own setting and arm; read once per sweep."""
+    runs = {}
     for rel, text in read_archive(_STUDY_DOCS / sweep / "runs").items():
         lines = [json.loads(x) for x in text.splitlines()]
         assert lines[0]["type"] == "run" and lines[-1]["type"] == "end", rel
         run_setting, arm, _ = rel.split("/")
-        assert run_setting == setting == lines[0]["setting"] and arm == lines[0]["arm"]
-        records = [x for x in lines if x["type"] == "step"]
-        assert len(records) == steps
-        final[arm, lines[0]["seed"]] = run_metrics(records, lines[-1], last_k=last_k, threshold=threshold,
-                                                   collapse_fraction=collapse_fraction)["final_reward"]
-    return final
+        assert run_setting == lines[0]["setting"] and arm == lines[0]["arm"], rel
+        runs[run_setting, arm, lines[0]["seed"]] = ([x for x in lines if x["type"] == "step"], lines[-1])
+    return runs
 
 
 def _summary(sweep: str, report: str) -> dict:
@@ -266,3 +276,57 @@ def test_the_quoted_bypass_over_token_tis_at_128_tokens_k1_comes_from_the_archiv
     readme = (_STUDY_DOCS.parents[1] / "README.md").read_text()
     study_md = (_STUDY_DOCS.parent / "study.md").read_text()
     assert quoted in readme and quoted in study_md and quoted in recommend(1e-3, 2000).basis
+
+
+def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
+    """docs/study.md asks whether a K3 threshold would have singled out the runs that failed at
+    long-tail-stale-128 k1 (second VM): each run's peak 20-step mean K3, the failures (collapsed by
+    the reports' rule, or ended low in the reports' summary.json), and the counts of runs that
+    learned and a threshold would still flag, recomputed from the committed archive, are the ones
+    it quotes."""
+    from megatron_mis.testbed.study.stats import moving_mean, run_metrics
+
+    summaries = {"sequence_mis": _summary("sweep-long-tail-stale-128", "sequence-mis-seeds-4-5")}
+    main = _summary("sweep-long-tail-stale-128", "token-tis-k1")
+    study = main["study"]
+    peak, failed, at = {}, set(), {}
+    for (setting, arm, seed), (records, end) in _archive_runs("sweep-long-tail-stale-128").items():
+        if setting != "long-tail-stale-128-k1":
+            continue
+        curve = moving_mean([r["mis_k3_kl"] for r in records], 20)
+        peak[arm, seed], at[arm, seed] = float(curve.max()), int(curve.argmax()) + 20  # the window's last step
+        low = summaries.get(arm, main)["doses"][0]["arms"][arm]["ended_low"]["seeds"]
+        m = run_metrics(records, end, last_k=study["last_k"], threshold=main["threshold"],
+                        collapse_fraction=study["collapse_fraction"])
+        if m["collapsed"] or seed in low:
+            failed.add((arm, seed))
+    assert failed == {("token_tis", 1), ("token_tis", 2), ("sequence_mis", 4), ("ref_fp32", 8)}
+    mismatched = [k for k in peak if k[0] != "ref_fp32"]
+    learned = [k for k in mismatched if k not in failed]
+    tis_learned = sorted(peak[k] for k in learned if k[0] == "token_tis")
+
+    def flagged(tau: float) -> tuple[int, int, int]:
+        """(failures caught, runs that learned flagged, of them none's) at a threshold ``tau``."""
+        return (sum(peak[k] >= tau for k in failed if k in mismatched), sum(peak[k] >= tau for k in learned),
+                sum(peak[k] >= tau for k in learned if k[0] == "none"))
+
+    def _e(x: float, digits: int) -> str:
+        """``x`` as docs/study.md writes it: 2.5e-2, not 2.5e-02."""
+        return re.sub(r"e([-+])0(\d)", r"e\1\2", f"{x:.{digits}e}")
+
+    lowest_failure = min(peak[k] for k in failed if k in mismatched)
+    quoted = [
+        f"peaked at {_e(peak['token_tis', 1], 1)} (step {at['token_tis', 1]}",
+        f"and {_e(peak['token_tis', 2], 1)} (step {at['token_tis', 2]}",
+        f"within the {_e(tis_learned[0], 1)} to {_e(tis_learned[-1], 1)} of its {len(tis_learned)} runs that learned "
+        f"({sum(p >= peak['token_tis', 1] for p in tis_learned)} of them at or above {_e(peak['token_tis', 1], 1)})",
+        f"peaked at {_e(peak['sequence_mis', 4], 2)} at step {at['sequence_mis', 4]}",
+        "fires on {1} of the {n} mismatched runs that learned ({2} of none's".format(*flagged(lowest_failure), n=len(learned)),
+        "at 2.5e-2 it catches {0} of the 3 and fires on {1} ({2} of none's)".format(*flagged(0.025)),
+        f"Bypass's 20-step K3 peaked at most at {_e(max(v for k, v in peak.items() if k[0] == 'bypass_ppo'), 1)}",
+        f"a 20-step K3 of {_e(peak['ref_fp32', 8], 0)}",
+    ]
+    study_md = (_STUDY_DOCS.parent / "study.md").read_text()
+    text = " ".join(study_md.split())  # the quotes may wrap
+    missing = [q for q in quoted if q not in text]
+    assert not missing, missing
