@@ -178,7 +178,7 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail. "
         "Stale at 256 tokens (long-tail-stale-256 k1, s 1.3, 8 seeds): bypass +0.058 [+0.013, +0.129] against none "
-        "(take-off 63 [15, 107] steps earlier), +0.073 [+0.019, +0.147] against token TIS and +0.022 [-0.010, +0.070] "
+        "(take-off 63 [15, 107] steps earlier), +0.073 [+0.019, +0.147] against token TIS and +0.021 [-0.010, +0.070] "
         "against the reference; token TIS -0.015 [-0.057, +0.016] against none and -0.052 [-0.150, +0.029] against "
         "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself -0.037 [-0.138, +0.048] against the "
         "reference (each of the two missed the take-off in 300 steps on one seed). Stale at 128 tokens "

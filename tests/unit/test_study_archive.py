@@ -330,3 +330,82 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
     text = " ".join(study_md.split())  # the quotes may wrap
     missing = [q for q in quoted if q not in text]
     assert not missing, missing
+
+
+def _pooled_256_k1() -> dict:
+    """long-tail-stale-256 k1 pooled over both machines: ``{arm: {seed: value}}`` of the final
+    reward and of the step that reached the threshold, seeds 0-5 from the first machine's report
+    (docs/study/sweep-long-tail-stale-256/summary.json: per-seed differences against the reference,
+    its runs not kept) and the rest from the committed archive (second VM) as the same
+    differences, so that arm - arm pairs come out of the per-seed differences alike."""
+    from megatron_mis.testbed.study.stats import run_metrics
+
+    first = json.loads((_STUDY_DOCS / "sweep-long-tail-stale-256" / "summary.json").read_text())
+    (dose,) = [d for d in first["doses"] if d["setting"] == "long-tail-stale-256-k1"]
+    arms = ("none", "token_tis", "bypass_ppo")
+    final = {a: {int(s): v for s, v in dose["arms"][a]["vs_reference"]["final_reward"]["diffs"].items()} for a in arms}
+    # steps to threshold: the first machine's are given against none (its seeds where both reached it)
+    steps = {a: {int(s): v for s, v in dose["arms"][a]["vs_none"]["steps_to_threshold"]["diffs"].items()}
+             for a in arms if a != "none"}
+    study = first["study"]
+    kept = {}
+    for (setting, arm, seed), (records, end) in _archive_runs("sweep-long-tail-stale-256").items():
+        assert setting == "long-tail-stale-256-k1" and seed not in final["none"], (setting, arm, seed)
+        kept[arm, seed] = run_metrics(records, end, last_k=study["last_k"], threshold=first["threshold"],
+                                      collapse_fraction=study["collapse_fraction"])
+    for arm, seed in kept:
+        if arm in arms and ("ref_fp32", seed) in kept:
+            final[arm][seed] = kept[arm, seed]["final_reward"] - kept["ref_fp32", seed]["final_reward"]
+        if arm in steps and ("none", seed) in kept:
+            mine, none = kept[arm, seed]["steps_to_threshold"], kept["none", seed]["steps_to_threshold"]
+            if mine is not None and none is not None:
+                steps[arm][seed] = mine - none
+    return {"final": final, "steps": steps, "bootstrap": study["bootstrap"], "confidence": study["confidence"]}
+
+
+def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
+    """README, docs/study.md and ``analyze`` quote long-tail-stale-256 k1 pooled over the first
+    machine's seeds 0-5 (their report's per-seed differences) and the archive's later seeds, with
+    the reports' paired bootstrap: recomputed here, they are the figures quoted."""
+    from megatron_mis.analysis.recommend import recommend
+    from megatron_mis.testbed.study.stats import bootstrap_ci
+
+    pooled = _pooled_256_k1()
+    final = pooled["final"]
+
+    def ci(diffs: dict, fmt: str = "{:+.3f}") -> str:
+        mean, low, high = bootstrap_ci(list(diffs.values()), confidence=pooled["confidence"],
+                                       resamples=pooled["bootstrap"], seed=0)
+        return f"{fmt.format(mean)} [{fmt.format(low)}, {fmt.format(high)}]"
+
+    def pair(a: str, b: str) -> dict:
+        return {s: final[a][s] - final[b][s] for s in final[a] if s in final[b]}
+
+    n = len(final["none"])
+    assert n == len(final["token_tis"]) == len(final["bypass_ppo"])
+    figures = {
+        "none - reference": ci(final["none"]),
+        "token TIS - reference": ci(final["token_tis"]),
+        "bypass - reference": ci(final["bypass_ppo"]),
+        "bypass - none": ci(pair("bypass_ppo", "none")),
+        "bypass - token TIS": ci(pair("bypass_ppo", "token_tis")),
+        "token TIS - none": ci(pair("token_tis", "none")),
+        "bypass take-off - none's": ci({s: -v for s, v in pooled["steps"]["bypass_ppo"].items()}, "{:.0f}"),
+    }
+    readme = " ".join((_STUDY_DOCS.parents[1] / "README.md").read_text().split())
+    study_md = " ".join((_STUDY_DOCS.parent / "study.md").read_text().split())
+    basis = " ".join(recommend(1e-3, 2000).basis.split())
+    where = {"README": readme, "docs/study.md": study_md, "analyze": basis}
+    quoted_in = {  # which of the three quote each figure
+        "none - reference": ("README", "docs/study.md", "analyze"),
+        "token TIS - reference": ("README", "docs/study.md", "analyze"),
+        "bypass - reference": ("README", "docs/study.md", "analyze"),
+        "bypass - none": ("README", "docs/study.md", "analyze"),
+        "bypass - token TIS": ("README", "docs/study.md", "analyze"),
+        "token TIS - none": ("docs/study.md", "analyze"),
+        "bypass take-off - none's": ("README", "docs/study.md", "analyze"),
+    }
+    missing = [(name, figures[name], doc) for name, docs in quoted_in.items() for doc in docs
+               if figures[name] not in where[doc]]
+    assert not missing, missing
+    assert f"k1, s 1.3, {n} seeds" in basis
