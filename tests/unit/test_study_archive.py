@@ -330,6 +330,8 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
     text = " ".join(study_md.split())  # the quotes may wrap
     missing = [q for q in quoted if q not in text]
     assert not missing, missing
+    readme = " ".join((_STUDY_DOCS.parents[1] / "README.md").read_text().split())
+    assert f"would have fired on {flagged(lowest_failure)[1]} of the {len(learned)} that learned" in readme
 
 
 def _pooled_256_k1() -> dict:
