@@ -335,10 +335,10 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
 
 
 def _pooled_256_k1() -> dict:
-    """long-tail-stale-256 k1 pooled over both machines: ``{arm: {seed: value}}`` of the final
-    reward and of the step that reached the threshold, seeds 0-5 from the first machine's report
-    (docs/study/sweep-long-tail-stale-256/summary.json: per-seed differences against the reference,
-    its runs not kept) and the rest from the committed archive (second VM) as the same
+    """long-tail-stale-256 k1 pooled over both machines: ``{"final": {arm: {seed: final reward -
+    the reference's}}, "steps": {arm: {seed: step that reached the threshold - none's}}, ...}``,
+    seeds 0-5 from the first machine's report (docs/study/sweep-long-tail-stale-256/summary.json,
+    its runs not kept) and the later ones from the committed archive (second VM) as the same
     differences, so that arm - arm pairs come out of the per-seed differences alike."""
     from megatron_mis.testbed.study.stats import run_metrics
 
