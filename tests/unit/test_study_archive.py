@@ -186,6 +186,7 @@ _REPORTS = [
     ("sweep-long-tail-stale-128", "bypass-k1", {"none": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-128", "token-tis-k1", {"none": range(12), "token_tis": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
+    ("sweep-long-tail-stale-256", "seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8)}),
 ]
 
 
@@ -376,7 +377,8 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
     final = pooled["final"]
 
     def ci(diffs: dict, fmt: str = "{:+.3f}") -> str:
-        mean, low, high = bootstrap_ci(list(diffs.values()), confidence=pooled["confidence"],
+        # in seed order, as stats.paired_differences takes them (the bootstrap's draws depend on the order)
+        mean, low, high = bootstrap_ci([diffs[s] for s in sorted(diffs)], confidence=pooled["confidence"],
                                        resamples=pooled["bootstrap"], seed=0)
         return f"{fmt.format(mean)} [{fmt.format(low)}, {fmt.format(high)}]"
 
