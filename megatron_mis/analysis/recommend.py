@@ -47,9 +47,10 @@ Regimes (first match wins):
    none (+0.053 [+0.013, +0.117], on 8 of 9 seeds) and of token TIS (+0.064 [+0.014, +0.133]), not
    measurably above the fresh reference, and took off 68 [25, 107] steps before none; neither none
    (+0.005 [-0.104, +0.113]) nor token TIS (-0.007 [-0.122, +0.110]) is measurably behind the
-   reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them). At 128 tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one
-   machine) bypass was ahead of none too, by less (+0.023 [+0.005, +0.048], on 10 of 12 seeds),
-   and of token TIS (+0.043 [+0.005, +0.088]), and took off 50 [15, 84] steps before none.
+   reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them). At 128
+   tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one machine) bypass was ahead of
+   none too, by less (+0.023 [+0.005, +0.048], on 10 of 12 seeds), and of token TIS (+0.043
+   [+0.005, +0.088]), and took off 50 [15, 84] steps before none.
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         f"mean log-ratio lies more than 3 SD from -K3 at their own length (at the mean length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, "
         f"{band[1]:.4f}]): rs_criteria: {{seq_zscore_k1: {{k3: {k3:.3g}, z: 3}}}}. If the rollouts are stale "
         "(asynchronous RL), use bypass instead (--use-rollout-logprobs, policy_loss: bypass_ppo): at 256 tokens with one "
-        "step of lag (K3 3.3e-3, 9 seeds) bypass ended ahead of none on 8 of 9 seeds and of token TIS, not measurably "
-        "above the fresh reference, and took off about 70 steps before none; at 128 tokens (12 seeds) ahead of none by a "
+        "step of lag (K3 3.3e-3, 9 seeds) bypass ended ahead of none on 8 of 9 seeds and of token TIS, not "
+        "measurably above the fresh reference, and took off about 70 steps before none; at 128 tokens (12 seeds) "
+        "ahead of none by a "
         "smaller margin, on 10 of 12, taking off about 50 steps earlier, and ahead of token TIS, which collapsed on "
         "one of those seeds and never reached the plateau on another",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
@@ -181,7 +183,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "(take-off 68 [25, 107] steps earlier), +0.064 [+0.014, +0.133] against token TIS and +0.058 [-0.005, +0.140] "
         "against the reference; token TIS -0.011 [-0.050, +0.016] against none and -0.007 [-0.122, +0.110] against "
         "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself +0.005 [-0.104, +0.113] against the "
-        "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two). Stale at 128 tokens "
+        "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two). "
+        "Stale at 128 tokens "
         "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
         "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "
         "[+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] against none "
