@@ -232,6 +232,16 @@ def _summary(sweep: str, report: str) -> dict:
     return json.loads((_STUDY_DOCS / sweep / report / "summary.json").read_text())
 
 
+def _prose(path: Path) -> str:
+    """A document's text with every run of whitespace one space: quoted figures may wrap."""
+    return " ".join(path.read_text().split())
+
+
+def _quoted(d: dict, fmt: str = "{:+.3f}") -> str:
+    """A :func:`~megatron_mis.testbed.study.stats.paired_differences` result as the docs quote it."""
+    return f"{fmt.format(d['mean'])} [{fmt.format(d['low'])}, {fmt.format(d['high'])}]"
+
+
 @pytest.mark.parametrize("sweep, report, arms", _REPORTS)
 def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, arms):
     """docs/study/SWEEP/runs (the committed run archives): every run is complete, and the
@@ -272,7 +282,7 @@ def test_the_quoted_bypass_over_token_tis_at_128_tokens_k1_comes_from_the_archiv
     token_tis = {s: final["token_tis", s] for s in range(12)}
     d = paired_differences(bypass, token_tis, confidence=summary["study"]["confidence"],
                            resamples=summary["study"]["bootstrap"])
-    quoted = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+    quoted = _quoted(d)
     assert d["n"] == 12 and quoted == "+0.043 [+0.005, +0.088]"
     readme = (_STUDY_DOCS.parents[1] / "README.md").read_text()
     study_md = (_STUDY_DOCS.parent / "study.md").read_text()
@@ -327,11 +337,10 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         f"Bypass's 20-step K3 peaked at most at {_e(max(v for k, v in peak.items() if k[0] == 'bypass_ppo'), 1)}",
         f"a 20-step K3 of {_e(peak['ref_fp32', 8], 0)}",
     ]
-    study_md = (_STUDY_DOCS.parent / "study.md").read_text()
-    text = " ".join(study_md.split())  # the quotes may wrap
+    text = _prose(_STUDY_DOCS.parent / "study.md")
     missing = [q for q in quoted if q not in text]
     assert not missing, missing
-    readme = " ".join((_STUDY_DOCS.parents[1] / "README.md").read_text().split())
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert f"would have fired on {flagged(lowest_failure)[1]} of the {len(learned)} that learned" in readme
 
 
@@ -371,33 +380,31 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
     machine's seeds 0-5 (their report's per-seed differences) and the archive's later seeds, with
     the reports' paired bootstrap: recomputed here, they are the figures quoted."""
     from megatron_mis.analysis.recommend import recommend
-    from megatron_mis.testbed.study.stats import bootstrap_ci
+    from megatron_mis.testbed.study.stats import paired_differences
 
     pooled = _pooled_256_k1()
     final = pooled["final"]
-
-    def ci(diffs: dict, fmt: str = "{:+.3f}") -> str:
-        # in seed order, as stats.paired_differences takes them (the bootstrap's draws depend on the order)
-        mean, low, high = bootstrap_ci([diffs[s] for s in sorted(diffs)], confidence=pooled["confidence"],
-                                       resamples=pooled["bootstrap"], seed=0)
-        return f"{fmt.format(mean)} [{fmt.format(low)}, {fmt.format(high)}]"
-
-    def pair(a: str, b: str) -> dict:
-        return {s: final[a][s] - final[b][s] for s in final[a] if s in final[b]}
-
     n = len(final["none"])
     assert n == len(final["token_tis"]) == len(final["bypass_ppo"])
+    reference = dict.fromkeys(final["none"], 0.0)  # ``final`` holds differences against the reference
+
+    def ci(arm: dict, baseline: dict, fmt: str = "{:+.3f}") -> str:
+        """The reports' paired bootstrap (stats.paired_differences, seeds in order) as quoted."""
+        return _quoted(paired_differences(arm, baseline, confidence=pooled["confidence"],
+                                          resamples=pooled["bootstrap"]), fmt)
+
     figures = {
-        "none - reference": ci(final["none"]),
-        "token TIS - reference": ci(final["token_tis"]),
-        "bypass - reference": ci(final["bypass_ppo"]),
-        "bypass - none": ci(pair("bypass_ppo", "none")),
-        "bypass - token TIS": ci(pair("bypass_ppo", "token_tis")),
-        "token TIS - none": ci(pair("token_tis", "none")),
-        "bypass take-off - none's": ci({s: -v for s, v in pooled["steps"]["bypass_ppo"].items()}, "{:.0f}"),
+        "none - reference": ci(final["none"], reference),
+        "token TIS - reference": ci(final["token_tis"], reference),
+        "bypass - reference": ci(final["bypass_ppo"], reference),
+        "bypass - none": ci(final["bypass_ppo"], final["none"]),
+        "bypass - token TIS": ci(final["bypass_ppo"], final["token_tis"]),
+        "token TIS - none": ci(final["token_tis"], final["none"]),
+        "bypass take-off - none's": ci(dict.fromkeys(pooled["steps"]["bypass_ppo"], 0.0),
+                                       pooled["steps"]["bypass_ppo"], "{:.0f}"),
     }
-    readme = " ".join((_STUDY_DOCS.parents[1] / "README.md").read_text().split())
-    study_md = " ".join((_STUDY_DOCS.parent / "study.md").read_text().split())
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    study_md = _prose(_STUDY_DOCS.parent / "study.md")
     basis = " ".join(recommend(1e-3, 2000).basis.split())
     where = {"README": readme, "docs/study.md": study_md, "analyze": basis}
     quoted_in = {  # which of the three quote each figure
