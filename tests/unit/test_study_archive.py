@@ -187,6 +187,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-128", "token-tis-k1", {"none": range(12), "token_tis": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
     ("sweep-long-tail-stale-256", "seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8)}),
+    ("sweep-long-tail-stale-256", "sequence-seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7),
+                                                          "sequence_mis": (6, 7), "sequence_tis": (6, 7)}),
 ]
 
 
