@@ -47,10 +47,11 @@ Regimes (first match wins):
    none (+0.053 [+0.013, +0.117], on 8 of 9 seeds) and of token TIS (+0.064 [+0.014, +0.133]), not
    measurably above the fresh reference, and took off 68 [25, 107] steps before none; neither none
    (+0.005 [-0.104, +0.113]) nor token TIS (-0.007 [-0.122, +0.110]) is measurably behind the
-   reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them). At 128
-   tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one machine) bypass was ahead of
-   none too, by less (+0.023 [+0.005, +0.048], on 10 of 12 seeds), and of token TIS (+0.043
-   [+0.005, +0.088]), and took off 50 [15, 84] steps before none.
+   reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them), while
+   sequence MIS is below it (-0.127 [-0.272, -0.023], 4 seeds) and sequence TIS ended low on both of
+   its 2 seeds. At 128 tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one machine)
+   bypass was ahead of none too, by less (+0.023 [+0.005, +0.048], on 10 of 12 seeds), and of
+   token TIS (+0.043 [+0.005, +0.088]), and took off 50 [15, 84] steps before none.
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "(take-off 68 [25, 107] steps earlier), +0.064 [+0.014, +0.133] against token TIS and +0.058 [-0.005, +0.140] "
         "against the reference; token TIS -0.011 [-0.050, +0.016] against none and -0.007 [-0.122, +0.110] against "
         "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself +0.005 [-0.104, +0.113] against the "
-        "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two). "
+        "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two); "
+        "sequence MIS -0.127 [-0.272, -0.023] against the reference (4 seeds, 2 ended low) and sequence TIS ended low "
+        "on both of its 2 seeds (one collapse). "
         "Stale at 128 tokens "
         "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
         "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "

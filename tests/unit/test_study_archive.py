@@ -349,18 +349,19 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
 def _pooled_256_k1() -> dict:
     """long-tail-stale-256 k1 pooled over both machines: ``{"final": {arm: {seed: final reward -
     the reference's}}, "steps": {arm: {seed: step that reached the threshold - none's}}, ...}``,
-    seeds 0-5 from the first machine's report (docs/study/sweep-long-tail-stale-256/summary.json,
-    its runs not kept) and the later ones from the committed archive (second VM) as the same
-    differences, so that arm - arm pairs come out of the per-seed differences alike."""
+    seeds 0-5 (sequence MIS: 0-1) from the first machine's report
+    (docs/study/sweep-long-tail-stale-256/summary.json, its runs not kept) and the later ones from
+    the committed archive (second VM) as the same differences, so that arm - arm pairs come out of
+    the per-seed differences alike."""
     from megatron_mis.testbed.study.stats import run_metrics
 
     first = json.loads((_STUDY_DOCS / "sweep-long-tail-stale-256" / "summary.json").read_text())
     (dose,) = [d for d in first["doses"] if d["setting"] == "long-tail-stale-256-k1"]
-    arms = ("none", "token_tis", "bypass_ppo")
+    arms = ("none", "token_tis", "bypass_ppo", "sequence_mis")
     final = {a: {int(s): v for s, v in dose["arms"][a]["vs_reference"]["final_reward"]["diffs"].items()} for a in arms}
     # steps to threshold: the first machine's are given against none (its seeds where both reached it)
     steps = {a: {int(s): v for s, v in dose["arms"][a]["vs_none"]["steps_to_threshold"]["diffs"].items()}
-             for a in arms if a != "none"}
+             for a in ("token_tis", "bypass_ppo")}
     study = first["study"]
     kept = {}
     for (setting, arm, seed), (records, end) in _archive_runs("sweep-long-tail-stale-256").items():
@@ -404,7 +405,17 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
         "token TIS - none": ci(final["token_tis"], final["none"]),
         "bypass take-off - none's": ci(dict.fromkeys(pooled["steps"]["bypass_ppo"], 0.0),
                                        pooled["steps"]["bypass_ppo"], "{:.0f}"),
+        # sequence MIS: 4 seeds (0-1 first machine, 6-7 second), paired on the seeds both arms ran
+        "sequence MIS - reference": ci(final["sequence_mis"], reference),
+        "sequence MIS - none": ci(final["sequence_mis"], final["none"]),
+        "sequence MIS - token TIS": ci(final["sequence_mis"], final["token_tis"]),
+        "bypass - sequence MIS": ci(final["bypass_ppo"], final["sequence_mis"]),
     }
+    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7]
+    # sequence TIS ran on the second machine only: its report's own figures
+    (tis,) = _summary("sweep-long-tail-stale-256", "sequence-seeds-6-7")["doses"]
+    figures["sequence TIS - reference"] = _quoted(tis["arms"]["sequence_tis"]["vs_reference"]["final_reward"])
+    figures["sequence TIS - none"] = _quoted(tis["arms"]["sequence_tis"]["vs_none"]["final_reward"])
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     study_md = _prose(_STUDY_DOCS.parent / "study.md")
     basis = " ".join(recommend(1e-3, 2000).basis.split())
@@ -417,6 +428,12 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
         "bypass - token TIS": ("README", "docs/study.md", "analyze"),
         "token TIS - none": ("docs/study.md", "analyze"),
         "bypass take-off - none's": ("README", "docs/study.md", "analyze"),
+        "sequence MIS - reference": ("README", "docs/study.md", "analyze"),
+        "sequence MIS - none": ("docs/study.md",),
+        "sequence MIS - token TIS": ("docs/study.md",),
+        "bypass - sequence MIS": ("README", "docs/study.md"),
+        "sequence TIS - reference": ("docs/study.md",),
+        "sequence TIS - none": ("docs/study.md",),
     }
     missing = [(name, figures[name], doc) for name, docs in quoted_in.items() for doc in docs
                if figures[name] not in where[doc]]
