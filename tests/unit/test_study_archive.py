@@ -183,6 +183,7 @@ _STUDY_DOCS = Path(__file__).resolve().parents[2] / "docs" / "study"
 _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
     ("sweep-long-tail-stale-128", "sequence-mis-seeds-4-5", {"none": (4, 5), "sequence_mis": (4, 5)}),
+    ("sweep-long-tail-stale-128", "sequence-seeds-4-5", {"none": (4, 5), "sequence_mis": (4, 5), "sequence_tis": (4, 5)}),
     ("sweep-long-tail-stale-128", "bypass-k1", {"none": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-128", "token-tis-k1", {"none": range(12), "token_tis": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
@@ -299,10 +300,11 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
     it quotes."""
     from megatron_mis.testbed.study.stats import moving_mean, run_metrics
 
-    summaries = {"sequence_mis": _summary("sweep-long-tail-stale-128", "sequence-mis-seeds-4-5")}
+    sequence = _summary("sweep-long-tail-stale-128", "sequence-seeds-4-5")
+    summaries = {"sequence_mis": sequence, "sequence_tis": sequence}
     main = _summary("sweep-long-tail-stale-128", "token-tis-k1")
     study = main["study"]
-    peak, failed, at = {}, set(), {}
+    peak, failed, at, at_threshold = {}, set(), {}, {}
     for (setting, arm, seed), (records, end) in _archive_runs("sweep-long-tail-stale-128").items():
         if setting != "long-tail-stale-128-k1":
             continue
@@ -311,9 +313,10 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         low = summaries.get(arm, main)["doses"][0]["arms"][arm]["ended_low"]["seeds"]
         m = run_metrics(records, end, last_k=study["last_k"], threshold=main["threshold"],
                         collapse_fraction=study["collapse_fraction"])
+        at_threshold[arm, seed] = m["steps_to_threshold"]
         if m["collapsed"] or seed in low:
             failed.add((arm, seed))
-    assert failed == {("token_tis", 1), ("token_tis", 2), ("sequence_mis", 4), ("ref_fp32", 8)}
+    assert failed == {("token_tis", 1), ("token_tis", 2), ("sequence_mis", 4), ("sequence_tis", 4), ("ref_fp32", 8)}
     mismatched = [k for k in peak if k[0] != "ref_fp32"]
     learned = [k for k in mismatched if k not in failed]
     tis_learned = sorted(peak[k] for k in learned if k[0] == "token_tis")
@@ -335,7 +338,11 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         f"({sum(p >= peak['token_tis', 1] for p in tis_learned)} of them at or above {_e(peak['token_tis', 1], 1)})",
         f"peaked at {_e(peak['sequence_mis', 4], 2)} at step {at['sequence_mis', 4]}",
         "fires on {1} of the {n} mismatched runs that learned ({2} of none's".format(*flagged(lowest_failure), n=len(learned)),
-        "at 2.5e-2 it catches {0} of the 3 and fires on {1} ({2} of none's)".format(*flagged(0.025)),
+        "at 2.5e-2 it catches {0} of the {n} and fires on {1} ({2} of none's)".format(
+            *flagged(0.025), n=sum(k in mismatched for k in failed)),
+        f"sequence TIS's seed 4, which took off only at step {at_threshold['sequence_tis', 4]} and ended low",
+        f"peaked at {_e(peak['sequence_tis', 4], 1)} at step {at['sequence_tis', 4]}, below the "
+        f"{_e(peak['sequence_tis', 5], 1)} (step {at['sequence_tis', 5]}) of its seed 5, which learned",
         f"Bypass's 20-step K3 peaked at most at {_e(max(v for k, v in peak.items() if k[0] == 'bypass_ppo'), 1)}",
         f"a 20-step K3 of {_e(peak['ref_fp32', 8], 0)}",
     ]
@@ -381,7 +388,8 @@ def _pooled_256_k1() -> dict:
 def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
     """README, docs/study.md and ``analyze`` quote long-tail-stale-256 k1 pooled over the first
     machine's seeds 0-5 (their report's per-seed differences) and the archive's later seeds, with
-    the reports' paired bootstrap: recomputed here, they are the figures quoted."""
+    the reports' paired bootstrap (sequence TIS, run on the second machine only: its report's
+    figures): recomputed here, they are the figures quoted."""
     from megatron_mis.analysis.recommend import recommend
     from megatron_mis.testbed.study.stats import paired_differences
 
