@@ -47,16 +47,25 @@ def stop_on_sigterm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def deferring(signum: int) -> Iterator[None]:
-    """Hold ``signum`` back while the block runs (it is delivered when the block ends); a no-op
-    where the platform has no ``pthread_sigmask`` (Windows)."""
-    if not hasattr(signal, "pthread_sigmask"):
+    """Hold ``signum`` back while the block runs: it is delivered (raised again, to the handler in
+    place before the block) when the block ends. Python runs signal handlers in the main thread
+    whichever thread the kernel picks, so the hold is a handler that notes the signal, not a
+    signal mask: ``pthread_sigmask`` masks the calling thread only, and in a process with other
+    threads (a multiprocessing pool's) the kernel hands a process-directed signal to one that has
+    it unmasked, whose delivery then runs the stop handler inside the block. Off the main thread
+    (where no handler can be set) nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
+    held: list[int] = []
+    previous = signal.signal(signum, lambda received, frame: held.append(received))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        # a handler set outside Python reads back as None and cannot be put back: the default then
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if held:
+            signal.raise_signal(signum)
 
 
 def stopped_exit(command: str, exc: BaseException, resume: str) -> tuple[int, str]:
