@@ -169,9 +169,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "(asynchronous RL), use bypass instead (--use-rollout-logprobs, policy_loss: bypass_ppo): at 256 tokens with one "
         "step of lag (K3 3.3e-3, 9 seeds) bypass ended ahead of none on 8 of 9 seeds and of token TIS, not "
         "measurably above the fresh reference, and took off about 70 steps before none; at 128 tokens (12 seeds) "
-        "ahead of none by a "
-        "smaller margin, on 10 of 12, taking off about 50 steps earlier, and ahead of token TIS, which collapsed on "
-        "one of those seeds and never reached the plateau on another",
+        "ahead of none by a smaller margin, on 10 of 12, taking off about 50 steps earlier, and ahead of token TIS, "
+        "which collapsed on one of those seeds and never reached the plateau on another",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
         "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-12 seeds per dose): token TIS the correction that failed least "
         "(1/37 collapses, 2/37 ended low, both at 128 tokens k1 on a second machine; +0.105 [+0.018, +0.267] over none "
@@ -186,8 +185,7 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself +0.005 [-0.104, +0.113] against the "
         "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two); "
         "sequence MIS -0.127 [-0.272, -0.023] against the reference (4 seeds, 2 ended low) and sequence TIS ended low "
-        "on both of its 2 seeds (one collapse). "
-        "Stale at 128 tokens "
+        "on both of its 2 seeds (one collapse). Stale at 128 tokens "
         "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
         "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "
         "[+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] against none "
