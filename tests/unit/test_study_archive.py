@@ -190,6 +190,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-256", "seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8)}),
     ("sweep-long-tail-stale-256", "sequence-seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7),
                                                           "sequence_mis": (6, 7), "sequence_tis": (6, 7)}),
+    ("sweep-long-tail-stale-256", "sequence-seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8),
+                                                          "sequence_mis": (6, 7, 8), "sequence_tis": (6, 7, 8)}),
 ]
 
 
@@ -356,7 +358,7 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
 def _pooled_256_k1() -> dict:
     """long-tail-stale-256 k1 pooled over both machines: ``{"final": {arm: {seed: final reward -
     the reference's}}, "steps": {arm: {seed: step that reached the threshold - none's}}, ...}``,
-    seeds 0-5 (sequence MIS: 0-1) from the first machine's report
+    seeds 0-5 (sequence MIS: 0-1; sequence TIS: none) from the first machine's report
     (docs/study/sweep-long-tail-stale-256/summary.json, its runs not kept) and the later ones from
     the committed archive (second VM) as the same differences, so that arm - arm pairs come out of
     the per-seed differences alike."""
@@ -364,8 +366,9 @@ def _pooled_256_k1() -> dict:
 
     first = json.loads((_STUDY_DOCS / "sweep-long-tail-stale-256" / "summary.json").read_text())
     (dose,) = [d for d in first["doses"] if d["setting"] == "long-tail-stale-256-k1"]
-    arms = ("none", "token_tis", "bypass_ppo", "sequence_mis")
-    final = {a: {int(s): v for s, v in dose["arms"][a]["vs_reference"]["final_reward"]["diffs"].items()} for a in arms}
+    arms = ("none", "token_tis", "bypass_ppo", "sequence_mis", "sequence_tis")  # sequence TIS: second VM only
+    final = {a: {int(s): v for s, v in dose["arms"][a]["vs_reference"]["final_reward"]["diffs"].items()}
+             if a in dose["arms"] else {} for a in arms}
     # steps to threshold: the first machine's are given against none (its seeds where both reached it)
     steps = {a: {int(s): v for s, v in dose["arms"][a]["vs_none"]["steps_to_threshold"]["diffs"].items()}
              for a in ("token_tis", "bypass_ppo")}
@@ -388,8 +391,8 @@ def _pooled_256_k1() -> dict:
 def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
     """README, docs/study.md and ``analyze`` quote long-tail-stale-256 k1 pooled over the first
     machine's seeds 0-5 (their report's per-seed differences) and the archive's later seeds, with
-    the reports' paired bootstrap (sequence TIS, run on the second machine only: its report's
-    figures): recomputed here, they are the figures quoted."""
+    the reports' paired bootstrap (sequence TIS ran on the second machine only): recomputed here,
+    they are the figures quoted."""
     from megatron_mis.analysis.recommend import recommend
     from megatron_mis.testbed.study.stats import paired_differences
 
@@ -413,17 +416,18 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
         "token TIS - none": ci(final["token_tis"], final["none"]),
         "bypass take-off - none's": ci(dict.fromkeys(pooled["steps"]["bypass_ppo"], 0.0),
                                        pooled["steps"]["bypass_ppo"], "{:.0f}"),
-        # sequence MIS: 4 seeds (0-1 first machine, 6-7 second), paired on the seeds both arms ran
+        # sequence MIS: 5 seeds (0-1 first machine, 6-8 second), paired on the seeds both arms ran
         "sequence MIS - reference": ci(final["sequence_mis"], reference),
         "sequence MIS - none": ci(final["sequence_mis"], final["none"]),
         "sequence MIS - token TIS": ci(final["sequence_mis"], final["token_tis"]),
         "bypass - sequence MIS": ci(final["bypass_ppo"], final["sequence_mis"]),
     }
-    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7]
-    # sequence TIS ran on the second machine only: its report's own figures
-    (tis,) = _summary("sweep-long-tail-stale-256", "sequence-seeds-6-7")["doses"]
-    figures["sequence TIS - reference"] = _quoted(tis["arms"]["sequence_tis"]["vs_reference"]["final_reward"])
-    figures["sequence TIS - none"] = _quoted(tis["arms"]["sequence_tis"]["vs_none"]["final_reward"])
+    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7, 8] and sorted(final["sequence_tis"]) == [6, 7, 8]
+    # sequence TIS ran on the second machine only, paired with its none and reference runs
+    figures["sequence TIS - reference"] = ci(final["sequence_tis"], reference)
+    figures["sequence TIS - none"] = ci(final["sequence_tis"], final["none"])
+    figures["sequence TIS - token TIS"] = ci(final["sequence_tis"], final["token_tis"])
+    figures["bypass - sequence TIS"] = ci(final["bypass_ppo"], final["sequence_tis"])
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     study_md = _prose(_STUDY_DOCS.parent / "study.md")
     basis = " ".join(recommend(1e-3, 2000).basis.split())
@@ -441,7 +445,9 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
         "sequence MIS - token TIS": ("docs/study.md",),
         "bypass - sequence MIS": ("README", "docs/study.md"),
         "sequence TIS - reference": ("docs/study.md",),
-        "sequence TIS - none": ("docs/study.md",),
+        "sequence TIS - none": ("README", "docs/study.md", "analyze"),
+        "sequence TIS - token TIS": ("docs/study.md",),
+        "bypass - sequence TIS": ("docs/study.md",),
     }
     missing = [(name, figures[name], doc) for name, docs in quoted_in.items() for doc in docs
                if figures[name] not in where[doc]]
