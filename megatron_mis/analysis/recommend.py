@@ -48,8 +48,8 @@ Regimes (first match wins):
    measurably above the fresh reference, and took off 68 [25, 107] steps before none; neither none
    (+0.005 [-0.104, +0.113]) nor token TIS (-0.007 [-0.122, +0.110]) is measurably behind the
    reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them), while
-   sequence MIS is below it (-0.127 [-0.272, -0.023], 4 seeds) and sequence TIS ended low on both of
-   its 2 seeds. At 128 tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one machine)
+   sequence MIS is below it (-0.102 [-0.221, -0.016], 5 seeds; it never took off on 3) and sequence
+   TIS below none (-0.166 [-0.251, -0.063], 3 seeds, one collapse). At 128 tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one machine)
    bypass was ahead of none too, by less (+0.023 [+0.005, +0.048], on 10 of 12 seeds), and of
    token TIS (+0.043 [+0.005, +0.088]), and took off 50 [15, 84] steps before none.
 """
@@ -184,8 +184,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "against the reference; token TIS -0.011 [-0.050, +0.016] against none and -0.007 [-0.122, +0.110] against "
         "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself +0.005 [-0.104, +0.113] against the "
         "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two); "
-        "sequence MIS -0.127 [-0.272, -0.023] against the reference (4 seeds, 2 ended low) and sequence TIS ended low "
-        "on both of its 2 seeds (one collapse). Stale at 128 tokens "
+        "sequence MIS -0.102 [-0.221, -0.016] against the reference (5 seeds, 3 never took off) and sequence TIS "
+        "-0.166 [-0.251, -0.063] against none (3 seeds, one collapse). Stale at 128 tokens "
         "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
         "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "
         "[+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] against none "
