@@ -184,6 +184,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
     ("sweep-long-tail-stale-128", "sequence-mis-seeds-4-5", {"none": (4, 5), "sequence_mis": (4, 5)}),
     ("sweep-long-tail-stale-128", "sequence-seeds-4-5", {"none": (4, 5), "sequence_mis": (4, 5), "sequence_tis": (4, 5)}),
+    ("sweep-long-tail-stale-128", "sequence-seeds-4-9", {"none": range(4, 10), "sequence_mis": range(4, 10),
+                                                          "sequence_tis": range(4, 10)}),
     ("sweep-long-tail-stale-128", "bypass-k1", {"none": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-128", "token-tis-k1", {"none": range(12), "token_tis": range(12), "bypass_ppo": range(12)}),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
@@ -302,7 +304,7 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
     it quotes."""
     from megatron_mis.testbed.study.stats import moving_mean, run_metrics
 
-    sequence = _summary("sweep-long-tail-stale-128", "sequence-seeds-4-5")
+    sequence = _summary("sweep-long-tail-stale-128", "sequence-seeds-4-9")
     summaries = {"sequence_mis": sequence, "sequence_tis": sequence}
     main = _summary("sweep-long-tail-stale-128", "token-tis-k1")
     study = main["study"]
@@ -318,10 +320,12 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         at_threshold[arm, seed] = m["steps_to_threshold"]
         if m["collapsed"] or seed in low:
             failed.add((arm, seed))
-    assert failed == {("token_tis", 1), ("token_tis", 2), ("sequence_mis", 4), ("sequence_tis", 4), ("ref_fp32", 8)}
+    assert failed == {("token_tis", 1), ("token_tis", 2), ("sequence_mis", 4), ("sequence_mis", 7), ("sequence_mis", 9),
+                      ("sequence_tis", 4), ("ref_fp32", 8)}
     mismatched = [k for k in peak if k[0] != "ref_fp32"]
     learned = [k for k in mismatched if k not in failed]
     tis_learned = sorted(peak[k] for k in learned if k[0] == "token_tis")
+    mis_learned = sorted(peak[k] for k in learned if k[0] == "sequence_mis")
 
     def flagged(tau: float) -> tuple[int, int, int]:
         """(failures caught, runs that learned flagged, of them none's) at a threshold ``tau``."""
@@ -345,6 +349,9 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         f"sequence TIS's seed 4, which took off only at step {at_threshold['sequence_tis', 4]} and ended low",
         f"peaked at {_e(peak['sequence_tis', 4], 1)} at step {at['sequence_tis', 4]}, below the "
         f"{_e(peak['sequence_tis', 5], 1)} (step {at['sequence_tis', 5]}) of its seed 5, which learned",
+        f"peaked at {_e(peak['sequence_mis', 7], 1)} (step {at['sequence_mis', 7]}) and {_e(peak['sequence_mis', 9], 1)} "
+        f"(step {at['sequence_mis', 9]}), just above the {_e(mis_learned[0], 1)} to {_e(mis_learned[-1], 1)} of its "
+        f"{len(mis_learned)} runs that learned",
         f"Bypass's 20-step K3 peaked at most at {_e(max(v for k, v in peak.items() if k[0] == 'bypass_ppo'), 1)}",
         f"a 20-step K3 of {_e(peak['ref_fp32', 8], 0)}",
     ]
@@ -353,6 +360,38 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
     assert not missing, missing
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert f"would have fired on {flagged(lowest_failure)[1]} of the {len(learned)} that learned" in readme
+
+
+def test_the_pooled_sequence_level_figures_at_128_tokens_k1_come_from_both_machines():
+    """docs/study.md and README quote sequence MIS and sequence TIS at long-tail-stale-128 k1 pooled
+    over the first machine's seeds 0-3 (the sweep's summary.json, its runs not kept) and the second
+    VM's archived seeds, each against its own machine's reference and none of the same seed, with
+    the reports' paired bootstrap: recomputed here, they are the figures quoted."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    first = json.loads((_STUDY_DOCS / "sweep-long-tail-stale-128" / "summary.json").read_text())
+    (dose,) = [d for d in first["doses"] if d["setting"] == "long-tail-stale-128-k1"]
+    study = first["study"]
+    second = _committed_finals("sweep-long-tail-stale-128", _summary("sweep-long-tail-stale-128", "token-tis-k1"))
+    figures = {}
+    for arm in ("sequence_mis", "sequence_tis"):
+        mine = {int(s): v for s, v in dose["arms"][arm]["vs_reference"]["final_reward"]["diffs"].items()}
+        none = {int(s): v for s, v in dose["arms"]["none"]["vs_reference"]["final_reward"]["diffs"].items()
+                if int(s) in mine}
+        assert sorted(mine) == [0, 1, 2, 3], arm
+        for (a, seed), value in second.items():
+            if a == arm:
+                mine[seed] = value - second["ref_fp32", seed]
+                none[seed] = second["none", seed] - second["ref_fp32", seed]
+        assert sorted(mine) == list(range(10)), arm
+        for name, baseline in (("reference", dict.fromkeys(mine, 0.0)), ("none", none)):
+            figures[arm, name] = _quoted(paired_differences(mine, baseline, confidence=study["confidence"],
+                                                            resamples=study["bootstrap"]))
+    study_md = _prose(_STUDY_DOCS.parent / "study.md")
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    missing = [k for k, v in figures.items() if v not in study_md]
+    assert not missing, (missing, figures)
+    assert figures["sequence_mis", "reference"] in readme and figures["sequence_tis", "none"] in readme, figures
 
 
 def _pooled_256_k1() -> dict:
