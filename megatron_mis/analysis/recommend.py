@@ -38,8 +38,8 @@ Regimes (first match wins):
    and 2.3e-2; 3-12 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
    the correction that failed least (1/37 collapses, 2/37 ended low: both at 128 tokens one step
    stale, in 12 seeds on a second machine, where it was not measurably behind none), while
-   sequence MIS collapsed in 10/23 runs (13/23 ended low: below half of the reference's gain),
-   sequence TIS in 7/23 (12/23 ended low), token MIS with the length-scaled band in 2/9 (64
+   sequence MIS collapsed in 11/27 runs (15/27 ended low: below half of the reference's gain),
+   sequence TIS in 7/27 (12/27 ended low), token MIS with the length-scaled band in 2/9 (64
    tokens) and none in 2/37. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice. With stale rollouts, bypass
@@ -174,8 +174,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
         "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-12 seeds per dose): token TIS the correction that failed least "
         "(1/37 collapses, 2/37 ended low, both at 128 tokens k1 on a second machine; +0.105 [+0.018, +0.267] over none "
-        "at 4 steps, 64 tokens), sequence MIS collapsed in 10/23 runs "
-        "(13/23 ended below half of the reference's gain), sequence TIS in 7/23 (12/23 ended low), token MIS with the "
+        "at 4 steps, 64 tokens), sequence MIS collapsed in 11/27 runs "
+        "(15/27 ended below half of the reference's gain), sequence TIS in 7/27 (12/27 ended low), token MIS with the "
         "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/37. Measured with stale "
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail. "
