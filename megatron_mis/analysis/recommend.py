@@ -49,9 +49,10 @@ Regimes (first match wins):
    (+0.005 [-0.104, +0.113]) nor token TIS (-0.007 [-0.122, +0.110]) is measurably behind the
    reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them), while
    sequence MIS is below it (-0.102 [-0.221, -0.016], 5 seeds; it never took off on 3) and sequence
-   TIS below none (-0.166 [-0.251, -0.063], 3 seeds, one collapse). At 128 tokens with one step of lag (K3 7.5e-3, s 1.2, 12 seeds on one machine)
-   bypass was ahead of none too, by less (+0.023 [+0.005, +0.048], on 10 of 12 seeds), and of
-   token TIS (+0.043 [+0.005, +0.088]), and took off 50 [15, 84] steps before none.
+   TIS below none (-0.166 [-0.251, -0.063], 3 seeds, one collapse). At 128 tokens with one step of
+   lag (K3 7.5e-3, s 1.2, 12 seeds on one machine) bypass was ahead of none too, by less (+0.023
+   [+0.005, +0.048], on 10 of 12 seeds), and of token TIS (+0.043 [+0.005, +0.088]), and took off
+   50 [15, 84] steps before none.
 """
 
 from __future__ import annotations
