@@ -43,13 +43,14 @@ Regimes (first match wins):
    tokens) and none in 2/37. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice. With stale rollouts, bypass
-   instead: at 256 tokens with one step of lag (K3 3.3e-3, s 1.3, 9 seeds) bypass ended ahead of
-   none (+0.053 [+0.013, +0.117], on 8 of 9 seeds) and of token TIS (+0.064 [+0.014, +0.133]), not
-   measurably above the fresh reference, and took off 68 [25, 107] steps before none; neither none
-   (+0.005 [-0.104, +0.113]) nor token TIS (-0.007 [-0.122, +0.110]) is measurably behind the
-   reference at 9 seeds (the reference missed the take-off in 300 steps on 2 of them), while
-   sequence MIS is below it (-0.102 [-0.221, -0.016], 5 seeds; it never took off on 3) and sequence
-   TIS below none (-0.166 [-0.251, -0.063], 3 seeds, one collapse). At 128 tokens with one step of
+   instead: at 256 tokens with one step of lag (K3 3.3e-3, s 1.3, 11 seeds on three machines)
+   bypass ended ahead of none (+0.070 [+0.017, +0.140], on 10 of 11 seeds) and of token TIS
+   (+0.058 [+0.017, +0.117]), above the fresh reference only where the reference had not taken
+   off, and took off on every seed, 55 [8, 98] steps before none; neither none (-0.001 [-0.116,
+   +0.114]) nor token TIS (+0.012 [-0.092, +0.116]) is measurably behind the reference at 11 seeds
+   (the reference missed the take-off in 300 steps on 3 of them), while sequence MIS is below it
+   (-0.147 [-0.272, -0.029], 6 seeds; it never took off on 4) and sequence TIS below none (-0.137
+   [-0.217, -0.056], 4 seeds, one collapse). At 128 tokens with one step of
    lag (K3 7.5e-3, s 1.2, 12 seeds on one machine) bypass was ahead of none too, by less (+0.023
    [+0.005, +0.048], on 10 of 12 seeds), and of token TIS (+0.043 [+0.005, +0.088]), and took off
    50 [15, 84] steps before none.
@@ -168,8 +169,9 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         f"mean log-ratio lies more than 3 SD from -K3 at their own length (at the mean length {length:g}: geometric-mean ratio outside [{band[0]:.4f}, "
         f"{band[1]:.4f}]): rs_criteria: {{seq_zscore_k1: {{k3: {k3:.3g}, z: 3}}}}. If the rollouts are stale "
         "(asynchronous RL), use bypass instead (--use-rollout-logprobs, policy_loss: bypass_ppo): at 256 tokens with one "
-        "step of lag (K3 3.3e-3, 9 seeds) bypass ended ahead of none on 8 of 9 seeds and of token TIS, not "
-        "measurably above the fresh reference, and took off about 70 steps before none; at 128 tokens (12 seeds) "
+        "step of lag (K3 3.3e-3, 11 seeds) bypass ended ahead of none on 10 of 11 seeds and of token TIS, above "
+        "the fresh reference only where that missed its take-off, and took off about 55 steps before none; at 128 "
+        "tokens (12 seeds) "
         "ahead of none by a smaller margin, on 10 of 12, taking off about 50 steps earlier, and ahead of token TIS, "
         "which collapsed on one of those seeds and never reached the plateau on another",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
@@ -180,13 +182,14 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/37. Measured with stale "
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail. "
-        "Stale at 256 tokens (long-tail-stale-256 k1, s 1.3, 9 seeds): bypass +0.053 [+0.013, +0.117] against none "
-        "(take-off 68 [25, 107] steps earlier), +0.064 [+0.014, +0.133] against token TIS and +0.058 [-0.005, +0.140] "
-        "against the reference; token TIS -0.011 [-0.050, +0.016] against none and -0.007 [-0.122, +0.110] against "
-        "the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself +0.005 [-0.104, +0.113] against the "
-        "reference (none and token TIS missed the take-off in 300 steps on one seed, the reference on two); "
-        "sequence MIS -0.102 [-0.221, -0.016] against the reference (5 seeds, 3 never took off) and sequence TIS "
-        "-0.166 [-0.251, -0.063] against none (3 seeds, one collapse). Stale at 128 tokens "
+        "Stale at 256 tokens (long-tail-stale-256 k1, s 1.3, 11 seeds): bypass +0.070 [+0.017, +0.140] against none "
+        "(take-off 55 [8, 98] steps earlier), +0.058 [+0.017, +0.117] against token TIS and +0.069 [+0.002, +0.149] "
+        "against the reference (through its misses); token TIS +0.013 [-0.037, +0.074] against none and +0.012 "
+        "[-0.092, +0.116] against the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself -0.001 [-0.116, "
+        "+0.114] against the reference (none missed the take-off in 300 steps on two seeds, token TIS on one, the "
+        "reference on three, bypass on none); sequence MIS -0.147 [-0.272, -0.029] against the reference (6 seeds, "
+        "4 never took off) and sequence TIS -0.137 [-0.217, -0.056] against none (4 seeds, one collapse). Stale at "
+        "128 tokens "
         "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
         "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "
         "[+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] against none "

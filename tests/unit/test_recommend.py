@@ -50,10 +50,10 @@ def test_token_level_carries_the_length_scaled_band():
     assert r.correction == "token_tis" and r.regime == "token-level"
     assert "long-tail-stale" in r.basis and "long-tail-stale-128" in r.basis and "Optional" in r.reason
     assert "1/37 collapses" in r.basis and "none in 2/37" in r.basis
-    # stale rollouts at 256 tokens (9 seeds): bypass ahead of none and token TIS, not measurably above the
-    # reference (test_study_archive recomputes these figures from both machines' runs)
-    assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.053 [+0.013, +0.117]" in r.basis
-    assert "9 seeds" in r.basis and "-0.007 [-0.122, +0.110]" in r.basis
+    # stale rollouts at 256 tokens (11 seeds): bypass ahead of none and token TIS, above the reference only
+    # through its misses (test_study_archive recomputes these figures from three machines' runs)
+    assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.070 [+0.017, +0.140]" in r.basis
+    assert "11 seeds" in r.basis and "+0.012 [-0.092, +0.116]" in r.basis
     # and at 128 tokens (12 seeds): ahead of none by less
     assert "long-tail-stale-128 k1" in r.basis and "+0.023 [+0.005, +0.048]" in r.basis and "12 seeds" in r.basis
     # where token TIS, on the same 12 seeds, collapsed once and was not ahead of none

@@ -194,6 +194,12 @@ _REPORTS = [
                                                           "sequence_mis": (6, 7), "sequence_tis": (6, 7)}),
     ("sweep-long-tail-stale-256", "sequence-seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8),
                                                           "sequence_mis": (6, 7, 8), "sequence_tis": (6, 7, 8)}),
+    # seeds 9-10 on a third VM (AVX-512 kernels): sequence MIS and sequence TIS ran on seed 9 only
+    ("sweep-long-tail-stale-256", "sequence-seeds-6-9", {"none": range(6, 10), "token_tis": range(6, 10),
+                                                          "bypass_ppo": range(6, 10), "sequence_mis": range(6, 10),
+                                                          "sequence_tis": range(6, 10)}),
+    ("sweep-long-tail-stale-256", "seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
+                                                  "bypass_ppo": range(6, 11)}),
 ]
 
 
@@ -395,17 +401,18 @@ def test_the_pooled_sequence_level_figures_at_128_tokens_k1_come_from_both_machi
 
 
 def _pooled_256_k1() -> dict:
-    """long-tail-stale-256 k1 pooled over both machines: ``{"final": {arm: {seed: final reward -
+    """long-tail-stale-256 k1 pooled over three machines: ``{"final": {arm: {seed: final reward -
     the reference's}}, "steps": {arm: {seed: step that reached the threshold - none's}}, ...}``,
     seeds 0-5 (sequence MIS: 0-1; sequence TIS: none) from the first machine's report
     (docs/study/sweep-long-tail-stale-256/summary.json, its runs not kept) and the later ones from
-    the committed archive (second VM) as the same differences, so that arm - arm pairs come out of
-    the per-seed differences alike."""
+    the committed archive (seeds 6-8 on a second VM, 9-10 on a third; every seed's arms on one
+    machine) as the same differences, so that arm - arm pairs come out of the per-seed differences
+    alike."""
     from megatron_mis.testbed.study.stats import run_metrics
 
     first = json.loads((_STUDY_DOCS / "sweep-long-tail-stale-256" / "summary.json").read_text())
     (dose,) = [d for d in first["doses"] if d["setting"] == "long-tail-stale-256-k1"]
-    arms = ("none", "token_tis", "bypass_ppo", "sequence_mis", "sequence_tis")  # sequence TIS: second VM only
+    arms = ("none", "token_tis", "bypass_ppo", "sequence_mis", "sequence_tis")  # sequence TIS: the later machines only
     final = {a: {int(s): v for s, v in dose["arms"][a]["vs_reference"]["final_reward"]["diffs"].items()}
              if a in dose["arms"] else {} for a in arms}
     # steps to threshold: the first machine's are given against none (its seeds where both reached it)
@@ -427,11 +434,11 @@ def _pooled_256_k1() -> dict:
     return {"final": final, "steps": steps, "bootstrap": study["bootstrap"], "confidence": study["confidence"]}
 
 
-def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
+def test_the_pooled_figures_at_256_tokens_k1_come_from_three_machines():
     """README, docs/study.md and ``analyze`` quote long-tail-stale-256 k1 pooled over the first
-    machine's seeds 0-5 (their report's per-seed differences) and the archive's later seeds, with
-    the reports' paired bootstrap (sequence TIS ran on the second machine only): recomputed here,
-    they are the figures quoted."""
+    machine's seeds 0-5 (their report's per-seed differences) and the archive's later seeds (a
+    second and a third machine), with the reports' paired bootstrap (sequence TIS ran on the later
+    machines only): recomputed here, they are the figures quoted."""
     from megatron_mis.analysis.recommend import recommend
     from megatron_mis.testbed.study.stats import paired_differences
 
@@ -455,14 +462,15 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_both_machines():
         "token TIS - none": ci(final["token_tis"], final["none"]),
         "bypass take-off - none's": ci(dict.fromkeys(pooled["steps"]["bypass_ppo"], 0.0),
                                        pooled["steps"]["bypass_ppo"], "{:.0f}"),
-        # sequence MIS: 5 seeds (0-1 first machine, 6-8 second), paired on the seeds both arms ran
+        # sequence MIS: 6 seeds (0-1 first machine, 6-8 second, 9 third), paired on the seeds both arms ran
         "sequence MIS - reference": ci(final["sequence_mis"], reference),
         "sequence MIS - none": ci(final["sequence_mis"], final["none"]),
         "sequence MIS - token TIS": ci(final["sequence_mis"], final["token_tis"]),
         "bypass - sequence MIS": ci(final["bypass_ppo"], final["sequence_mis"]),
     }
-    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7, 8] and sorted(final["sequence_tis"]) == [6, 7, 8]
-    # sequence TIS ran on the second machine only, paired with its none and reference runs
+    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7, 8, 9] and sorted(final["sequence_tis"]) == [6, 7, 8, 9]
+    assert sorted(final["none"]) == list(range(11))
+    # sequence TIS ran on the later machines only, each seed paired with its machine's none and reference runs
     figures["sequence TIS - reference"] = ci(final["sequence_tis"], reference)
     figures["sequence TIS - none"] = ci(final["sequence_tis"], final["none"])
     figures["sequence TIS - token TIS"] = ci(final["sequence_tis"], final["token_tis"])
