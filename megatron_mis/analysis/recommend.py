@@ -49,8 +49,8 @@ Regimes (first match wins):
    off, and took off on every seed, 55 [8, 98] steps before none; neither none (-0.001 [-0.116,
    +0.114]) nor token TIS (+0.012 [-0.092, +0.116]) is measurably behind the reference at 11 seeds
    (the reference missed the take-off in 300 steps on 3 of them), while sequence MIS is below it
-   (-0.147 [-0.272, -0.029], 6 seeds; it never took off on 4) and sequence TIS below none (-0.137
-   [-0.217, -0.056], 4 seeds, one collapse). At 128 tokens with one step of
+   (-0.139 [-0.248, -0.040], 7 seeds; it never took off on 5) and sequence TIS below none (-0.179
+   [-0.276, -0.082], 5 seeds, one collapse). At 128 tokens with one step of
    lag (K3 7.5e-3, s 1.2, 12 seeds on one machine) bypass was ahead of none too, by less (+0.023
    [+0.005, +0.048], on 10 of 12 seeds), and of token TIS (+0.043 [+0.005, +0.088]), and took off
    50 [15, 84] steps before none.
@@ -187,8 +187,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "against the reference (through its misses); token TIS +0.013 [-0.037, +0.074] against none and +0.012 "
         "[-0.092, +0.116] against the reference (-0.091 [-0.197, -0.013] at 6 seeds); none itself -0.001 [-0.116, "
         "+0.114] against the reference (none missed the take-off in 300 steps on two seeds, token TIS on one, the "
-        "reference on three, bypass on none); sequence MIS -0.147 [-0.272, -0.029] against the reference (6 seeds, "
-        "4 never took off) and sequence TIS -0.137 [-0.217, -0.056] against none (4 seeds, one collapse). Stale at "
+        "reference on three, bypass on none); sequence MIS -0.139 [-0.248, -0.040] against the reference (7 seeds, "
+        "5 never took off) and sequence TIS -0.179 [-0.276, -0.082] against none (5 seeds, one collapse). Stale at "
         "128 tokens "
         "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
         "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "

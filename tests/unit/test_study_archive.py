@@ -194,12 +194,15 @@ _REPORTS = [
                                                           "sequence_mis": (6, 7), "sequence_tis": (6, 7)}),
     ("sweep-long-tail-stale-256", "sequence-seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8),
                                                           "sequence_mis": (6, 7, 8), "sequence_tis": (6, 7, 8)}),
-    # seeds 9-10 on a third VM (AVX-512 kernels): sequence MIS and sequence TIS ran on seed 9 only
+    # seeds 9-10 on a third VM (AVX-512 kernels); the sequence-level arms of seed 10 ran last
     ("sweep-long-tail-stale-256", "sequence-seeds-6-9", {"none": range(6, 10), "token_tis": range(6, 10),
                                                           "bypass_ppo": range(6, 10), "sequence_mis": range(6, 10),
                                                           "sequence_tis": range(6, 10)}),
     ("sweep-long-tail-stale-256", "seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
                                                   "bypass_ppo": range(6, 11)}),
+    ("sweep-long-tail-stale-256", "sequence-seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
+                                                           "bypass_ppo": range(6, 11), "sequence_mis": range(6, 11),
+                                                           "sequence_tis": range(6, 11)}),
 ]
 
 
@@ -462,13 +465,13 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_three_machines():
         "token TIS - none": ci(final["token_tis"], final["none"]),
         "bypass take-off - none's": ci(dict.fromkeys(pooled["steps"]["bypass_ppo"], 0.0),
                                        pooled["steps"]["bypass_ppo"], "{:.0f}"),
-        # sequence MIS: 6 seeds (0-1 first machine, 6-8 second, 9 third), paired on the seeds both arms ran
+        # sequence MIS: 7 seeds (0-1 first machine, 6-8 second, 9-10 third), paired on the seeds both arms ran
         "sequence MIS - reference": ci(final["sequence_mis"], reference),
         "sequence MIS - none": ci(final["sequence_mis"], final["none"]),
         "sequence MIS - token TIS": ci(final["sequence_mis"], final["token_tis"]),
         "bypass - sequence MIS": ci(final["bypass_ppo"], final["sequence_mis"]),
     }
-    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7, 8, 9] and sorted(final["sequence_tis"]) == [6, 7, 8, 9]
+    assert sorted(final["sequence_mis"]) == [0, 1, 6, 7, 8, 9, 10] and sorted(final["sequence_tis"]) == [6, 7, 8, 9, 10]
     assert sorted(final["none"]) == list(range(11))
     # sequence TIS ran on the later machines only, each seed paired with its machine's none and reference runs
     figures["sequence TIS - reference"] = ci(final["sequence_tis"], reference)
