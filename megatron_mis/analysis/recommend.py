@@ -50,10 +50,10 @@ Regimes (first match wins):
    +0.114]) nor token TIS (+0.012 [-0.092, +0.116]) is measurably behind the reference at 11 seeds
    (the reference missed the take-off in 300 steps on 3 of them), while sequence MIS is below it
    (-0.139 [-0.248, -0.040], 7 seeds; it never took off on 5) and sequence TIS below none (-0.179
-   [-0.276, -0.082], 5 seeds, one collapse). At 128 tokens with one step of
-   lag (K3 7.5e-3, s 1.2, 12 seeds on one machine) bypass was ahead of none too, by less (+0.023
-   [+0.005, +0.048], on 10 of 12 seeds), and of token TIS (+0.043 [+0.005, +0.088]), and took off
-   50 [15, 84] steps before none.
+   [-0.276, -0.082], 5 seeds, one collapse). At 128 tokens with one step of lag (K3 7.5e-3, s 1.2,
+   12 seeds on one machine) bypass was ahead of none too, by less (+0.023 [+0.005, +0.048], on 10
+   of 12 seeds), and of token TIS (+0.043 [+0.005, +0.088]), and took off 50 [15, 84] steps before
+   none.
 """
 
 from __future__ import annotations
@@ -171,9 +171,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "(asynchronous RL), use bypass instead (--use-rollout-logprobs, policy_loss: bypass_ppo): at 256 tokens with one "
         "step of lag (K3 3.3e-3, 11 seeds) bypass ended ahead of none on 10 of 11 seeds and of token TIS, above "
         "the fresh reference only where that missed its take-off, and took off about 55 steps before none; at 128 "
-        "tokens (12 seeds) "
-        "ahead of none by a smaller margin, on 10 of 12, taking off about 50 steps earlier, and ahead of token TIS, "
-        "which collapsed on one of those seeds and never reached the plateau on another",
+        "tokens (12 seeds) ahead of none by a smaller margin, on 10 of 12, taking off about 50 steps earlier, and "
+        "ahead of token TIS, which collapsed on one of those seeds and never reached the plateau on another",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
         "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-12 seeds per dose): token TIS the correction that failed least "
         "(1/37 collapses, 2/37 ended low, both at 128 tokens k1 on a second machine; +0.105 [+0.018, +0.267] over none "
@@ -189,9 +188,8 @@ def recommend(k3_mean: float, response_length: float) -> Recommendation:
         "+0.114] against the reference (none missed the take-off in 300 steps on two seeds, token TIS on one, the "
         "reference on three, bypass on none); sequence MIS -0.139 [-0.248, -0.040] against the reference (7 seeds, "
         "5 never took off) and sequence TIS -0.179 [-0.276, -0.082] against none (5 seeds, one collapse). Stale at "
-        "128 tokens "
-        "(long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against none (take-off "
-        "50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference and +0.043 "
-        "[+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] against none "
-        "with 1/12 collapsed and 2/12 ended low",
+        "128 tokens (long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against "
+        "none (take-off 50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference "
+        "and +0.043 [+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] "
+        "against none with 1/12 collapsed and 2/12 ended low",
     )
