@@ -203,6 +203,9 @@ _REPORTS = [
     ("sweep-long-tail-stale-256", "sequence-seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
                                                            "bypass_ppo": range(6, 11), "sequence_mis": range(6, 11),
                                                            "sequence_tis": range(6, 11)}),
+    # none and the reference for 600 steps (third VM): their own archive, a --steps variant
+    ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
+    ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
 ]
 
 
@@ -251,6 +254,11 @@ def _summary(sweep: str, report: str) -> dict:
 def _prose(path: Path) -> str:
     """A document's text with every run of whitespace one space: quoted figures may wrap."""
     return " ".join(path.read_text().split())
+
+
+def _e(x: float, digits: int) -> str:
+    """``x`` as docs/study.md writes it: 2.5e-2, not 2.5e-02."""
+    return re.sub(r"e([-+])0(\d)", r"e\1\2", f"{x:.{digits}e}")
 
 
 def _quoted(d: dict, fmt: str = "{:+.3f}") -> str:
@@ -340,10 +348,6 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         """(failures caught, runs that learned flagged, of them none's) at a threshold ``tau``."""
         return (sum(peak[k] >= tau for k in failed if k in mismatched), sum(peak[k] >= tau for k in learned),
                 sum(peak[k] >= tau for k in learned if k[0] == "none"))
-
-    def _e(x: float, digits: int) -> str:
-        """``x`` as docs/study.md writes it: 2.5e-2, not 2.5e-02."""
-        return re.sub(r"e([-+])0(\d)", r"e\1\2", f"{x:.{digits}e}")
 
     lowest_failure = min(peak[k] for k in failed if k in mismatched)
     quoted = [
@@ -503,3 +507,83 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_three_machines():
                if figures[name] not in where[doc]]
     assert not missing, missing
     assert f"k1, s 1.3, {n} seeds" in basis
+
+
+#: the 600-step runs at long-tail-stale-256 k1 (third VM): their own archive, beside the 300-step one
+_LONG_256 = "sweep-long-tail-stale-256-600-steps"
+
+
+def test_the_600_step_runs_repeat_the_committed_300_step_runs_for_their_first_300_steps():
+    """The 600-step runs at long-tail-stale-256 k1 of an arm and seed that the 300-step archive also
+    holds were made on the same VM, and their first 300 steps are those runs step for step (every
+    recorded figure but the timings): the longer runs continue the very trajectories the 300-step
+    figures score, so a change of the run's configuration, data or seeding that the 300-step
+    archive did not see fails here."""
+    long, short = _archive_runs(_LONG_256), _archive_runs("sweep-long-tail-stale-256")
+    assert long and all(len(records) == 600 for records, _ in long.values())
+
+    def figures(record: dict) -> dict:
+        return {k: v for k, v in record.items() if not k.startswith("time_") and k != "wall_s"}
+
+    shared = sorted(set(long) & set(short))
+    assert {(arm, seed) for _, arm, seed in shared} == {(a, s) for a in ("none", "ref_fp32") for s in (9, 10)}
+    for key in shared:
+        (records, _), (old, _) = long[key], short[key]
+        assert len(old) == 300 and [figures(r) for r in records[:300]] == [figures(r) for r in old], key
+
+
+def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
+    """docs/study.md's table of the 600-step runs (per seed: final reward at step 300 and at step 600,
+    the step each run took off, none - reference at both) and the README's and docs' counts are
+    the archive's, recomputed with the reports' rules (final reward: the last 10 steps; take-off:
+    the first step whose 10-step mean reaches the long-tail threshold, 0.2)."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import moving_mean, run_metrics
+
+    summary = _summary(_LONG_256, "seeds-9-11")
+    study = summary["study"]
+
+    def metrics(records: list, end: dict) -> dict:
+        return run_metrics(records, end, last_k=study["last_k"], threshold=summary["threshold"],
+                           collapse_fraction=study["collapse_fraction"])
+
+    at = {}
+    for (_, arm, seed), (records, end) in _archive_runs(_LONG_256).items():
+        at[arm, seed] = (metrics(records[:300], end), metrics(records, end))
+    seeds = sorted({seed for _, seed in at})
+    assert seeds == [9, 10, 11] and {arm for arm, _ in at} == {"none", "ref_fp32"}
+
+    def up(m: dict) -> str:
+        return "never" if m["steps_to_threshold"] is None else str(m["steps_to_threshold"])
+
+    rows = []
+    for s in seeds:
+        (n3, n6), (r3, r6) = at["none", s], at["ref_fp32", s]
+        rows.append(f"| {s} | {n3['final_reward']:.3f} | {n6['final_reward']:.3f} | {up(n6)} | {r3['final_reward']:.3f} "
+                    f"| {r6['final_reward']:.3f} | {up(r6)} | {n3['final_reward'] - r3['final_reward']:+.3f} "
+                    f"| {n6['final_reward'] - r6['final_reward']:+.3f} |")
+    text = _prose(_STUDY_DOCS.parent / "study.md")
+    missing = [row for row in rows if " ".join(row.split()) not in text]
+    assert not missing, missing
+    never = {when: sum(m[i]["steps_to_threshold"] is None for m in at.values()) for i, when in enumerate((300, 600))}
+    collapsed = sum(m[1]["collapsed"] for m in at.values())
+    quoted = f"{never[300]} of the {len(at)} runs had not taken off by step 300 and {never[600]} by step 600"
+    assert quoted in text, (quoted, never)
+    assert f"{collapsed} of the {len(at)} collapsed" in text
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert quoted in readme
+    # the paired SD of none - reference over these seeds, at step 300 and at step 600
+    sd = [float(np.std([at["none", s][i]["final_reward"] - at["ref_fp32", s][i]["final_reward"] for s in seeds], ddof=1))
+          for i in (0, 1)]
+    assert f"reference on these 3 seeds is {sd[0]:.3f} at step 300 and {sd[1]:.3f} at step 600" in text, sd
+    assert f"paired SD {sd[0]:.3f} to {sd[1]:.3f} on these 3 seeds" in readme, sd
+    # none's K3: the peak 20-step mean (the window's last step) and the mean over steps 501-600, per seed
+    peaks, lates = [], []
+    for s in seeds:
+        records, _ = _archive_runs(_LONG_256)["long-tail-stale-256-k1", "none", s]
+        curve = moving_mean([r["mis_k3_kl"] for r in records], 20)
+        peaks.append(f"{_e(float(curve.max()), 1)} (step {int(curve.argmax()) + 20}, seed {s})")
+        lates.append(_e(float(np.mean([r["mis_k3_kl"] for r in records[500:]])), 1))
+    assert f"peaked at {peaks[0]}, {peaks[1]} and {peaks[2]}" in text, peaks
+    assert f"steps 501-600 was {lates[0]}, {lates[1]} and {lates[2]}" in text, lates
