@@ -548,9 +548,9 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
         return run_metrics(records, end, last_k=study["last_k"], threshold=summary["threshold"],
                            collapse_fraction=study["collapse_fraction"])
 
-    at = {}
-    for (_, arm, seed), (records, end) in _archive_runs(_LONG_256).items():
-        at[arm, seed] = (metrics(records[:300], end), metrics(records, end))
+    runs = _archive_runs(_LONG_256)
+    at = {(arm, seed): (metrics(records[:300], end), metrics(records, end))
+          for (_, arm, seed), (records, end) in runs.items()}
     seeds = sorted({seed for _, seed in at})
     assert seeds == [9, 10, 11] and {arm for arm, _ in at} == {"none", "ref_fp32"}
 
@@ -578,12 +578,17 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
           for i in (0, 1)]
     assert f"reference on these 3 seeds is {sd[0]:.3f} at step 300 and {sd[1]:.3f} at step 600" in text, sd
     assert f"paired SD {sd[0]:.3f} to {sd[1]:.3f} on these 3 seeds" in readme, sd
-    # none's K3: the peak 20-step mean (the window's last step) and the mean over steps 501-600, per seed
-    peaks, lates = [], []
+    assert sd[1] == pytest.approx(summary["paired_sd"], abs=1e-12)  # the step-600 one is the report's own
+    # none's K3: the peak 20-step mean (the window's last step), how long after the take-off and how
+    # many times the run mean it came, and the mean over steps 501-600, per seed
+    peaks, lates, after, times = [], [], [], []
     for s in seeds:
-        records, _ = _archive_runs(_LONG_256)["long-tail-stale-256-k1", "none", s]
-        curve = moving_mean([r["mis_k3_kl"] for r in records], 20)
+        k3 = [r["mis_k3_kl"] for r in runs["long-tail-stale-256-k1", "none", s][0]]
+        curve = moving_mean(k3, 20)
         peaks.append(f"{_e(float(curve.max()), 1)} (step {int(curve.argmax()) + 20}, seed {s})")
-        lates.append(_e(float(np.mean([r["mis_k3_kl"] for r in records[500:]])), 1))
+        lates.append(_e(float(np.mean(k3[500:])), 1))
+        after.append(int(curve.argmax()) + 20 - at["none", s][1]["steps_to_threshold"])
+        times.append(float(curve.max()) / float(np.mean(k3)))
     assert f"peaked at {peaks[0]}, {peaks[1]} and {peaks[2]}" in text, peaks
     assert f"steps 501-600 was {lates[0]}, {lates[1]} and {lates[2]}" in text, lates
+    assert f"{min(after)}-{max(after)} steps after that run's take-off and {min(times):.0f}-{max(times):.0f} times its run mean" in text, (after, times)
