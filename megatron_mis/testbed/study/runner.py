@@ -1,5 +1,5 @@
-"""Run a study's arms x seeds: worker processes (one intra-op thread each by default) take runs
-from a queue, each run's records go to ``OUT_DIR/SETTING/ARM/seed-S.jsonl`` (written to a
+"""Run a study's arms x seeds: worker processes (one intra-op thread each by default) are sent
+runs one at a time, each run's records go to ``OUT_DIR/SETTING/ARM/seed-S.jsonl`` (written to a
 temporary name and renamed when complete), and a run whose file already exists with the same
 resolved configuration is reused, so an interrupted study resumes where it stopped.
 
@@ -14,7 +14,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import tempfile
 import time
@@ -175,10 +174,12 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _worker(tasks: Any, results: Any, threads: int, scratch: str) -> None:
+def _worker(conn: Any, threads: int, scratch: str) -> None:
     """A worker process: one gloo world of size 1 for its whole life (Megatron imported once),
-    runs taken from ``tasks`` until ``None``. ``scratch``: its folder (made and removed by the
-    parent, so that a worker killed on Ctrl-C leaves nothing behind)."""
+    runs the jobs the parent sends over ``conn`` (its end of a duplex pipe), answering each with
+    ``("ok", "")`` or ``("err", traceback)``, until ``None``, the pipe's end or the parent's death.
+    ``scratch``: its folder (made and removed by the parent, so that a worker killed on Ctrl-C
+    leaves nothing behind)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     thread_lock_for_tqdm()
     import warnings
@@ -192,22 +193,29 @@ def _worker(tasks: Any, results: Any, threads: int, scratch: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(scratch, 'store')}", rank=0, world_size=1)
         parent = mp.parent_process()
         while True:
-            try:
-                job = tasks.get(timeout=1.0)
-            except queue.Empty:
+            if not conn.poll(1.0):
                 if parent is not None and not parent.is_alive():
                     break  # the study was killed: do not run on as an orphan
                 continue
-            if job is None or (parent is not None and not parent.is_alive()):
+            try:
+                job = conn.recv()
+            except (EOFError, OSError):  # the parent closed its end, or died
+                break
+            if job is None:
                 break
             try:
                 _execute(job, scratch)
-                results.put(("ok", job, ""))
+                answer = ("ok", "")
             except BaseException:  # noqa: BLE001 - reported to the parent, which stops the study
-                results.put(("err", job, traceback.format_exc()))
+                answer = ("err", traceback.format_exc())
+            try:
+                conn.send(answer)
+            except OSError:  # the parent is gone
+                break
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        conn.close()
 
 
 def plan(study: StudyConfig) -> list[RunJob]:
@@ -372,41 +380,68 @@ def _copy_run(source: RunJob, job: RunJob) -> None:
 
 
 def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
+    """Run ``todo`` on ``min(study.num_jobs, len(todo))`` spawned workers, one job at a time each,
+    sent over a duplex pipe per worker. Pipes, not ``multiprocessing`` queues: a queue holds named
+    semaphores whose cleanup, run by its feeder thread at the interpreter's exit after a stop,
+    could be cut between the unlink and the resource tracker's unregister (the tracker then warned
+    of a "leaked semaphore" it could not unlink), and a queue filled with every job up front
+    needed that thread not to block on a full pipe. Here nothing outlives the call: on a stop the
+    workers are killed and the pipes closed."""
+    from multiprocessing.connection import wait
+
     ctx = mp.get_context("spawn")
-    tasks, results = ctx.Queue(), ctx.Queue()
+    waiting = list(reversed(todo))  # popped from the end: the plan's order
     n = min(study.num_jobs, len(todo))
     procs: list[Any] = []
+    conns: list[Any] = []
     scratches: list[str] = []
+    running: dict[int, RunJob] = {}  # worker index -> the job it runs
     pending = len(todo)
-    try:  # from the first put on: a Ctrl-C while the workers start (seconds on a loaded machine) is handled too
-        for job in todo:
-            tasks.put(job)
-        for _ in range(n):
-            tasks.put(None)
-        for _ in range(n):
+
+    def died(i: int) -> StudyError:
+        procs[i].join(timeout=1.0)
+        return StudyError(f"a study worker died (exit code {procs[i].exitcode})")
+
+    def send_next(i: int) -> None:
+        job = waiting.pop() if waiting else None
+        try:
+            conns[i].send(job)
+        except OSError:  # BrokenPipeError: the worker is gone
+            raise died(i) from None
+        if job is not None:
+            running[i] = job
+
+    try:  # from the first start on: a Ctrl-C while the workers start (seconds on a loaded machine) is handled too
+        for i in range(n):
             scratches.append(tempfile.mkdtemp(prefix="megatron_mis_study_"))
-            procs.append(ctx.Process(target=_worker, args=(tasks, results, study.threads, scratches[-1]), daemon=True))
+            ours, theirs = ctx.Pipe(duplex=True)
+            conns.append(ours)
+            procs.append(ctx.Process(target=_worker, args=(theirs, study.threads, scratches[-1]), daemon=True))
             procs[-1].start()
+            theirs.close()
+            send_next(i)
         while pending:
-            try:
-                kind, job, payload = results.get(timeout=1.0)
-            except queue.Empty:  # check the workers are alive
-                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead:
-                    raise StudyError(f"a study worker died (exit code {dead[0].exitcode})") from None
-                if all(not p.is_alive() for p in procs):
-                    raise StudyError(f"the workers stopped with {pending} runs left") from None
-                continue
-            if kind == "err":
-                raise StudyError(f"run {job.arm} seed {job.seed} failed:\n{payload}")
-            pending -= 1
-            bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
-            bar.update(1)
+            wait([conns[i] for i in running] + [procs[i].sentinel for i in running], timeout=1.0)
+            for i in list(running):
+                if conns[i].poll(0):
+                    try:
+                        kind, payload = conns[i].recv()
+                    except (EOFError, OSError):  # a killed worker: the end, or ECONNRESET (a duplex pipe is a socket pair)
+                        raise died(i) from None
+                    job = running.pop(i)
+                    if kind == "err":
+                        raise StudyError(f"run {job.arm} seed {job.seed} failed:\n{payload}")
+                    pending -= 1
+                    bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
+                    bar.update(1)
+                    send_next(i)
+                elif not procs[i].is_alive():
+                    raise died(i)
     finally:
-        if pending:  # stopped early (an error, Ctrl-C): the jobs still queued are dropped, so the
-            # queues' feeder threads must not block the interpreter's exit on a pipe nobody reads
-            tasks.cancel_join_thread()
-            results.cancel_join_thread()
+        # stopped early (an error, Ctrl-C, SIGTERM): kill the workers at once; else each has its
+        # None and exits
         stop_processes([p for p in procs if p.pid is not None], graceful=not pending)
+        for conn in conns:
+            conn.close()
         for scratch in scratches:  # also a killed worker's (its half-written run, its file store)
             shutil.rmtree(scratch, ignore_errors=True)
