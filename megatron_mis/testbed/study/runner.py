@@ -426,7 +426,7 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
                 if conns[i].poll(0):
                     try:
                         kind, payload = conns[i].recv()
-                    except (EOFError, OSError):  # a killed worker: the end, or ECONNRESET (a duplex pipe is a socket pair)
+                    except (EOFError, OSError):  # a killed worker: EOF, or ECONNRESET (a duplex pipe is a socket pair)
                         raise died(i) from None
                     job = running.pop(i)
                     if kind == "err":
