@@ -206,6 +206,9 @@ _REPORTS = [
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
+    # token TIS and bypass for 600 steps on the same seeds and VM
+    ("sweep-long-tail-stale-256-600-steps", "all-arms-seeds-9-11", {"none": (9, 10, 11), "token_tis": (9, 10, 11),
+                                                                     "bypass_ppo": (9, 10, 11)}),
 ]
 
 
@@ -511,6 +514,8 @@ def test_the_pooled_figures_at_256_tokens_k1_come_from_three_machines():
 
 #: the 600-step runs at long-tail-stale-256 k1 (third VM): their own archive, beside the 300-step one
 _LONG_256 = "sweep-long-tail-stale-256-600-steps"
+#: its arms, each run on seeds 9-11
+_ARMS_600 = ("none", "ref_fp32", "token_tis", "bypass_ppo")
 
 
 def test_the_600_step_runs_repeat_the_committed_300_step_runs_for_their_first_300_steps():
@@ -526,7 +531,7 @@ def test_the_600_step_runs_repeat_the_committed_300_step_runs_for_their_first_30
         return {k: v for k, v in record.items() if not k.startswith("time_") and k != "wall_s"}
 
     shared = sorted(set(long) & set(short))
-    assert {(arm, seed) for _, arm, seed in shared} == {(a, s) for a in ("none", "ref_fp32") for s in (9, 10)}
+    assert {(arm, seed) for _, arm, seed in shared} == {(a, s) for a in _ARMS_600 for s in (9, 10)}
     for key in shared:
         (records, _), (old, _) = long[key], short[key]
         assert len(old) == 300 and [figures(r) for r in records[:300]] == [figures(r) for r in old], key
@@ -552,7 +557,7 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
     at = {(arm, seed): (metrics(records[:300], end), metrics(records, end))
           for (_, arm, seed), (records, end) in runs.items()}
     seeds = sorted({seed for _, seed in at})
-    assert seeds == [9, 10, 11] and {arm for arm, _ in at} == {"none", "ref_fp32"}
+    assert seeds == [9, 10, 11] and set(at) == {(a, s) for a in _ARMS_600 for s in seeds}
 
     def up(m: dict) -> str:
         return "never" if m["steps_to_threshold"] is None else str(m["steps_to_threshold"])
@@ -563,6 +568,12 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
         rows.append(f"| {s} | {n3['final_reward']:.3f} | {n6['final_reward']:.3f} | {up(n6)} | {r3['final_reward']:.3f} "
                     f"| {r6['final_reward']:.3f} | {up(r6)} | {n3['final_reward'] - r3['final_reward']:+.3f} "
                     f"| {n6['final_reward'] - r6['final_reward']:+.3f} |")
+    for s in seeds:  # the corrections' table: token TIS and bypass, and their differences at step 600
+        (t3, t6), (b3, b6) = at["token_tis", s], at["bypass_ppo", s]
+        n6, r6 = at["none", s][1]["final_reward"], at["ref_fp32", s][1]["final_reward"]
+        rows.append(f"| {s} | {t3['final_reward']:.3f} | {t6['final_reward']:.3f} | {up(t6)} | {b3['final_reward']:.3f} "
+                    f"| {b6['final_reward']:.3f} | {up(b6)} | {t6['final_reward'] - r6:+.3f} | {b6['final_reward'] - r6:+.3f} "
+                    f"| {b6['final_reward'] - n6:+.3f} | {b6['final_reward'] - t6['final_reward']:+.3f} |")
     text = _prose(_STUDY_DOCS.parent / "study.md")
     missing = [row for row in rows if " ".join(row.split()) not in text]
     assert not missing, missing
@@ -592,3 +603,14 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
     assert f"peaked at {peaks[0]}, {peaks[1]} and {peaks[2]}" in text, peaks
     assert f"steps 501-600 was {lates[0]}, {lates[1]} and {lates[2]}" in text, lates
     assert f"{min(after)}-{max(after)} steps after that run's take-off and {min(times):.0f}-{max(times):.0f} times its run mean" in text, (after, times)
+    # every mismatched arm's K3 by seed: the run mean, the 20-step peak (and its step) and the mean
+    # over steps 501-600, as the docs' K3 table gives them
+    for arm, name in (("none", "none"), ("token_tis", "token TIS"), ("bypass_ppo", "bypass")):
+        cells = []
+        for s in seeds:
+            k3 = [r["mis_k3_kl"] for r in runs["long-tail-stale-256-k1", arm, s][0]]
+            curve = moving_mean(k3, 20)
+            cells.append(f"{_e(float(np.mean(k3)), 1)} / {_e(float(curve.max()), 1)} ({int(curve.argmax()) + 20}) / "
+                         f"{_e(float(np.mean(k3[500:])), 1)}")
+        row = f"| {name} | {' | '.join(cells)} |"
+        assert row in text, row
