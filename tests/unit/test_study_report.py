@@ -272,3 +272,52 @@ def test_machine_label_names_the_isa_where_the_run_recorded_it():
     new = {**old, "cpu_capability": "AVX512", "cpu_family_model": "25/17"}
     assert machine_label({"header": {"machine": new}}) == "AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu"
     assert machine_label({"header": {}}) == "not recorded"
+
+
+def test_top_p_settings_compare_the_greedy_reward_where_the_training_reward_misleads():
+    """Top-p sampling raises the reward of the samples themselves, so a truncated run's training
+    reward beats the untruncated reference's while its policy may be worse. The synthetic runs
+    below have exactly that: none's training reward is the reference's + 0.1, its greedy reward
+    the reference's - 0.1 (+- 0.01 alternating). A top-p setting's answers must read the greedy
+    reward (none measurably worse); the same runs under a setting that compares the training
+    reward read it as not worse."""
+    from megatron_mis.testbed.study.config import SETTINGS, SWEEPS
+
+    greedy = {n for n, w in SWEEPS.items() if w.outcome == "greedy_reward"}
+    assert greedy == {"top-p-raw", "top-p-processed", "top-p-replay"}
+    assert SETTINGS["top-p-raw-p0.8"].outcome == "greedy_reward"
+    assert SETTINGS["temperature-t0.5"].outcome == "final_reward"
+    runs = {"none": {}, "ref_fp32": {}, "token_tis": {}}
+    for s in SEEDS:
+        b = 0.4 + 0.02 * s
+        runs["ref_fp32"][s] = _run(b, [1e-9] * STEPS, greedy=b)
+        runs["none"][s] = _run(b + 0.1 + _alt(s, 0.01), K3_NONE, greedy=b - 0.1 + _alt(s, 0.01))
+        runs["token_tis"][s] = _run(b + 0.1, K3_NONE, greedy=b - 0.1 + _alt(s, 0.01) + 0.05)  # greedy: none + 0.05
+
+    def summary(setting: str) -> dict:
+        study = StudyConfig(setting=setting, arms=list(runs), seeds=len(SEEDS), bootstrap=400, last_k=2, plot=False)
+        return summarize_study(study, runs)
+
+    top_p = summary("top-p-raw-p0.8")
+    assert top_p["outcome"] == "greedy_reward"
+    d = top_p["arms"]["none"]["vs_reference"]["greedy_reward"]
+    assert d["mean"] == pytest.approx(-0.1) and d["excludes_zero"] and d["high"] < 0
+    answers = top_p["answers"]
+    assert answers["a_mismatch_hurts"].startswith("YES: none - ref_fp32 greedy reward -0.100")
+    worse, better = answers["arms_vs_none"].split("; ")
+    assert worse == "measurably worse than none (greedy reward): none of them"
+    assert _listed(better) == ["ref_fp32", "token_tis"] and "token_tis +0.050" in better
+    assert "compare the arms on the greedy reward" in format_markdown(top_p)
+
+    final = summary("temperature-t0.5")
+    assert final["outcome"] == "final_reward"
+    assert final["answers"]["a_mismatch_hurts"].startswith("NO: none - ref_fp32 final reward +0.100")
+    assert "measurably better: none of them" in final["answers"]["arms_vs_none"]  # training rewards equal
+    assert "compare the arms on the" not in format_markdown(final)
+
+
+def test_a_setting_with_an_unknown_outcome_is_refused():
+    from megatron_mis.testbed.study.config import Setting
+
+    with pytest.raises(ValueError, match=r"outcome='reward'.*'final_reward', 'greedy_reward'"):
+        Setting("x", "a setting", {}, outcome="reward")

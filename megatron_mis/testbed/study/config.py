@@ -10,12 +10,18 @@ from typing import Any
 from megatron_mis.config.base import ConfigBase, doc
 from megatron_mis.testbed.demo.config import DemoConfig, available_cpus
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig", "arm_overrides_of_extra",
-           "run_config"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "OUTCOMES", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig",
+           "arm_overrides_of_extra", "run_config"]
 
 
 #: A setting's steps-to-threshold reward unless it names its own (:attr:`Setting.threshold`).
 DEFAULT_THRESHOLD = 0.5
+
+#: The rewards a report can compare arms on (:attr:`Setting.outcome`), with their names in reports.
+OUTCOMES: dict[str, str] = {
+    "final_reward": "final reward",
+    "greedy_reward": "greedy reward",
+}
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,15 @@ class Setting:
     #: the reward whose first crossing (k-step moving mean) is "steps to threshold": a point on
     #: the way to this task's plateau, which an unlearned run never reaches
     threshold: float = DEFAULT_THRESHOLD
+    #: the per-run reward the report compares arms on (:data:`OUTCOMES`): the training reward of
+    #: the last steps, or the greedy evaluation where the reference samples from another
+    #: distribution than the arms (top-p: its untruncated samples score lower as samples, not as
+    #: a policy)
+    outcome: str = "final_reward"
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"setting {self.name!r}: outcome={self.outcome!r}, expected one of {list(OUTCOMES)}")
 
     def demo_values(self) -> dict[str, Any]:
         """The :class:`DemoConfig` values ``megatron-mis demo --preset NAME`` starts from."""
@@ -67,8 +82,9 @@ _BASE: dict[str, Any] = {
 
 
 def _setting(name: str, description: str, *, arms: tuple[str, ...] | None = None, demo_correction: str = "token_tis",
-             threshold: float = DEFAULT_THRESHOLD, **changes: Any) -> Setting:
-    return Setting(name, description, {**_BASE, **changes}, demo_correction=demo_correction, arms=arms, threshold=threshold)
+             threshold: float = DEFAULT_THRESHOLD, outcome: str = "final_reward", **changes: Any) -> Setting:
+    return Setting(name, description, {**_BASE, **changes}, demo_correction=demo_correction, arms=arms,
+                   threshold=threshold, outcome=outcome)
 
 
 #: A small MoE GPT: every layer MoE, 16 experts, top-2 (the rollout engine routes in its own precision);
@@ -137,6 +153,8 @@ class Sweep:
     demo_correction: str = "token_tis"
     #: the doses' :attr:`Setting.threshold`
     threshold: float = DEFAULT_THRESHOLD
+    #: the doses' :attr:`Setting.outcome`
+    outcome: str = "final_reward"
 
     def setting_name(self, label: str) -> str:
         return f"{self.name}-{label}"
@@ -222,6 +240,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
             _SWEEP_BASE,
             _CORRECTIONS,
+            outcome="greedy_reward",
         ),
         Sweep(
             "top-p-processed",
@@ -231,6 +250,7 @@ SWEEPS: dict[str, Sweep] = {
             tuple((f"p{p:g}", {"top_p": p, "rollout_logprobs": "processed" if p < 1 else "raw"}) for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
             _SWEEP_BASE,
             _CORRECTIONS,
+            outcome="greedy_reward",
         ),
         Sweep(
             "top-p-replay",
@@ -242,6 +262,7 @@ SWEEPS: dict[str, Sweep] = {
                   for p in (1.0, 0.98, 0.95, 0.9, 0.8)),
             _SWEEP_BASE,
             _CORRECTIONS,
+            outcome="greedy_reward",
         ),
         Sweep(
             "long-tail",
@@ -325,7 +346,8 @@ for _w in SWEEPS.values():
             raise RuntimeError(f"sweep setting {_name!r} clashes with a setting")
         SETTINGS[_name] = _setting(
             _name, f"{_w.name} sweep, {_w.measure} = {_w.dose_value(_label)!r}: {_w.description}",
-            arms=_w.arms, demo_correction=_w.demo_correction, threshold=_w.threshold, **{**_w.base, **_values},
+            arms=_w.arms, demo_correction=_w.demo_correction, threshold=_w.threshold, outcome=_w.outcome,
+            **{**_w.base, **_values},
         )
 #: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
 #: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).

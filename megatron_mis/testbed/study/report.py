@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_mis.testbed.study.config import ARMS, SETTINGS, StudyConfig
+from megatron_mis.testbed.study.config import ARMS, OUTCOMES, SETTINGS, StudyConfig
 from megatron_mis.testbed.study.runner import load_run, run_machine, run_path, study_dir
 from megatron_mis.testbed.study.stats import (
     MIN_GAIN,
@@ -146,6 +146,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
             },
             # steps to threshold: over the seeds on which both runs reached it
             "vs_reference": {"reference": ref, "final_reward": paired(arm, ref, "final_reward") if ref else None,
+                             "greedy_reward": paired(arm, ref, "greedy_reward") if ref else None,
                              "steps_to_threshold": paired(arm, ref, "steps_to_threshold") if ref else None},
             "per_seed": {str(s): metrics[arm][s] for s in sorted(metrics[arm])},
         }
@@ -155,6 +156,7 @@ def summarize_study(study: StudyConfig, runs: dict[str, dict[int, dict[str, Any]
         "study": study.to_dict(),
         "steps": study.resolved_steps,
         "threshold": study.resolved_threshold,
+        "outcome": SETTINGS[study.setting].outcome,
         "machine": _machine(),
         "threads_per_run": study.threads,
         "parallel_runs": study.num_jobs,
@@ -193,43 +195,45 @@ def _verdict(d: dict[str, Any], *, supported_if: str) -> str:
 def _answers(summary: dict[str, Any], metrics: dict[str, Any], study: StudyConfig) -> dict[str, str]:
     """The study's questions, answered from the numbers (sentences for the report)."""
     arms = summary["arms"]
+    key = summary["outcome"]  # the reward the arms are compared on
+    name = OUTCOMES[key]
     out: dict[str, str] = {}
     refs = [r for r in REFERENCES if r in arms]
     if BASELINE in arms and refs:
         parts = []
         harmed = False
         for r in refs:
-            d = paired_differences({s: m["final_reward"] for s, m in metrics[BASELINE].items()},
-                                   {s: m["final_reward"] for s, m in metrics[r].items()},
+            d = paired_differences({s: m[key] for s, m in metrics[BASELINE].items()},
+                                   {s: m[key] for s, m in metrics[r].items()},
                                    confidence=study.confidence, resamples=study.bootstrap)
             if d is None:
                 continue
             worse = d["excludes_zero"] and d["high"] < 0
             harmed |= worse
-            parts.append(f"none - {r} final reward {_fmt_diff(d)} over {d['n']} seeds "
+            parts.append(f"none - {r} {name} {_fmt_diff(d)} over {d['n']} seeds "
                          f"({'CI below 0: measurably worse' if worse else 'CI includes 0 or is above it: not measurably worse'})")
         c = arms[BASELINE]["collapse"]
         majority = c["k"] > c["n"] / 2
         parts.append(f"none collapsed in {c['k']}/{c['n']} seeds" + (" (a clear majority)" if majority else ""))
         out["a_mismatch_hurts"] = ("YES: " if harmed or majority else "NO: ") + "; ".join(parts)
         ref = refs[0]
-        ref_ci = arms[ref]["final_reward"]
-        within = [a for a, s in arms.items() if a not in (BASELINE, *REFERENCES) and s["final_reward"]
-                  and ref_ci[1] <= s["final_reward"][0] <= ref_ci[2]]
+        ref_ci = arms[ref][key]
+        within = [a for a, s in arms.items() if a not in (BASELINE, *REFERENCES) and s[key] and ref_ci
+                  and ref_ci[1] <= s[key][0] <= ref_ci[2]]
         out["b_correction_recovers"] = (
-            f"arms whose mean final reward lies within {ref}'s CI {_fmt_ci(ref_ci)}: "
-            + (", ".join(f"{a} ({arms[a]['final_reward'][0]:.3f})" for a in within) if within else "none")
+            f"arms whose mean {name} lies within {ref}'s CI {_fmt_ci(ref_ci)}: "
+            + (", ".join(f"{a} ({arms[a][key][0]:.3f})" for a in within) if within else "none")
         )
     if BASELINE in arms:
-        worse = [a for a, v in arms.items() if (v["vs_none"]["final_reward"] or {}).get("excludes_zero")
-                 and v["vs_none"]["final_reward"]["high"] < 0]
-        better = [a for a, v in arms.items() if (v["vs_none"]["final_reward"] or {}).get("excludes_zero")
-                  and v["vs_none"]["final_reward"]["low"] > 0]
+        worse = [a for a, v in arms.items() if (v["vs_none"][key] or {}).get("excludes_zero")
+                 and v["vs_none"][key]["high"] < 0]
+        better = [a for a, v in arms.items() if (v["vs_none"][key] or {}).get("excludes_zero")
+                  and v["vs_none"][key]["low"] > 0]
         out["arms_vs_none"] = (
-            "measurably worse than none (final reward): "
-            + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none']['final_reward'])}, rejected {arms[a]['rejected_fraction'][0]:.0%}"
+            f"measurably worse than none ({name}): "
+            + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none'][key])}, rejected {arms[a]['rejected_fraction'][0]:.0%}"
                          for a in worse) or "none of them")
-            + "; measurably better: " + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none']['final_reward'])}" for a in better)
+            + "; measurably better: " + (", ".join(f"{a} {_fmt_diff(arms[a]['vs_none'][key])}" for a in better)
                                         or "none of them")
         )
     if "sequence_mis" in arms and "token_mis" in arms:
@@ -288,7 +292,10 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"then lost > {st['collapse_fraction']:.0%} of the gain; ended low: kept less than "
         f"{1 - st['collapse_fraction']:.0%} of the reference's mean gain (final - start), so also a run that never "
         f"reached the plateau; steps to threshold: the first step whose {min(st['last_k'], s['steps'])}-step mean reward reaches {s['threshold']}. "
-        "Paired differences are per seed against `none`; `*` marks a CI that excludes 0.",
+        "Paired differences are per seed against `none`; `*` marks a CI that excludes 0."
+        + ("" if s.get("outcome", "final_reward") == "final_reward" else
+           f" The answers compare the arms on the {OUTCOMES[s['outcome']]}: this setting's reference samples from "
+           "another distribution than its arms, so its training reward is not comparable."),
         "",
     ]
     moe = any(a.get("route_flip_mean") for a in s["arms"].values())

@@ -1,6 +1,7 @@
 """The report of a dose-response sweep (``megatron-mis study --sweep NAME``): per dose and arm the
-measured K3 KL, final reward, the paired differences against the no-mismatch reference and
-against ``none``, collapse rate, steps to threshold, mean gradient norm and the fraction of runs the
+measured K3 KL, the outcome (the final reward, or the greedy reward where the sweep's reference
+samples differently: :attr:`Sweep.outcome`), its paired differences against the no-mismatch
+reference and against ``none``, collapse rate, steps to threshold, mean gradient norm and the fraction of runs the
 mismatch monitor flagged; the paired SD of ``none - reference``, the seeds a 0.05 difference needs
 and the minimal detectable effect at the seeds run; the first dose where ``none`` falls measurably
 behind the reference. Written to ``OUT_DIR/sweep-NAME/`` (``report.md``, ``summary.json``,
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_mis.testbed.study.config import SWEEPS, StudyConfig
+from megatron_mis.testbed.study.config import OUTCOMES, SWEEPS, StudyConfig
 from megatron_mis.testbed.study.report import (
     BASELINE,
     REFERENCES,
@@ -84,7 +85,7 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
             row.update(_run_extras(runs.get(arm, {})))
             row.pop("per_seed", None)
         ref = next((r for r in REFERENCES if r in summary["arms"]), None)
-        diff = summary["arms"].get(BASELINE, {}).get("vs_reference", {}).get("final_reward") if ref else None
+        diff = summary["arms"].get(BASELINE, {}).get("vs_reference", {}).get(sweep.outcome) if ref else None
         for arm_runs in runs.values():
             for run in arm_runs.values():
                 label_of_run = machine_label(run)
@@ -107,6 +108,7 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
         "study": study.to_dict(),
         "steps": study.resolved_steps,
         "threshold": study.resolved_threshold,
+        "outcome": sweep.outcome,
         "machine": _machine(),
         "runs_made_on": made_on,
         "threads_per_run": study.threads,
@@ -124,6 +126,14 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
 
 def format_sweep_markdown(summary: dict[str, Any]) -> str:
     m = summary["machine"]
+    key = summary.get("outcome", "final_reward")
+    name = OUTCOMES[key]
+    outcome_note = [] if key == "final_reward" else [
+        f"Arms are compared on the {name} after training: the reference samples from another distribution than "
+        "the arms, so its training reward (and the collapse, ended-low and threshold columns, which read the "
+        "training reward) is not comparable with theirs.",
+        "",
+    ]
     lines = [
         f"# Dose-response sweep `{summary['sweep']}`",
         "",
@@ -136,8 +146,9 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         "Runs made on: " + ("; ".join(f"{k} ({v} runs)" for k, v in summary.get("runs_made_on", {}).items()) or "-")
         + ". The same seed follows the same trajectory only on the same software and CPU kernels.",
         "",
-        "| dose | arm | n | K3 KL mean | final reward | vs reference | vs none | collapse | ended low | reached threshold (mean steps) "
-        "| steps to threshold vs reference | grad norm | monitor: mismatch / any |",
+        *outcome_note,
+        f"| dose | arm | n | K3 KL mean | {name} | vs reference | vs none | collapse | ended low "
+        "| reached threshold (mean steps) | steps to threshold vs reference | grad norm | monitor: mismatch / any |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in summary["doses"]:
@@ -151,8 +162,8 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
             lines.append(
                 f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'}"
                 f"{'' if not flip else f' (flips {flip[0]:.1%})'}{'' if not rej else f' (rejects {rej:.1%} of seqs)'} "
-                f"| {_fmt_ci(row['final_reward'])} "
-                f"| {_fmt_diff(row['vs_reference']['final_reward'])} | {_fmt_diff(row['vs_none']['final_reward'])} "
+                f"| {_fmt_ci(row[key])} "
+                f"| {_fmt_diff(row['vs_reference'].get(key))} | {_fmt_diff(row['vs_none'][key])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {_fmt_count(row.get('ended_low'))} "
                 f"| {_fmt_reached(row['steps_to_threshold'])} "
                 f"| {_fmt_paired_steps(row['vs_reference'].get('steps_to_threshold'))} "
@@ -171,7 +182,7 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
         lines.append("Paired SD of none - reference: not measured (needs >= 2 seeds of none and the reference at a dose).")
     else:
         lines.append(
-            f"Paired SD of the final reward, none - reference (pooled over doses, {summary['paired_differences']} pairs): "
+            f"Paired SD of the {name}, none - reference (pooled over doses, {summary['paired_differences']} pairs): "
             f"{sd:.3f}. Seeds per dose for a {summary['target_effect']} difference (two-sided 5%, power 80%): "
             f"{summary['seeds_for_target']}. Minimal detectable effect with the {summary['seeds_run']} seeds run: "
             f"{summary['minimal_detectable_effect']:.3f}."
@@ -190,14 +201,16 @@ K3_PLOT_FLOOR = 1e-9
 
 
 def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
-    """Three panels: over the doses (in the sweep's order), final reward per arm (mean and
-    bootstrap interval) and K3 KL per arm (log axis); and final reward against the measured K3 KL
+    """Three panels: over the doses (in the sweep's order), the outcome (final or greedy reward) per
+    arm (mean and bootstrap interval) and K3 KL per arm (log axis); and the outcome against the measured K3 KL
     (each arm's point per dose, log axis; the reference's band across), the dose-response curve
     in the mismatch that a user can measure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     doses = summary["doses"]
+    key = summary.get("outcome", "final_reward")
+    name = OUTCOMES[key]
     arms = list(dict.fromkeys(a for d in doses for a in d["arms"]))
     x = np.arange(len(doses))
     fig = Figure(figsize=(19, 5), dpi=100)
@@ -206,7 +219,7 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
     for j, arm in enumerate(arms):
         shift = (j - (len(arms) - 1) / 2) * 0.04
         pts = [(i, d["arms"][arm]) for i, d in enumerate(doses) if arm in d["arms"]]
-        fr = [(i, r["final_reward"]) for i, r in pts if r["final_reward"]]
+        fr = [(i, r[key]) for i, r in pts if r[key]]
         if fr:
             xs = np.array([i for i, _ in fr]) + shift
             mean = np.array([c[0] for _, c in fr])
@@ -215,8 +228,8 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
         k3 = [(i, r["k3_mean"][0]) for i, r in pts if r["k3_mean"] and r["k3_mean"][0] > 0]
         if k3:
             ax_k.plot([i + shift for i, _ in k3], [v for _, v in k3], marker="o", label=arm, color=f"C{j}")
-        both = [(r["k3_mean"][0], r["final_reward"][0]) for _, r in pts
-                if r["k3_mean"] and r["k3_mean"][0] > K3_PLOT_FLOOR and r["final_reward"]]
+        both = [(r["k3_mean"][0], r[key][0]) for _, r in pts
+                if r["k3_mean"] and r["k3_mean"][0] > K3_PLOT_FLOOR and r[key]]
         if arm in REFERENCES and fr:
             ref = [c for _, c in fr]
             ax_rk.axhspan(min(c[1] for c in ref), max(c[2] for c in ref), color="0.85", zorder=0,
@@ -224,14 +237,14 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
         elif both:  # in dose order
             ax_rk.plot([k for k, _ in both], [v for _, v in both], marker="o", label=arm, color=f"C{j}")
     labels = [str(d["dose"]) for d in doses]
-    for ax, title in ((ax_r, "final reward (mean, bootstrap CI)"), (ax_k, "K3 KL, mean over steps and seeds")):
+    for ax, title in ((ax_r, f"{name} (mean, bootstrap CI)"), (ax_k, "K3 KL, mean over steps and seeds")):
         ax.set_xticks(x, labels)
         ax.set_xlabel(summary["measure"])
         ax.set_title(title)
         ax.grid(alpha=0.3)
     if ax_k.lines:
         ax_k.set_yscale("log")
-    ax_rk.set_title(f"final reward against measured K3 KL (K3 > {K3_PLOT_FLOOR:g})")
+    ax_rk.set_title(f"{name} against measured K3 KL (K3 > {K3_PLOT_FLOOR:g})")
     ax_rk.set_xlabel("K3 KL (mean over steps and seeds)")
     ax_rk.grid(alpha=0.3)
     if ax_rk.lines:
