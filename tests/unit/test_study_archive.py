@@ -617,3 +617,59 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
                          f"{_e(float(np.mean(values[500:])), 1)}")
         row = f"| {name} | {' | '.join(cells)} |"
         assert row in text, row
+
+
+#: docs/study/sweep-top-p: the three top-p sweeps' runs in one archive (they share the reference) and
+#: a report per sweep, each comparing the arms on the greedy reward; {report: the arms it quotes}
+_TOP_P_REPORTS = {
+    "top-p-raw": ("none",),
+    "top-p-replay": ("none",),
+    "top-p-processed": ("none", "token_tis", "token_mis", "sequence_mis"),
+}
+
+
+def _greedy(end: dict) -> float:
+    return end["evaluation"]["greedy_reward"]
+
+
+def test_the_top_p_archive_gives_its_reports_greedy_figures():
+    """docs/study/sweep-top-p/runs: every run complete and of its report's step count; the per-seed
+    greedy-reward differences against the reference that each report (REPORT/summary.json) quotes,
+    per dose and arm, recomputed from the archive; every archived run quoted by a report."""
+    runs = _archive_runs("sweep-top-p")
+    quoted = set()
+    for report, arms in _TOP_P_REPORTS.items():
+        summary = _summary("sweep-top-p", report)
+        assert summary["sweep"] == report and summary["outcome"] == "greedy_reward"
+        assert "compared on the greedy reward" in (_STUDY_DOCS / "sweep-top-p" / report / "report.md").read_text()
+        for dose in summary["doses"]:
+            setting = dose["setting"]
+            assert sorted(dose["arms"]) == sorted([*arms, "ref_fp32"]), setting
+            for arm in arms:
+                d = dose["arms"][arm]["vs_reference"]["greedy_reward"]
+                seeds = [int(s) for s in d["diffs"]]
+                assert d["diffs"] == pytest.approx({str(s): _greedy(runs[setting, arm, s][1])
+                                                    - _greedy(runs[setting, "ref_fp32", s][1]) for s in seeds},
+                                                   abs=1e-12), (setting, arm)
+                assert all(len(runs[setting, arm, s][0]) == summary["steps"] for s in seeds)
+                quoted |= {(setting, a, s) for a in (arm, "ref_fp32") for s in seeds}
+            assert dose["none_vs_reference"] == dose["arms"]["none"]["vs_reference"]["greedy_reward"]
+    assert set(runs) == quoted
+
+
+def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was():
+    """Without an IS weight the rollout's recorded log-probs enter no loss, so top-p-processed's
+    none follows top-p-raw's none step for step (reward, gradient norm, greedy evaluation) at every
+    dose and seed archived, while only its mismatch metrics see the truncation: K3 at fp32
+    rounding with the raw log-probs, the kept mass's log-ratio with the processed ones."""
+    runs = _archive_runs("sweep-top-p")
+    pairs = [(s, seed) for (s, arm, seed) in runs if arm == "none" and s.startswith("top-p-raw-")]
+    assert len(pairs) >= 24
+    for setting, seed in pairs:
+        raw = runs[setting, "none", seed]
+        processed = runs[setting.replace("raw", "processed"), "none", seed]
+        for key in ("reward_mean", "grad_norm"):
+            assert [r[key] for r in raw[0]] == [r[key] for r in processed[0]], (setting, seed, key)
+        assert raw[1]["evaluation"] == processed[1]["evaluation"], (setting, seed)
+        assert max(r["mis_k3_kl"] for r in raw[0]) < 1e-10, (setting, seed)  # fp32 rounding: 1e-14 to 3e-12
+        assert min(r["mis_k3_kl"] for r in processed[0]) > 1e-5, (setting, seed)  # the kept mass: >= 3e-5 at p 0.95
