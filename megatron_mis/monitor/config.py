@@ -261,16 +261,17 @@ class MonitorConfig(ConfigBase):
         {"mis_k3_kl": 1e-2},
         "Absolute upper bounds, metric name -> value; a value above its bound gives a 'threshold' "
         "warning. The default flags a mean K3 above 1e-2, more than any numeric path gave in the study "
-        "(bf16 / fp16 / int8 / int4 <= 2e-3) and what a stale policy, a rollout-only temperature or "
-        "processed top-p log-probs give (docs/study.md), steady or not. A mapping you set replaces the "
-        "default (name mis_k3_kl in it to keep that bound); {}: none.",
+        "(bf16 / fp16 / int8 / int4 <= 2e-3) and what a stale policy or a rollout-only temperature give, "
+        "and processed top-p 0.8 log-probs early in training (docs/study.md), steady or not. A mapping "
+        "you set replaces the default (name mis_k3_kl in it to keep that bound); {}: none.",
     )
     monitor_floors: dict = doc(
-        {"mis_k3_kl": 1e-8},
+        {"mis_k3_kl": 1e-8, "mis_log_ppl_abs_diff": 1e-5},
         "Noise floors, metric name -> value: while a metric is at or below its floor (the value for a "
         "spike, the newest half-window's median for a trend) it gives no trend or spike warning. The "
-        "default keeps K3 at fp32 rounding (1e-14 .. 1e-12), whose relative wobble fired the trend "
-        "rule in the study, from warning, and sits below bf16's 1e-7 and up. {}: no floor.",
+        "defaults keep K3 and the log-ppl gap at fp32 rounding (K3 1e-14 .. 1e-12, the gap up to 1e-6), "
+        "whose relative wobble fired the trend rule in the study, from warning, and sit below bf16's "
+        "(K3 1e-7 and up, the gap 3e-4 and up). A mapping you set replaces the default. {}: no floor.",
     )
     monitor_window: int = doc(
         30,
