@@ -663,8 +663,9 @@ def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was(
     dose and seed archived, while only its mismatch metrics see the truncation: K3 at fp32
     rounding with the raw log-probs, the kept mass's log-ratio with the processed ones."""
     runs = _archive_runs("sweep-top-p")
-    pairs = [(s, seed) for (s, arm, seed) in runs if arm == "none" and s.startswith("top-p-raw-")]
-    assert len(pairs) >= 24
+    pairs = [(s, seed) for (s, arm, seed) in runs if arm == "none" and s.startswith("top-p-raw-")
+             and (s.replace("raw", "processed"), "none", seed) in runs]
+    assert len(pairs) == 32  # p 0.95 and 0.9: seeds 0-7, p 0.8: 0-15
     for setting, seed in pairs:
         raw = runs[setting, "none", seed]
         processed = runs[setting.replace("raw", "processed"), "none", seed]
@@ -673,3 +674,56 @@ def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was(
         assert raw[1]["evaluation"] == processed[1]["evaluation"], (setting, seed)
         assert max(r["mis_k3_kl"] for r in raw[0]) < 1e-10, (setting, seed)  # fp32 rounding: 1e-14 to 3e-12
         assert min(r["mis_k3_kl"] for r in processed[0]) > 1e-5, (setting, seed)  # the kept mass: >= 3e-5 at p 0.95
+
+
+def _top_p_rows() -> list[str]:
+    """The rows of docs/study.md's top-p table, from the three reports' summary.json: the
+    reference (from top-p-raw's report) and every quoted arm per sweep and dose."""
+    from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
+
+    rows = []
+    for report, arms in _TOP_P_REPORTS.items():
+        summary = _summary("sweep-top-p", report)
+        for dose in summary["doses"]:
+            for arm in (("ref_fp32",) if report == "top-p-raw" else ()) + arms:
+                a = dose["arms"][arm]
+                mon = a["monitor_flagged"]
+                rows.append(
+                    f"| {report.removeprefix('top-p-')} | {dose['dose']} | {arm} | {a['n']} | {_e(a['k3_mean'][0], 1)} | "
+                    f"{_fmt_ci(a['greedy_reward'])} | {_fmt_diff(a['vs_reference']['greedy_reward'])} | "
+                    f"{_fmt_diff(a['vs_none']['greedy_reward'])} | {mon['k']}/{mon['n']} |")
+    return rows
+
+
+def _top_p_replay_vs_none() -> dict:
+    """``{dose label: replay's none - raw's none}``, greedy reward paired per seed (the reports'
+    bootstrap), over the seeds both ran: what replaying the support changes in the same run."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    runs = _archive_runs("sweep-top-p")
+    study = _summary("sweep-top-p", "top-p-raw")["study"]
+    out = {}
+    for label in ("p0.95", "p0.9", "p0.8"):
+        replay = {seed: _greedy(end) for (s, arm, seed), (_, end) in runs.items()
+                  if s == f"top-p-replay-{label}" and arm == "none"}
+        raw = {seed: _greedy(runs[f"top-p-raw-{label}", "none", seed][1]) for seed in replay}
+        out[label] = paired_differences(replay, raw, confidence=study["confidence"], resamples=study["bootstrap"])
+    return out
+
+
+def test_the_quoted_top_p_table_and_replay_figures_come_from_the_archive():
+    """docs/study.md's top-p table is the reports' rows, and the replay-against-no-replay figures
+    it quotes are recomputed from the archive with the reports' paired bootstrap."""
+    text = (_STUDY_DOCS.parent / "study.md").read_text()
+    missing = [row for row in _top_p_rows() if row not in text]
+    assert not missing, missing
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    replay = _top_p_replay_vs_none()
+    for label, d in replay.items():
+        quoted = f"{label.removeprefix('p')}: {_quoted(d)} ({d['n']} seeds)"
+        assert quoted in prose, quoted
+    # README quotes p = 0.8: none - reference (top-p-raw's report) and replay - no replay
+    (dose,) = [d for d in _summary("sweep-top-p", "top-p-raw")["doses"] if d["setting"] == "top-p-raw-p0.8"]
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert f"`none - ref_fp32` {_quoted(dose['none_vs_reference'])} at p = 0.8" in readme
+    assert f"replay - no replay {_quoted(replay['p0.8'])}" in readme
