@@ -727,3 +727,30 @@ def test_the_quoted_top_p_table_and_replay_figures_come_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert f"`none - ref_fp32` {_quoted(dose['none_vs_reference'])} at p = 0.8" in readme
     assert f"replay - no replay {_quoted(replay['p0.8'])}" in readme
+
+
+@pytest.mark.parametrize("report", sorted(_TOP_P_REPORTS))
+def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_reward(report, tmp_path):
+    """The sweep report rebuilt from the restored archive with the committed summary's study
+    settings: its none - reference differences, paired SD and first-hurt dose are the committed
+    ones, all on the greedy reward (a sweep report reading the training reward here differs:
+    the truncated samples' training reward is not the policy's), and its markdown says so."""
+    from megatron_mis.testbed.study.archive import restore_runs
+    from megatron_mis.testbed.study.config import StudyConfig
+    from megatron_mis.testbed.study.sweep_report import format_sweep_markdown, summarize_sweep
+
+    committed = _summary("sweep-top-p", report)
+    restore_runs(_STUDY_DOCS / "sweep-top-p" / "runs", tmp_path)
+    keep = ("sweep", "doses", "arms", "seeds", "first_seed", "last_k", "collapse_fraction", "confidence", "bootstrap")
+    study = StudyConfig(**{k: committed["study"][k] for k in keep}, out_dir=str(tmp_path), plot=False)
+    rebuilt = summarize_sweep(study, write_dose_reports=False)
+    assert rebuilt["outcome"] == "greedy_reward"
+    for mine, theirs in zip(rebuilt["doses"], committed["doses"], strict=True):
+        assert {str(k): v for k, v in mine["none_vs_reference"]["diffs"].items()} == theirs["none_vs_reference"]["diffs"]
+        assert mine["none_vs_reference"]["diffs"] == mine["arms"]["none"]["vs_reference"]["greedy_reward"]["diffs"]
+        assert mine["none_vs_reference"]["diffs"] != mine["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
+    assert rebuilt["paired_sd"] == pytest.approx(committed["paired_sd"], abs=1e-12)
+    assert rebuilt["first_dose_none_behind_reference"] == committed["first_dose_none_behind_reference"]
+    text = format_sweep_markdown(rebuilt)
+    assert "| dose | arm | n | K3 KL mean | greedy reward | vs reference |" in text
+    assert "Paired SD of the greedy reward" in text
