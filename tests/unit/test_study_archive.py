@@ -689,7 +689,8 @@ def _top_p_rows() -> list[str]:
                 a = dose["arms"][arm]
                 mon = a["monitor_flagged"]
                 rows.append(
-                    f"| {report.removeprefix('top-p-')} | {dose['dose']} | {arm} | {a['n']} | {_e(a['k3_mean'][0], 1)} | "
+                    f"| {report.removeprefix('top-p-')} | {dose['dose']} | {arm} | {a['n']} | "
+                    f"{_e(a['k3_mean'][0], 1)} | "
                     f"{_fmt_ci(a['greedy_reward'])} | {_fmt_diff(a['vs_reference']['greedy_reward'])} | "
                     f"{_fmt_diff(a['vs_none']['greedy_reward'])} | {mon['k']}/{mon['n']} |")
     return rows
@@ -746,7 +747,8 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
     rebuilt = summarize_sweep(study, write_dose_reports=False)
     assert rebuilt["outcome"] == "greedy_reward"
     for mine, theirs in zip(rebuilt["doses"], committed["doses"], strict=True):
-        assert {str(k): v for k, v in mine["none_vs_reference"]["diffs"].items()} == theirs["none_vs_reference"]["diffs"]
+        diffs = {str(k): v for k, v in mine["none_vs_reference"]["diffs"].items()}
+        assert diffs == theirs["none_vs_reference"]["diffs"], mine["label"]
         assert mine["none_vs_reference"]["diffs"] == mine["arms"]["none"]["vs_reference"]["greedy_reward"]["diffs"]
         assert mine["none_vs_reference"]["diffs"] != mine["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
     assert rebuilt["paired_sd"] == pytest.approx(committed["paired_sd"], abs=1e-12)
