@@ -293,7 +293,7 @@ def format_markdown(summary: dict[str, Any]) -> str:
         f"{1 - st['collapse_fraction']:.0%} of the reference's mean gain (final - start), so also a run that never "
         f"reached the plateau; steps to threshold: the first step whose {min(st['last_k'], s['steps'])}-step mean reward reaches {s['threshold']}. "
         "Paired differences are per seed against `none`; `*` marks a CI that excludes 0."
-        + ("" if s.get("outcome", "final_reward") == "final_reward" else
+        + ("" if s["outcome"] == "final_reward" else
            f" The answers compare the arms on the {OUTCOMES[s['outcome']]}: this setting's reference samples from "
            "another distribution than its arms, so its training reward is not comparable."),
         "",

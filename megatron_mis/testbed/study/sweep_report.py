@@ -126,7 +126,7 @@ def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> d
 
 def format_sweep_markdown(summary: dict[str, Any]) -> str:
     m = summary["machine"]
-    key = summary.get("outcome", "final_reward")
+    key = summary["outcome"]
     name = OUTCOMES[key]
     outcome_note = [] if key == "final_reward" else [
         f"Arms are compared on the {name} after training: the reference samples from another distribution than "
@@ -163,7 +163,7 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
                 f"| {d['dose']} | {arm} | {row['n']} | {'-' if k3 is None else f'{k3[0]:.2e}'}"
                 f"{'' if not flip else f' (flips {flip[0]:.1%})'}{'' if not rej else f' (rejects {rej:.1%} of seqs)'} "
                 f"| {_fmt_ci(row[key])} "
-                f"| {_fmt_diff(row['vs_reference'].get(key))} | {_fmt_diff(row['vs_none'][key])} "
+                f"| {_fmt_diff(row['vs_reference'][key])} | {_fmt_diff(row['vs_none'][key])} "
                 f"| {row['collapse']['k']}/{row['collapse']['n']} | {_fmt_count(row.get('ended_low'))} "
                 f"| {_fmt_reached(row['steps_to_threshold'])} "
                 f"| {_fmt_paired_steps(row['vs_reference'].get('steps_to_threshold'))} "
@@ -209,7 +209,7 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> None:
     from matplotlib.figure import Figure
 
     doses = summary["doses"]
-    key = summary.get("outcome", "final_reward")
+    key = summary["outcome"]
     name = OUTCOMES[key]
     arms = list(dict.fromkeys(a for d in doses for a in d["arms"]))
     x = np.arange(len(doses))
