@@ -65,6 +65,18 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     assert run_config(stale256.for_dose("k1"), "ref_fp32", 0).staleness == 0
     assert stale256.arm_names[:4] == ["none", "ref_fp32", "token_tis", "sequence_mis"]
     assert run_config(stale256.for_dose("k0"), "none", 0) == run_config(StudyConfig(sweep="long-tail").for_dose("s253"), "none", 0)
+    # top-p on the long-tail task: fp32 rollouts (truncation is the only mechanism), 64-token responses
+    ltp = {kind: run_config(StudyConfig(sweep=f"long-tail-top-p-{kind}").for_dose("p0.8"), "none", 0)
+           for kind in ("raw", "processed", "replay")}
+    assert {(c.precision, c.vocab_size, c.scratchpad, c.top_p) for c in ltp.values()} == {("fp32", 512, 61, 0.8)}
+    assert [(c.rollout_logprobs, c.trainer_truncation) for c in ltp.values()] == [
+        ("raw", False), ("processed", False), ("processed", True)]
+    p1 = run_config(StudyConfig(sweep="long-tail-top-p-replay").for_dose("p1"), "none", 0)
+    assert (p1.top_p, p1.rollout_logprobs, p1.trainer_truncation) == (1.0, "raw", False)  # p1 has nothing to replay
+    # the reference is one configuration at every dose of the three (the archive copies it)
+    refs = [run_config(StudyConfig(sweep=f"long-tail-top-p-{k}").for_dose(d), "ref_fp32", 0)
+            for k in ("raw", "processed", "replay") for d in ("p1", "p0.9")]
+    assert all(r == refs[0] for r in refs) and refs[0].top_p == 1.0 and refs[0].precision == "fp32"
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
             for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]
     moe = StudyConfig(sweep="moe-ties")

@@ -308,6 +308,27 @@ SWEEPS: dict[str, Sweep] = {
             ("none", "ref_fp32", "token_tis", "sequence_mis", "sequence_tis"),
             demo_correction="token_tis", threshold=LONG_TAIL_THRESHOLD,
         ),
+        *(
+            Sweep(
+                f"long-tail-top-p-{kind}",
+                f"the long-tail task with 64-token responses (vocabulary 512, scratchpad 61 kept near uniform by the "
+                f"entropy bonus, fp32 rollouts) and nucleus sampling in the rollout: {what}",
+                "top_p",
+                tuple((f"p{p:g}", {"top_p": p, **(values if p < 1 else {})}) for p in (1.0, 0.95, 0.9, 0.8)),
+                {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 61},
+                _CORRECTIONS + ("sequence_tis",),
+                threshold=LONG_TAIL_THRESHOLD, outcome="greedy_reward",
+            )
+            for kind, what, values in (
+                ("raw", "raw log-probs recorded, no truncation in the trainer (the top-p-raw sweep where the truncated "
+                 "tail is most of the scratchpad's ids)", {"rollout_logprobs": "raw"}),
+                ("processed", "the truncated distribution's log-probs recorded, no truncation in the trainer: every "
+                 "sampled scratchpad token has pi_train / pi_rollout = the kept mass, about p, so the sequence "
+                 "log-weight is about 61 ln p", {"rollout_logprobs": "processed"}),
+                ("replay", "the truncated distribution's log-probs recorded and the rollout's support replayed in the "
+                 "trainer (trainer_truncation)", {"rollout_logprobs": "processed", "trainer_truncation": True}),
+            )
+        ),
         Sweep(
             "long-tail-precision",
             "the long-tail task with 128-token responses (vocabulary 512, scratchpad 125): bf16, int8 and int4 rollouts",
