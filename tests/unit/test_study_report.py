@@ -284,7 +284,8 @@ def test_top_p_settings_compare_the_greedy_reward_where_the_training_reward_misl
     from megatron_mis.testbed.study.config import SETTINGS, SWEEPS
 
     greedy = {n for n, w in SWEEPS.items() if w.outcome == "greedy_reward"}
-    assert greedy == {f"{task}top-p-{kind}" for task in ("", "long-tail-") for kind in ("raw", "processed", "replay")}
+    assert greedy == {f"{task}-{kind}" for task in ("top-p", "long-tail-top-p", "long-tail-top-k")
+                      for kind in ("raw", "processed", "replay")}
     assert SETTINGS["top-p-raw-p0.8"].outcome == "greedy_reward"
     assert SETTINGS["temperature-t0.5"].outcome == "final_reward"
     runs = {"none": {}, "ref_fp32": {}, "token_tis": {}}

@@ -310,21 +310,25 @@ SWEEPS: dict[str, Sweep] = {
         ),
         *(
             Sweep(
-                f"long-tail-top-p-{kind}",
+                f"long-tail-{mech}-{kind}",
                 f"the long-tail task with 64-token responses (vocabulary 512, scratchpad 61 kept near uniform by the "
-                f"entropy bonus, fp32 rollouts) and nucleus sampling in the rollout: {what}",
-                "top_p",
-                tuple((f"p{p:g}", {"top_p": p, **(values if p < 1 else {})}) for p in (1.0, 0.95, 0.9, 0.8)),
+                f"entropy bonus, fp32 rollouts) and {how} in the rollout: {what}",
+                measure,
+                tuple((f"{prefix}{v:g}", {measure: v, **(values if v != off else {})}) for v in doses),
                 {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 61},
                 _CORRECTIONS + ("sequence_tis",),
                 threshold=LONG_TAIL_THRESHOLD, outcome="greedy_reward",
             )
+            for mech, how, measure, prefix, off, doses, kept in (
+                ("top-p", "nucleus sampling", "top_p", "p", 1.0, (1.0, 0.95, 0.9, 0.8), "about p"),
+                ("top-k", "top-k sampling", "top_k", "k", 0, (256, 64, 16), "about k / 512 while the tail is flat"),
+            )
             for kind, what, values in (
-                ("raw", "raw log-probs recorded, no truncation in the trainer (the top-p-raw sweep where the truncated "
-                 "tail is most of the scratchpad's ids)", {"rollout_logprobs": "raw"}),
+                ("raw", "raw log-probs recorded, no truncation in the trainer (a support mismatch the recorded "
+                 "log-probs do not show, where the truncated tail is most of the scratchpad's ids)", {"rollout_logprobs": "raw"}),
                 ("processed", "the truncated distribution's log-probs recorded, no truncation in the trainer: every "
-                 "sampled scratchpad token has pi_train / pi_rollout = the kept mass, about p, so the sequence "
-                 "log-weight is about 61 ln p", {"rollout_logprobs": "processed"}),
+                 f"sampled scratchpad token has pi_train / pi_rollout = the kept mass, {kept}, so the sequence "
+                 "log-weight is about 61 times its log", {"rollout_logprobs": "processed"}),
                 ("replay", "the truncated distribution's log-probs recorded and the rollout's support replayed in the "
                  "trainer (trainer_truncation)", {"rollout_logprobs": "processed", "trainer_truncation": True}),
             )
