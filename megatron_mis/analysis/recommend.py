@@ -20,6 +20,14 @@ Regimes (first match wins):
    mismatch (the dose-response sweeps' mechanisms) reaches far higher. With stale rollouts,
    bypass PPO (the staleness sweep's one correction that closed the gap); otherwise check the
    rollout's sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
+   Unless the log-ratios are one-sided: when fewer than 1% of the loss tokens have
+   ``pi_train / pi_rollout >= 10^0.05`` (about 1.12; ``share_ratio_above``), the rollout's
+   distribution is a truncated or sharpened copy of the trainer's (processed log-probs of top-p /
+   top-k sampling renormalise the kept mass, so every sampled token has ``pi_rollout >= pi_train``;
+   a rollout temperature below the trainer's can do the same): the fix is in the
+   configuration (replay the support, record raw log-probs, apply the temperature in the trainer)
+   and no IS weight (``none``): each token's weight is about the kept mass, so a weight only
+   shrinks the gradient; measured in the long-tail top-k sweep (below, ``TRUNCATION_BASIS``).
 2. ``s <= 0.15``: the regime the study measured as harmless (no correction not measurably worse
    than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
    0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.
@@ -61,7 +69,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Recommendation", "recommend", "sequence_log_weight_sd", "geometric_band"]
+__all__ = ["Recommendation", "recommend", "sequence_log_weight_sd", "share_ratio_above", "geometric_band"]
 
 #: Above this mean per-token K3 the mismatch is more than numerics (see the module docstring).
 K3_CONFIG_BUG = 1e-2
@@ -69,18 +77,34 @@ K3_CONFIG_BUG = 1e-2
 S_MEASURED_HARMLESS = 0.15
 #: Above this sequence log-weight SD the sequence weights' effective share drops below exp(-1).
 S_SEQUENCE_DEGENERATE = 1.0
+#: A loss token counts as "trainer above rollout" at log10(pi_train / pi_rollout) >= this (ratio
+#: about 1.12: a bin edge of the analysis' ratio histogram, far above fp32 / bf16 rounding).
+ONE_SIDED_LOG10 = 0.05
+#: Above K3_CONFIG_BUG, a share of such tokens below this marks one-sided log-ratios (truncation).
+ONE_SIDED_SHARE = 0.01
+#: What the sampling-mismatch advice rests on (docs/study.md, "Top-p and top-k on the long-tail task").
+TRUNCATION_BASIS = (
+    "study: long-tail-top-k-processed k64 (512 ids, 64-token responses, top-k 64 with the processed log-probs "
+    "recorded; mean K3 KL 4.9e-1 uncorrected, 8 seeds): token TIS -0.046 [-0.114, +0.007] against the reference "
+    "on the greedy reward, 3/8 ended low and 2/8 never took off in 300 steps (none 0/8), with a gradient norm "
+    "0.41x none's (each token's weight is its kept mass); none -0.002 [-0.011, +0.009] against the reference "
+    "(no weight: the same run as with raw log-probs); replaying the support (long-tail-top-k-replay) "
+    "+0.010 [-0.014, +0.034] against the run without it (4 seeds)"
+)
 
 
 @dataclass(frozen=True)
 class Recommendation:
     """A correction for a measured mismatch.
 
-    ``correction``: a preset name of ``configs/presets/``; ``geometric_band``: the length-scaled
+    ``correction``: a preset name of ``configs/presets/``, or ``none`` (no IS weight);
+    ``geometric_band``: the length-scaled
     band for the per-token geometric mean of the ratio at the mean length (``None`` where none is
     advised); ``rs_criteria``: the ``rs_criteria`` to set over the preset's (the band per
     sequence length, K3 pinned to the measured one), or ``None``;
     ``sequence_log_weight_sd``: ``s``; ``effective_sequence_share``: ``exp(-s^2)``; ``regime``:
-    ``config-bug`` / ``measured-harmless`` / ``sequence-level`` / ``token-level``; ``reason`` and
+    ``config-bug`` / ``sampling-mismatch`` / ``measured-harmless`` / ``sequence-level`` /
+    ``token-level``; ``reason`` and
     ``basis``: why, and whether the study measured it or the literature argues it."""
 
     correction: str
@@ -119,12 +143,47 @@ def geometric_band(k3_mean: float, response_length: float, *, width: float = 3.0
     return (math.exp(-k3 - h), math.exp(-k3 + h))
 
 
-def recommend(k3_mean: float, response_length: float) -> Recommendation:
+def share_ratio_above(
+    log10_edges: list[float], counts: list[float], log10_bound: float = ONE_SIDED_LOG10
+) -> float | None:
+    """The share of the counted tokens whose ``log10(pi_train / pi_rollout)`` is at least
+    ``log10_bound``, from a histogram over ``log10_edges`` (``counts[0]``: below the first edge,
+    ``counts[i]``: ``[edges[i-1], edges[i])``, ``counts[-1]``: at or above the last edge; the
+    ``weights.ratio_counts`` of ``megatron-mis analyze``'s report). ``log10_bound`` must be one of
+    the edges; ``None`` when nothing was counted."""
+    if len(counts) != len(log10_edges) + 1:
+        raise ValueError(f"counts has {len(counts)} bins; {len(log10_edges)} edges need {len(log10_edges) + 1}")
+    start = [i for i, e in enumerate(log10_edges) if abs(e - log10_bound) < 1e-9]
+    if not start:
+        raise ValueError(
+            f"log10_bound={log10_bound!r} is not an edge of the histogram ({log10_edges[0]} .. {log10_edges[-1]})"
+        )
+    total = float(sum(counts))
+    return float(sum(counts[start[0] + 1:])) / total if total > 0 else None
+
+
+def recommend(k3_mean: float, response_length: float, *, share_ratio_above: float | None = None) -> Recommendation:
     """The correction for a mean per-token K3 KL ``k3_mean`` (>= 0) and a mean response length
-    ``response_length`` (tokens, >= 1); see the module docstring for the rule."""
+    ``response_length`` (tokens, >= 1); ``share_ratio_above``: the share of loss tokens with
+    ``pi_train / pi_rollout >= 10^ONE_SIDED_LOG10`` (``None``: not measured); see the module
+    docstring for the rule."""
     s = sequence_log_weight_sd(k3_mean, response_length)
     share = math.exp(-s * s)
     k3, length = float(k3_mean), float(response_length)
+    if share_ratio_above is not None and not 0.0 <= float(share_ratio_above) <= 1.0:
+        raise ValueError(f"share_ratio_above={share_ratio_above!r} must lie in [0, 1] (a share of tokens) or be None")
+    if k3 > K3_CONFIG_BUG and share_ratio_above is not None and share_ratio_above < ONE_SIDED_SHARE:
+        return Recommendation(
+            "none", None, None, s, share, "sampling-mismatch",
+            f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g} and the log-ratios are one-sided: only "
+            f"{share_ratio_above:.2%} of the loss tokens have pi_train / pi_rollout >= {10 ** ONE_SIDED_LOG10:.2f}, "
+            "so the rollout's distribution is a truncated or sharpened copy of the trainer's: processed "
+            "(renormalised) log-probs of top-p / top-k sampling, or a rollout temperature below the trainer's. "
+            "Fix the configuration: replay the rollout's support in the trainer (TokenSupport, as slime's top-p "
+            "replay) or record the raw log-probs, and apply the rollout's temperature in the trainer. Use no IS "
+            "weight meanwhile: each token's weight is about the kept mass, so a weight only shrinks the gradient",
+            TRUNCATION_BASIS,
+        )
     if k3 > K3_CONFIG_BUG:
         return Recommendation(
             "token_mis", None, None, s, share, "config-bug",

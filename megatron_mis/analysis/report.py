@@ -147,17 +147,24 @@ def json_safe(value: Any, path: str = "$", replaced: list[str] | None = None) ->
 
 
 def recommendation(report: dict[str, Any]) -> dict[str, Any] | None:
-    """:func:`megatron_mis.analysis.recommend.recommend` on the report's overall mean K3 and mean
-    response length, as a dict; ``None`` when either is missing or not finite."""
+    """:func:`megatron_mis.analysis.recommend.recommend` on the report's overall mean K3, mean
+    response length and (from its ratio histogram) share of tokens with pi_train / pi_rollout
+    above about 1.12, as a dict; ``None`` when K3 or the length is missing or not finite."""
     from dataclasses import asdict
 
     from megatron_mis.analysis.recommend import recommend
+
+    from megatron_mis.analysis.recommend import share_ratio_above
 
     overall = report.get("overall") or {}
     k3, length = overall.get("k3_mean"), overall.get("response_length")
     if k3 is None or length is None or not (math.isfinite(k3) and math.isfinite(length)) or k3 < 0 or length < 1:
         return None
-    return asdict(recommend(k3, length))
+    weights = report.get("weights") or {}
+    above = None
+    if weights.get("log10_edges") is not None and weights.get("ratio_counts") is not None:
+        above = share_ratio_above(weights["log10_edges"], weights["ratio_counts"])
+    return asdict(recommend(k3, length, share_ratio_above=above))
 
 
 def to_json(report: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+from dump_writers import make_samples, write_jsonl
 
 from megatron_mis.analysis.recommend import geometric_band, recommend, sequence_log_weight_sd
 
@@ -89,3 +91,69 @@ def test_analyze_report_hook():
     assert recommendation({"overall": {"k3_mean": float("nan"), "response_length": 5.0}}) is None
     out = json.loads(to_json({"overall": {"k3_mean": 1e-3, "response_length": 2000.0}}))
     assert out["recommendation"]["regime"] == "token-level"
+
+
+def test_share_ratio_above_reads_the_histogram_hand_derived():
+    from megatron_mis.analysis.recommend import share_ratio_above
+
+    edges = [-0.1, -0.05, 0.0, 0.05, 0.1]
+    # bins: < -0.1 | [-0.1, -0.05) | [-0.05, 0) | [0, 0.05) | [0.05, 0.1) | >= 0.1
+    assert share_ratio_above(edges, [1, 2, 3, 4, 5, 6]) == pytest.approx(11 / 21)
+    assert share_ratio_above(edges, [1, 2, 3, 4, 5, 6], log10_bound=0.1) == pytest.approx(6 / 21)
+    assert share_ratio_above(edges, [0] * 6) is None
+    with pytest.raises(ValueError, match="counts has 5 bins; 5 edges need 6"):
+        share_ratio_above(edges, [1] * 5)
+    with pytest.raises(ValueError, match="log10_bound=0.07 is not an edge"):
+        share_ratio_above(edges, [1] * 6, log10_bound=0.07)
+
+
+@pytest.mark.parametrize(
+    "k3,above,correction,regime",
+    [
+        (0.5, 0.0, "none", "sampling-mismatch"),  # processed top-k log-probs: every ratio <= 1
+        (0.5, 0.0099, "none", "sampling-mismatch"),
+        (0.5, 0.01, "token_mis", "config-bug"),  # 1% above: two-sided enough (stale weights, temperature > 1)
+        (0.5, None, "token_mis", "config-bug"),  # not measured: the K3 rule alone
+        (5e-3, 0.0, "token_tis", "sequence-level"),  # one-sided at a numeric K3 is not flagged
+    ],
+)
+def test_one_sided_log_ratios_above_numerics_advise_no_weight_and_the_sampling_fix(k3, above, correction, regime):
+    r = recommend(k3, 64, share_ratio_above=above)
+    assert (r.correction, r.regime) == (correction, regime)
+    if regime == "sampling-mismatch":
+        assert "replay the rollout's support" in r.reason and "raw log-probs" in r.reason and "temperature" in r.reason
+        assert "long-tail-top-k-processed k64" in r.basis
+
+
+@pytest.mark.parametrize("above", [-0.1, 1.5, float("nan")])
+def test_a_share_outside_0_1_is_refused(above):
+    with pytest.raises(ValueError, match="share_ratio_above=.* must lie in \\[0, 1\\]"):
+        recommend(0.5, 64, share_ratio_above=above)
+
+
+def test_analyze_tells_processed_truncation_from_a_two_sided_mismatch(tmp_path):
+    """End to end through ``analyze_history``: rollout log-probs that are the trainer's renormalised
+    over a kept mass Z in [0.3, 0.9] per token (log pi_rollout = log pi_train - log Z: what top-k /
+    top-p sampling's processed log-probs are) give ratios Z <= 1 on every token, so the advice is
+    the sampling fix and no weight; the same K3 order with two-sided noise stays config-bug."""
+    from megatron_mis.analysis import analyze_history
+    from megatron_mis.analysis.report import format_history, recommendation
+    from megatron_mis.config import MISConfig
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(16):
+        train = torch.log(torch.rand(64, generator=g, dtype=torch.float64) * 0.25 + 0.01)  # rollout <= log 0.87
+        kept = torch.rand(64, generator=g, dtype=torch.float64) * 0.6 + 0.3
+        samples.append({"train": train.float(), "rollout": (train - torch.log(kept)).float(),
+                        "mask": torch.ones(64, dtype=torch.int32)})
+    one_sided = analyze_history([str(write_jsonl(tmp_path / "truncated.jsonl", samples))], MISConfig(), "default",
+                                progress=False).report
+    rec = recommendation(one_sided)
+    assert one_sided["overall"]["k3_mean"] > 1e-2
+    assert (rec["correction"], rec["regime"]) == ("none", "sampling-mismatch")
+    assert "Recommended correction: none (sampling-mismatch)" in format_history(one_sided)
+    two_sided = analyze_history([str(write_jsonl(tmp_path / "noisy.jsonl", make_samples(16, 64, 0.3)))], MISConfig(),
+                                "default", progress=False).report
+    assert two_sided["overall"]["k3_mean"] > 1e-2
+    assert recommendation(two_sided)["regime"] == "config-bug"
