@@ -619,29 +619,42 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
         assert row in text, row
 
 
-#: docs/study/sweep-top-p: the three top-p sweeps' runs in one archive (they share the reference) and
-#: a report per sweep, each comparing the arms on the greedy reward; {report: the arms it quotes}
-_TOP_P_REPORTS = {
-    "top-p-raw": ("none",),
-    "top-p-replay": ("none",),
-    "top-p-processed": ("none", "token_tis", "token_mis", "sequence_mis"),
+#: The truncation archives: docs/study/ARCHIVE/runs holds the top-p (and top-k) sweeps' runs of one
+#: task (they share the reference), with a report per sweep, each comparing the arms on the greedy
+#: reward; {archive: {report: the arms it quotes}}. sweep-top-p: the 3-digit copy task (vocabulary
+#: 16); sweep-long-tail-truncation: the long-tail task (vocabulary 512, 64-token responses).
+_TOP_P_ARCHIVES = {
+    "sweep-top-p": {
+        "top-p-raw": ("none",),
+        "top-p-replay": ("none",),
+        "top-p-processed": ("none", "token_tis", "token_mis", "sequence_mis"),
+    },
+    "sweep-long-tail-truncation": {
+        "long-tail-top-p-raw": ("none",),
+        "long-tail-top-p-replay": ("none",),
+        "long-tail-top-k-raw": ("none",),
+        "long-tail-top-k-replay": ("none",),
+        "long-tail-top-k-processed": ("none", "token_tis"),
+    },
 }
+_TOP_P_REPORTS = [(archive, report) for archive, reports in _TOP_P_ARCHIVES.items() for report in reports]
 
 
 def _greedy(end: dict) -> float:
     return end["evaluation"]["greedy_reward"]
 
 
-def test_the_top_p_archive_gives_its_reports_greedy_figures():
-    """docs/study/sweep-top-p/runs: every run complete and of its report's step count; the per-seed
+@pytest.mark.parametrize("archive", sorted(_TOP_P_ARCHIVES))
+def test_the_top_p_archive_gives_its_reports_greedy_figures(archive):
+    """docs/study/ARCHIVE/runs: every run complete and of its report's step count; the per-seed
     greedy-reward differences against the reference that each report (REPORT/summary.json) quotes,
     per dose and arm, recomputed from the archive; every archived run quoted by a report."""
-    runs = _archive_runs("sweep-top-p")
+    runs = _archive_runs(archive)
     quoted = set()
-    for report, arms in _TOP_P_REPORTS.items():
-        summary = _summary("sweep-top-p", report)
+    for report, arms in _TOP_P_ARCHIVES[archive].items():
+        summary = _summary(archive, report)
         assert summary["sweep"] == report and summary["outcome"] == "greedy_reward"
-        assert "compared on the greedy reward" in (_STUDY_DOCS / "sweep-top-p" / report / "report.md").read_text()
+        assert "compared on the greedy reward" in (_STUDY_DOCS / archive / report / "report.md").read_text()
         for dose in summary["doses"]:
             setting = dose["setting"]
             assert sorted(dose["arms"]) == sorted([*arms, "ref_fp32"]), setting
@@ -657,16 +670,20 @@ def test_the_top_p_archive_gives_its_reports_greedy_figures():
     assert set(runs) == quoted
 
 
-def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was():
-    """Without an IS weight the rollout's recorded log-probs enter no loss, so top-p-processed's
-    none follows top-p-raw's none step for step (reward, gradient norm, greedy evaluation) at every
-    dose and seed archived, while only its mismatch metrics see the truncation: K3 at fp32
-    rounding with the raw log-probs, the kept mass's log-ratio with the processed ones."""
-    runs = _archive_runs("sweep-top-p")
-    pairs = [(s, seed) for (s, arm, seed) in runs if arm == "none" and s.startswith("top-p-raw-")
+@pytest.mark.parametrize("archive, pairs", [("sweep-top-p", 32), ("sweep-long-tail-truncation", 4)])
+def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was(archive, pairs):
+    """Without an IS weight the rollout's recorded log-probs enter no loss, so the processed sweep's
+    none follows the raw sweep's none step for step (reward, gradient norm, greedy evaluation) at
+    every dose and seed archived (sweep-top-p: p 0.95 and 0.9 seeds 0-7, p 0.8 seeds 0-15;
+    sweep-long-tail-truncation: top-k 64, seeds 0-3), while only its mismatch metrics see the
+    truncation:
+    K3 at fp32 rounding with the raw log-probs, the kept mass's log-ratio with the processed ones."""
+    runs = _archive_runs(archive)
+    raw = ("top-p-raw-", "long-tail-top-p-raw-", "long-tail-top-k-raw-")
+    found = [(s, seed) for (s, arm, seed) in runs if arm == "none" and s.startswith(raw)
              and (s.replace("raw", "processed"), "none", seed) in runs]
-    assert len(pairs) == 32  # p 0.95 and 0.9: seeds 0-7, p 0.8: 0-15
-    for setting, seed in pairs:
+    assert len(found) == pairs
+    for setting, seed in found:
         raw = runs[setting, "none", seed]
         processed = runs[setting.replace("raw", "processed"), "none", seed]
         for key in ("reward_mean", "grad_norm"):
@@ -676,62 +693,78 @@ def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was(
         assert min(r["mis_k3_kl"] for r in processed[0]) > 1e-5, (setting, seed)  # the kept mass: >= 3e-5 at p 0.95
 
 
-def _top_p_rows() -> list[str]:
-    """The rows of docs/study.md's top-p table, from the three reports' summary.json: the
-    reference (from top-p-raw's report) and every quoted arm per sweep and dose."""
+def _top_p_rows(archive: str) -> list[str]:
+    """The rows of one of docs/study.md's truncation tables, from the archive's reports'
+    summary.json: the reference (from each raw sweep's report) and every quoted arm per sweep and
+    dose. The first cell is the sweep's kind (raw / processed / replay), after its mechanism
+    (top-p / top-k) where the archive holds both."""
     from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
 
     rows = []
-    for report, arms in _TOP_P_REPORTS.items():
-        summary = _summary("sweep-top-p", report)
+    for report, arms in _TOP_P_ARCHIVES[archive].items():
+        summary = _summary(archive, report)
+        mechanism, kind = report.removeprefix("long-tail-").rsplit("-", 1)
+        first = kind if archive == "sweep-top-p" else f"{mechanism} {kind}"
         for dose in summary["doses"]:
-            for arm in (("ref_fp32",) if report == "top-p-raw" else ()) + arms:
+            for arm in (("ref_fp32",) if kind == "raw" else ()) + arms:
                 a = dose["arms"][arm]
                 mon = a["monitor_flagged"]
                 rows.append(
-                    f"| {report.removeprefix('top-p-')} | {dose['dose']} | {arm} | {a['n']} | "
+                    f"| {first} | {dose['dose']} | {arm} | {a['n']} | "
                     f"{_e(a['k3_mean'][0], 1)} | "
                     f"{_fmt_ci(a['greedy_reward'])} | {_fmt_diff(a['vs_reference']['greedy_reward'])} | "
                     f"{_fmt_diff(a['vs_none']['greedy_reward'])} | {mon['k']}/{mon['n']} |")
     return rows
 
 
-def _top_p_replay_vs_none() -> dict:
-    """``{dose label: replay's none - raw's none}``, greedy reward paired per seed (the reports'
-    bootstrap), over the seeds both ran: what replaying the support changes in the same run."""
+def _top_p_replay_vs_none(archive: str) -> dict:
+    """``{dose label: replay's none - raw's none}`` over every replay sweep of the archive (top-p
+    labels p0.8, top-k labels k64), greedy reward paired per seed (the reports' bootstrap), over
+    the seeds both ran: what replaying the support changes in the same run."""
     from megatron_mis.testbed.study.stats import paired_differences
 
-    runs = _archive_runs("sweep-top-p")
-    study = _summary("sweep-top-p", "top-p-raw")["study"]
+    runs = _archive_runs(archive)
     out = {}
-    for label in ("p0.95", "p0.9", "p0.8"):
-        replay = {seed: _greedy(end) for (s, arm, seed), (_, end) in runs.items()
-                  if s == f"top-p-replay-{label}" and arm == "none"}
-        raw = {seed: _greedy(runs[f"top-p-raw-{label}", "none", seed][1]) for seed in replay}
-        out[label] = paired_differences(replay, raw, confidence=study["confidence"], resamples=study["bootstrap"])
+    for replay_report in [r for r in _TOP_P_ARCHIVES[archive] if r.endswith("-replay")]:
+        raw_report = replay_report.replace("-replay", "-raw")
+        study = _summary(archive, raw_report)["study"]
+        for label in [d["label"] for d in _summary(archive, replay_report)["doses"]]:
+            replay = {seed: _greedy(end) for (s, arm, seed), (_, end) in runs.items()
+                      if s == f"{replay_report}-{label}" and arm == "none"}
+            raw = {seed: _greedy(runs[f"{raw_report}-{label}", "none", seed][1]) for seed in replay}
+            assert label not in out
+            out[label] = paired_differences(replay, raw, confidence=study["confidence"], resamples=study["bootstrap"])
     return out
 
 
-def test_the_quoted_top_p_table_and_replay_figures_come_from_the_archive():
-    """docs/study.md's top-p table is the reports' rows, and the replay-against-no-replay figures
-    it quotes are recomputed from the archive with the reports' paired bootstrap."""
+@pytest.mark.parametrize("archive, labels", [("sweep-top-p", {"p0.95", "p0.9", "p0.8"}),
+                                             ("sweep-long-tail-truncation", {"p0.9", "p0.8", "k64"})])
+def test_the_quoted_top_p_table_and_replay_figures_come_from_the_archive(archive, labels):
+    """docs/study.md's truncation tables are the reports' rows, and the replay-against-no-replay
+    figures it quotes are recomputed from the archive with the reports' paired bootstrap."""
     text = (_STUDY_DOCS.parent / "study.md").read_text()
-    missing = [row for row in _top_p_rows() if row not in text]
+    missing = [row for row in _top_p_rows(archive) if row not in text]
     assert not missing, missing
     prose = _prose(_STUDY_DOCS.parent / "study.md")
-    replay = _top_p_replay_vs_none()
+    replay = _top_p_replay_vs_none(archive)
+    assert set(replay) == labels
     for label, d in replay.items():
         quoted = f"{label.removeprefix('p')}: {_quoted(d)} ({d['n']} seeds)"
         assert quoted in prose, quoted
-    # README quotes p = 0.8: none - reference (top-p-raw's report) and replay - no replay
-    (dose,) = [d for d in _summary("sweep-top-p", "top-p-raw")["doses"] if d["setting"] == "top-p-raw-p0.8"]
+
+
+def test_the_readme_s_top_p_figures_come_from_the_archives():
+    """README quotes p = 0.8 on both tasks: none - reference (the raw sweep's report) and replay -
+    no replay."""
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    assert f"`none - ref_fp32` {_quoted(dose['none_vs_reference'])} at p = 0.8" in readme
-    assert f"replay - no replay {_quoted(replay['p0.8'])}" in readme
+    for archive, raw in (("sweep-top-p", "top-p-raw"), ("sweep-long-tail-truncation", "long-tail-top-p-raw")):
+        (dose,) = [d for d in _summary(archive, raw)["doses"] if d["setting"] == f"{raw}-p0.8"]
+        assert f"`none - ref_fp32` {_quoted(dose['none_vs_reference'])} at p = 0.8" in readme, archive
+        assert f"replay - no replay {_quoted(_top_p_replay_vs_none(archive)['p0.8'])}" in readme, archive
 
 
-@pytest.mark.parametrize("report", sorted(_TOP_P_REPORTS))
-def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_reward(report, tmp_path):
+@pytest.mark.parametrize("archive, report", _TOP_P_REPORTS)
+def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_reward(archive, report, tmp_path):
     """The sweep report rebuilt from the restored archive with the committed summary's study
     settings: its none - reference differences, paired SD and first-hurt dose are the committed
     ones, all on the greedy reward (a sweep report reading the training reward here differs:
@@ -740,8 +773,8 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
     from megatron_mis.testbed.study.config import StudyConfig
     from megatron_mis.testbed.study.sweep_report import format_sweep_markdown, summarize_sweep
 
-    committed = _summary("sweep-top-p", report)
-    restore_runs(_STUDY_DOCS / "sweep-top-p" / "runs", tmp_path)
+    committed = _summary(archive, report)
+    restore_runs(_STUDY_DOCS / archive / "runs", tmp_path)
     keep = ("sweep", "doses", "arms", "seeds", "first_seed", "last_k", "collapse_fraction", "confidence", "bootstrap")
     study = StudyConfig(**{k: committed["study"][k] for k in keep}, out_dir=str(tmp_path), plot=False)
     rebuilt = summarize_sweep(study, write_dose_reports=False)
@@ -756,3 +789,90 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
     text = format_sweep_markdown(rebuilt)
     assert "| dose | arm | n | K3 KL mean | greedy reward | vs reference |" in text
     assert "Paired SD of the greedy reward" in text
+
+
+def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
+    """``analyze``'s advice for one-sided log-ratios above numerics (no IS weight, fix the sampling
+    configuration) quotes the long-tail top-k sweeps: the figures in its basis are the processed
+    report's (token TIS and none against the reference on the greedy reward, the runs that ended
+    low or never took off, the gradient norms) and the replay's effect recomputed from the archive."""
+    from megatron_mis.analysis.recommend import TRUNCATION_BASIS
+
+    (dose,) = _summary("sweep-long-tail-truncation", "long-tail-top-k-processed")["doses"]
+    none, tis = dose["arms"]["none"], dose["arms"]["token_tis"]
+    replay = _top_p_replay_vs_none("sweep-long-tail-truncation")["k64"]
+    never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
+    quoted = [
+        f"mean K3 KL {_e(none['k3_mean'][0], 1)} uncorrected, {none['n']} seeds",
+        f"token TIS {_quoted(tis['vs_reference']['greedy_reward'])} against the reference",
+        f"{tis['ended_low']['k']}/{tis['n']} ended low and {never}/{tis['n']} never took off in 300 steps "
+        f"(none {none['ended_low']['k']}/{none['n']})",
+        f"gradient norm {tis['grad_norm_mean'] / none['grad_norm_mean']:.2f}x none's",
+        f"none {_quoted(none['vs_reference']['greedy_reward'])}",
+        f"{_quoted(replay)} against the run without it ({replay['n']} seeds)",
+    ]
+    basis = " ".join(TRUNCATION_BASIS.split())
+    missing = [q for q in quoted if q not in basis]
+    assert not missing, (missing, basis)
+
+
+def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
+    """docs/study.md's figures on truncation with the 512-id tail beyond its table: the 4-seed
+    p = 0.8 difference that 8 seeds did not confirm, the paired SD and MDE, the raw runs' K3 and
+    gradient norms against the reference's, the plateau's greedy range, the replay's K3, the
+    processed runs' largest ratio (below 1 on every step: processed log-probs renormalise the kept
+    mass) and token TIS's gradient norm and stalled runs, each recomputed from the archive or the
+    reports."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    archive = "sweep-long-tail-truncation"
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    runs = _archive_runs(archive)
+
+    def dose(report: str, label: str) -> dict:
+        (d,) = [d for d in _summary(archive, report)["doses"] if d["label"] == label]
+        return d
+
+    raw = _summary(archive, "long-tail-top-p-raw")
+    p09, p08 = dose("long-tail-top-p-raw", "p0.9"), dose("long-tail-top-p-raw", "p0.8")
+    k64 = dose("long-tail-top-k-raw", "k64")
+    processed = dose("long-tail-top-k-processed", "k64")
+    replays = [dose("long-tail-top-p-replay", "p0.9"), dose("long-tail-top-p-replay", "p0.8"),
+               dose("long-tail-top-k-replay", "k64")]
+    greedy = {key: _greedy(end) for key, (_, end) in runs.items()}
+    first4 = paired_differences({s: greedy["long-tail-top-p-raw-p0.8", "none", s] for s in range(4)},
+                                {s: greedy["long-tail-top-p-raw-p0.8", "ref_fp32", s] for s in range(4)},
+                                confidence=raw["study"]["confidence"], resamples=raw["study"]["bootstrap"])
+    assert first4["excludes_zero"] and not p08["none_vs_reference"]["excludes_zero"] and p08["arms"]["none"]["n"] == 8
+    k3_raw = [d["arms"]["none"]["k3_mean"][0] for d in (p09, p08, k64)]
+    k3_replay = [d["arms"]["none"]["k3_mean"][0] for d in replays]
+    gn = [d["arms"]["none"]["grad_norm_mean"] for d in (p09, p08, k64)]
+    gn_ref = [d["arms"]["ref_fp32"]["grad_norm_mean"] for d in (p09, p08, k64)]
+    plateau = [g for (_, arm, _), g in greedy.items() if arm in ("none", "ref_fp32")]
+    ratio_max = max(r["mis_ratio_max"] for (s, arm, _), (records, _) in runs.items()
+                    if "processed" in s and arm != "ref_fp32" for r in records)
+    tis, none = processed["arms"]["token_tis"], processed["arms"]["none"]
+    never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
+    quoted = [
+        f"At the first 4 seeds the report put p = 0.8 at {_quoted(first4)}, measurably behind; 4 more seeds took it to "
+        f"{_quoted(p08['none_vs_reference'])}",
+        f"paired SD {raw['paired_sd']:.3f}, MDE {raw['minimal_detectable_effect']:.3f} at 4 seeds",
+        f"greedy reward {min(plateau):.2f}-{max(plateau):.2f}, exact answers at most "
+        f"{max(end['evaluation']['greedy_exact'] for _, end in runs.values()):.1%} in every run",
+        f"K3 stays at fp32 rounding ({_e(min(k3_raw), 1)} to {_e(max(k3_raw), 1)})",
+        f"mean gradient norm is {gn[0]:.2f}, {gn[1]:.2f} and {gn[2]:.2f} at p = 0.9, 0.8 and top-k 64 against the "
+        f"reference's {min(gn_ref):.2f}-{max(gn_ref):.2f}",
+        f"top-k 64's mean K3 is {_e(none['k3_mean'][0], 1)}",
+        f"processed runs: {ratio_max:.4f})",
+        f"token TIS's weight is the kept mass (mean K3 {_e(tis['k3_mean'][0], 1)})",
+        f"mean gradient norm {tis['grad_norm_mean']:.2f} against none's {none['grad_norm_mean']:.2f}",
+        f"{tis['ended_low']['k']} of {tis['n']} of its runs ended low and {never} never took off in 300 steps, against "
+        f"{none['ended_low']['k']} of {none['n']} for none",
+        f"K3 back to rounding: {_e(min(k3_replay), 1)} to {_e(max(k3_replay), 1)}",
+        f"replayed top-p at 0.9 ended above the untruncated reference "
+        f"({_quoted(replays[0]['none_vs_reference'])}, 4 seeds",
+    ]
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
+    assert ratio_max < 1.0 and min(r["mis_ratio_max"] for (s, arm, _), (records, _) in runs.items()
+                                   if "raw" in s for r in records) >= 1.0  # raw: rounding on both sides of 1
