@@ -98,14 +98,14 @@ class Recommendation:
     """A correction for a measured mismatch.
 
     ``correction``: a preset name of ``configs/presets/``, or ``none`` (no IS weight);
-    ``geometric_band``: the length-scaled
-    band for the per-token geometric mean of the ratio at the mean length (``None`` where none is
-    advised); ``rs_criteria``: the ``rs_criteria`` to set over the preset's (the band per
-    sequence length, K3 pinned to the measured one), or ``None``;
+    ``geometric_band``: the length-scaled band for the per-token geometric mean of the ratio at
+    the mean length (``None`` where none is advised); ``rs_criteria``: the ``rs_criteria`` to
+    set over the preset's (the band per sequence length, K3 pinned to the measured one), or
+    ``None``;
     ``sequence_log_weight_sd``: ``s``; ``effective_sequence_share``: ``exp(-s^2)``; ``regime``:
     ``config-bug`` / ``sampling-mismatch`` / ``measured-harmless`` / ``sequence-level`` /
-    ``token-level``; ``reason`` and
-    ``basis``: why, and whether the study measured it or the literature argues it."""
+    ``token-level``; ``reason`` and ``basis``: why, and whether the study measured it or the
+    literature argues it."""
 
     correction: str
     geometric_band: tuple[float, float] | None

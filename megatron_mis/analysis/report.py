@@ -152,9 +152,7 @@ def recommendation(report: dict[str, Any]) -> dict[str, Any] | None:
     above about 1.12, as a dict; ``None`` when K3 or the length is missing or not finite."""
     from dataclasses import asdict
 
-    from megatron_mis.analysis.recommend import recommend
-
-    from megatron_mis.analysis.recommend import share_ratio_above
+    from megatron_mis.analysis.recommend import recommend, share_ratio_above
 
     overall = report.get("overall") or {}
     k3, length = overall.get("k3_mean"), overall.get("response_length")

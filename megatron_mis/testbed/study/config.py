@@ -325,7 +325,7 @@ SWEEPS: dict[str, Sweep] = {
             )
             for kind, what, values in (
                 ("raw", "raw log-probs recorded, no truncation in the trainer (a support mismatch the recorded "
-                 "log-probs do not show, where the truncated tail is most of the scratchpad's ids)", {"rollout_logprobs": "raw"}),
+                 "log-probs do not show, on a tail of hundreds of ids)", {"rollout_logprobs": "raw"}),
                 ("processed", "the truncated distribution's log-probs recorded, no truncation in the trainer: every "
                  f"sampled scratchpad token has pi_train / pi_rollout = the kept mass, {kept}, so the sequence "
                  "log-weight is about 61 times its log", {"rollout_logprobs": "processed"}),
