@@ -761,6 +761,17 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
         (dose,) = [d for d in _summary(archive, raw)["doses"] if d["setting"] == f"{raw}-p0.8"]
         assert f"`none - ref_fp32` {_quoted(dose['none_vs_reference'])} at p = 0.8" in readme, archive
         assert f"replay - no replay {_quoted(_top_p_replay_vs_none(archive)['p0.8'])}" in readme, archive
+    # the long tail: the raw runs' gradient norm against the reference's, per dose, and token TIS over
+    # processed top-k 64 log-probs
+    archive = "sweep-long-tail-truncation"
+    doses = [d for r in ("long-tail-top-p-raw", "long-tail-top-k-raw") for d in _summary(archive, r)["doses"]]
+    ratios = [d["arms"]["none"]["grad_norm_mean"] / d["arms"]["ref_fp32"]["grad_norm_mean"] for d in doses]
+    assert f"({min(ratios):.1f}-{max(ratios):.1f}x the reference's)" in readme, ratios
+    (processed,) = _summary(archive, "long-tail-top-k-processed")["doses"]
+    none, tis = processed["arms"]["none"], processed["arms"]["token_tis"]
+    assert f"(mean K3 {none['k3_mean'][0]:.2f}, every ratio at most 1)" in readme
+    assert (f"({tis['ended_low']['k']} of {tis['n']} runs ended low, none {none['ended_low']['k']} of "
+            f"{none['n']})") in readme
 
 
 @pytest.mark.parametrize("archive, report", _TOP_P_REPORTS)
