@@ -644,6 +644,12 @@ def _greedy(end: dict) -> float:
     return end["evaluation"]["greedy_reward"]
 
 
+def _dose(archive: str, report: str, label: str) -> dict:
+    """The dose ``label`` of docs/study/ARCHIVE/REPORT/summary.json."""
+    (d,) = [d for d in _summary(archive, report)["doses"] if d["label"] == label]
+    return d
+
+
 @pytest.mark.parametrize("archive", sorted(_TOP_P_ARCHIVES))
 def test_the_top_p_archive_gives_its_reports_greedy_figures(archive):
     """docs/study/ARCHIVE/runs: every run complete and of its report's step count; the per-seed
@@ -758,8 +764,8 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     no replay."""
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     for archive, raw in (("sweep-top-p", "top-p-raw"), ("sweep-long-tail-truncation", "long-tail-top-p-raw")):
-        (dose,) = [d for d in _summary(archive, raw)["doses"] if d["setting"] == f"{raw}-p0.8"]
-        assert f"`none - ref_fp32` {_quoted(dose['none_vs_reference'])} at p = 0.8" in readme, archive
+        none_vs_reference = _dose(archive, raw, "p0.8")["none_vs_reference"]
+        assert f"`none - ref_fp32` {_quoted(none_vs_reference)} at p = 0.8" in readme, archive
         assert f"replay - no replay {_quoted(_top_p_replay_vs_none(archive)['p0.8'])}" in readme, archive
     # the long tail: the raw runs' gradient norm against the reference's, per dose, and token TIS over
     # processed top-k 64 log-probs
@@ -767,7 +773,7 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     doses = [d for r in ("long-tail-top-p-raw", "long-tail-top-k-raw") for d in _summary(archive, r)["doses"]]
     ratios = [d["arms"]["none"]["grad_norm_mean"] / d["arms"]["ref_fp32"]["grad_norm_mean"] for d in doses]
     assert f"({min(ratios):.1f}-{max(ratios):.1f}x the reference's)" in readme, ratios
-    (processed,) = _summary(archive, "long-tail-top-k-processed")["doses"]
+    processed = _dose(archive, "long-tail-top-k-processed", "k64")
     none, tis = processed["arms"]["none"], processed["arms"]["token_tis"]
     assert f"(mean K3 {none['k3_mean'][0]:.2f}, every ratio at most 1)" in readme
     assert (f"({tis['ended_low']['k']} of {tis['n']} runs ended low, none {none['ended_low']['k']} of "
@@ -809,7 +815,7 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
     low or never took off, the gradient norms) and the replay's effect recomputed from the archive."""
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
-    (dose,) = _summary("sweep-long-tail-truncation", "long-tail-top-k-processed")["doses"]
+    dose = _dose("sweep-long-tail-truncation", "long-tail-top-k-processed", "k64")
     none, tis = dose["arms"]["none"], dose["arms"]["token_tis"]
     replay = _top_p_replay_vs_none("sweep-long-tail-truncation")["k64"]
     never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
@@ -839,11 +845,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     archive = "sweep-long-tail-truncation"
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     runs = _archive_runs(archive)
-
-    def dose(report: str, label: str) -> dict:
-        (d,) = [d for d in _summary(archive, report)["doses"] if d["label"] == label]
-        return d
-
+    dose = functools.partial(_dose, archive)
     raw = _summary(archive, "long-tail-top-p-raw")
     p09, p08 = dose("long-tail-top-p-raw", "p0.9"), dose("long-tail-top-p-raw", "p0.8")
     k64 = dose("long-tail-top-k-raw", "k64")
