@@ -258,12 +258,15 @@ class MonitorConfig(ConfigBase):
         "by the length_surge_* keys. null: no surge warnings.",
     )
     monitor_thresholds: dict = doc(
-        {"mis_k3_kl": 1e-2},
+        {"mis_k3_kl": 1e-2, "mis_rejected_token_fraction": 0.5},
         "Absolute upper bounds, metric name -> value; a value above its bound gives a 'threshold' "
         "warning. The default flags a mean K3 above 1e-2, more than any numeric path gave in the study "
         "(bf16 / fp16 / int8 / int4 <= 2e-3) and what a stale policy or a rollout-only temperature give, "
-        "and processed top-p 0.8 log-probs early in training (docs/study.md), steady or not. A mapping "
-        "you set replaces the default (name mis_k3_kl in it to keep that bound); {}: none.",
+        "and processed top-p 0.8 log-probs early in training (docs/study.md), steady or not; and a "
+        "correction that removes more than half of the loss tokens from the gradient (tight geometric "
+        "bands rejected 67-93% and hurt; token MIS over processed top-k log-probs rejected every token "
+        "and trained nothing). A mapping you set replaces the default (name the metrics in it to keep "
+        "their bounds); {}: none.",
     )
     monitor_floors: dict = doc(
         {"mis_k3_kl": 1e-8, "mis_log_ppl_abs_diff": 1e-5},

@@ -26,7 +26,8 @@ Warning kinds (:class:`MonitorWarning`):
     previous window (needs half a window of history), and above the metric's ``monitor_floors``
     entry.
 ``threshold``
-    A value above its bound in ``monitor_thresholds`` (by default mean K3 above 1e-2).
+    A value above its bound in ``monitor_thresholds`` (by default mean K3 above 1e-2, and more
+    than half of the loss tokens rejected by the correction).
 ``length_surge``
     The surge detector (``length_surge_*`` keys) fired on ``monitor_length_metric``; it is then
     re-armed, so a later surge relative to the new level is reported again.
@@ -61,6 +62,15 @@ __all__ = ["MismatchMonitor", "MismatchWarning", "MonitorWarning", "WarningKind"
 logger = logging.getLogger("megatron_mis.monitor")
 
 WarningKind = Literal["trend", "spike", "threshold", "length_surge", "non_finite", "missing_metric"]
+
+#: What a threshold warning on a metric means, appended to its message.
+_THRESHOLD_HINTS = {
+    "mis_rejected_token_fraction": (
+        ": the correction removes most of the loss tokens from the gradient (its mask or rejection band "
+        "does not fit the ratios: one-sided ratios from processed top-p / top-k log-probs or a "
+        "rollout-only temperature, stale rollouts, or a band too tight for the response length)"
+    ),
+}
 
 
 class MismatchWarning(UserWarning):
@@ -300,7 +310,8 @@ class MismatchMonitor:
                     value=value,
                     threshold=float(bound),
                     trend=None,
-                    message=f"{name}={value:.4g} at step {step} exceeds its bound {bound:.4g}",
+                    message=(f"{name}={value:.4g} at step {step} exceeds its bound {bound:.4g}"
+                             f"{_THRESHOLD_HINTS.get(name, '')}"),
                 )
             )
         return out

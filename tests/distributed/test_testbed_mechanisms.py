@@ -296,6 +296,33 @@ def test_trainer_truncation_removes_the_support_mismatch(pool1):
     assert on["mis_k3_kl"] < 1e-9 and on["logprob_abs_diff_max"] < 1e-4
 
 
+
+def _top_k_step(correction: str):
+    """One demo step with top-k 3 and processed rollout log-probs (fp32 rollouts) under
+    ``correction``: the step's record."""
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(steps=1, correction=correction, top_k=3, rollout_logprobs="processed", seed=5, **_SMALL)
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec(correction, cfg))
+        record = trainer.step(1)
+        trainer.close()
+    return record
+
+
+def test_the_monitor_flags_a_correction_that_rejects_every_token(pool1):
+    """Processed top-k log-probs make every ratio the token's kept mass, at the start below 0.5:
+    token MIS ([0.5, 5]) masks every loss token (the study's long-tail top-k 64 runs trained
+    nothing), and the testbed's monitor, fed the rejected-token fraction, flags it on the first
+    step; without a weight nothing is rejected and no watched metric is missing."""
+    ((mis,),) = [pool1.run(_top_k_step, "token_mis")]
+    ((none,),) = [pool1.run(_top_k_step, "none")]
+    assert mis["rejected_token_fraction"] == 1.0 and mis["grad_norm"] == 0.0 and mis["mis_ratio_max"] < 0.5
+    assert [m for m in mis["monitor_warnings"] if m.startswith("mis_rejected_token_fraction=1 at step 1 exceeds its "
+                                                              "bound 0.5: the correction removes most")]
+    assert none["rejected_token_fraction"] == 0.0 and none["grad_norm"] > 0.0
+    assert not [m for m in none["monitor_warnings"] if "rejected" in m or "no such metric" in m], none["monitor_warnings"]
+
 def test_trainer_truncation_is_validated():
     from megatron_mis.config.base import ConfigError
 

@@ -47,6 +47,7 @@ def stationary_metrics(seed, num_steps=1000):
             "grad_norm": 0.5 * (1.0 + 0.2 * rng.gauss(0.0, 1.0)),
             "entropy": 0.8 + 0.05 * rng.gauss(0.0, 1.0),
             "response_length": 1000.0 * math.exp(rng.gauss(0.0, 0.1)),
+            "mis_rejected_token_fraction": 0.0,  # no band: nothing rejected
         }
 
 
@@ -129,7 +130,9 @@ def test_length_surge_warnings_rearm(tmp_path):
 def test_non_finite_and_missing_metrics(tmp_path):
     mon = monitor(tmp_path)
     w1 = mon.update(1, {"mis_k3_kl": 1e-3, "grad_norm": float("nan"), "response_length": 100})
-    assert [(w.kind, w.metric) for w in w1] == [("missing_metric", "mis_log_ppl_abs_diff"), ("non_finite", "grad_norm")]
+    assert [(w.kind, w.metric) for w in w1] == [("missing_metric", "mis_log_ppl_abs_diff"),
+                                                ("missing_metric", "mis_rejected_token_fraction"),
+                                                ("non_finite", "grad_norm")]
     assert mon.history("grad_norm") == []
     w2 = mon.update(2, {"mis_k3_kl": torch.tensor(2e-3, dtype=torch.float64), "grad_norm": 1.0, "response_length": 100, "lr": 1e-6})
     assert w2 == []  # a missing metric is reported once
@@ -145,7 +148,7 @@ def test_non_finite_and_missing_metrics(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["metrics"]["grad_norm"] is None and records[0]["non_finite"] == ["grad_norm"]
-    assert [w["kind"] for w in records[0]["warnings"]] == ["missing_metric", "non_finite"]
+    assert [w["kind"] for w in records[0]["warnings"]] == ["missing_metric", "missing_metric", "non_finite"]
     assert records[1]["metrics"]["mis_k3_kl"] == pytest.approx(2e-3) and records[1]["warnings"] == []
     assert set(records[1]["smoothed"]) == {"mis_k3_kl", "grad_norm", "response_length", "lr"}
 
@@ -385,13 +388,14 @@ def test_host_monitor_hook_reads_a_slime_log_dict(tmp_path):
     args = argparse.Namespace(monitor_enabled=True, monitor_jsonl_path=str(tmp_path / "host.jsonl"), monitor_emit="none")
     hooks.host_state(args).last_response_length = 812.5  # as observe_rollout leaves it
     log_dict = {"train/mis_k3_kl": 1e-3, "train/grad_norm": 0.4, "train/lr-pg_0": 1e-6, "train/step": 0,
-                "train/mis_log_ppl_abs_diff": 0.01, "train/note": "text"}
+                "train/mis_log_ppl_abs_diff": 0.01, "train/mis_rejected_token_fraction": 0.0, "train/note": "text"}
     assert hooks.monitor_train_step(args, 1, log_dict) == []
     hooks.host_state(args).monitor.close()
     (record,) = [json.loads(line) for line in (tmp_path / "host.jsonl").read_text().splitlines()]
     assert record["step"] == 1
     assert record["metrics"] == {"mis_k3_kl": 1e-3, "grad_norm": 0.4, "lr-pg_0": 1e-6,
-                                 "mis_log_ppl_abs_diff": 0.01, "response_length": 812.5}
+                                 "mis_log_ppl_abs_diff": 0.01, "mis_rejected_token_fraction": 0.0,
+                                 "response_length": 812.5}
 
 
 # ------------------------------------------------------------ absolute bound and noise floor
@@ -402,14 +406,40 @@ def test_a_steady_k3_above_the_default_bound_is_flagged(tmp_path):
     mon = monitor(tmp_path, monitor_cooldown=1000)
     found = [w for step in range(1, 101) for w in mon.update(step, {"mis_k3_kl": 1.8e-2 * math.exp(rng.gauss(0.0, 0.1)),
                                                                     "mis_log_ppl_abs_diff": 0.01, "grad_norm": 0.5,
-                                                                    "response_length": 100.0})]
+                                                                    "response_length": 100.0,
+                                                                    "mis_rejected_token_fraction": 0.0})]
     assert [(w.kind, w.step, w.threshold) for w in found] == [("threshold", 1, 1e-2)]
     quiet = monitor(tmp_path, monitor_thresholds={})  # {} turns it off
     rng = random.Random(3)
     assert not [w for step in range(1, 101) for w in quiet.update(step, {"mis_k3_kl": 1.8e-2 * math.exp(rng.gauss(0.0, 0.1)),
                                                                           "mis_log_ppl_abs_diff": 0.01, "grad_norm": 0.5,
-                                                                          "response_length": 100.0})]
+                                                                          "response_length": 100.0,
+                                                                          "mis_rejected_token_fraction": 0.0})]
 
+
+
+def test_a_correction_that_rejects_most_tokens_is_flagged(tmp_path):
+    """Token MIS over processed top-k 64 log-probs rejected every loss token on every step of the
+    study's long-tail runs (gradient norm 0, nothing learned; docs/study.md) while K3 was the only
+    other signal: the default bound flags a rejected-token fraction above one half, not at it, and
+    says what it means."""
+    mon = monitor(tmp_path, monitor_cooldown=1000)
+    base = {"mis_k3_kl": 1e-3, "mis_log_ppl_abs_diff": 0.01, "grad_norm": 0.5, "response_length": 100.0}
+    fractions = [0.0, 0.3, 0.5, 0.5000001, 1.0, 1.0]
+    found = [w for step, f in enumerate(fractions, 1)
+             for w in mon.update(step, base | {"mis_rejected_token_fraction": f})]
+    assert [(w.kind, w.metric, w.step, w.value, w.threshold) for w in found] == [
+        ("threshold", "mis_rejected_token_fraction", 4, 0.5000001, 0.5)]  # then the cool-down
+    assert found[0].message.startswith("mis_rejected_token_fraction=0.5 at step 4 exceeds its bound 0.5: "
+                                       "the correction removes most of the loss tokens from the gradient")
+    assert "processed top-p / top-k log-probs" in found[0].message
+    # another metric's threshold message has no such hint
+    other = monitor(tmp_path, monitor_thresholds={"mis_k3_kl": 1e-4})
+    (w,) = other.update(1, base | {"mis_rejected_token_fraction": 0.0})
+    assert w.message == "mis_k3_kl=0.001 at step 1 exceeds its bound 0.0001"
+    # a mapping of one's own replaces the default: this bound is gone unless named
+    mine = monitor(tmp_path, monitor_thresholds={"mis_k3_kl": 1e-2})
+    assert not mine.update(1, base | {"mis_rejected_token_fraction": 1.0})
 
 def _fp32_rounding_k3(seed):
     """K3 at fp32 rounding: ~1e-14 with large relative wobble, rising 20x over 60 steps from
@@ -417,7 +447,8 @@ def _fp32_rounding_k3(seed):
     rng = random.Random(seed)
     for step in range(1, 121):
         k3 = 1e-14 * math.exp(rng.gauss(0.0, 0.5)) * (20.0 ** min(max(step - 40, 0) / 60.0, 1.0))
-        yield step, {"mis_k3_kl": k3, "mis_log_ppl_abs_diff": 1e-7, "grad_norm": 0.5, "response_length": 100.0}
+        yield step, {"mis_k3_kl": k3, "mis_log_ppl_abs_diff": 1e-7, "grad_norm": 0.5, "response_length": 100.0,
+                     "mis_rejected_token_fraction": 0.0}
 
 
 def test_k3_at_fp32_rounding_stays_below_the_default_floor(tmp_path):
@@ -447,7 +478,7 @@ def _fp32_rounding_gap(seed, scale=1.0):
     for step in range(1, 121):
         gap = 6e-8 * math.exp(rng.gauss(0.0, 0.3)) * (15.0 ** min(max(step - 40, 0) / 60.0, 1.0))
         yield step, {"mis_k3_kl": 1e-14, "mis_log_ppl_abs_diff": gap * scale, "grad_norm": 0.5,
-                     "response_length": 100.0}
+                     "response_length": 100.0, "mis_rejected_token_fraction": 0.0}
 
 
 def test_the_log_ppl_gap_at_fp32_rounding_stays_below_the_default_floor(tmp_path):

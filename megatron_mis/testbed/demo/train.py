@@ -469,7 +469,8 @@ class GRPOTrainer:
             found = self.monitor.update(
                 step,
                 {k: record.get(k) for k in ("mis_k3_kl", "mis_log_ppl_abs_diff", "grad_norm", "lr")}
-                | {"response_length": record["response_length_mean"], "entropy": record.get("entropy")},
+                | {"response_length": record["response_length_mean"], "entropy": record.get("entropy"),
+                   "mis_rejected_token_fraction": record["rejected_token_fraction"]},
             )
             record["monitor_warnings"] = [w.message for w in found]
         return record
