@@ -621,8 +621,9 @@ def test_the_quoted_600_step_figures_at_256_tokens_k1_come_from_the_archive():
 
 #: The truncation archives: docs/study/ARCHIVE/runs holds the top-p (and top-k) sweeps' runs of one
 #: task (they share the reference), with a report per sweep, each comparing the arms on the greedy
-#: reward; {archive: {report: the arms it quotes}}. sweep-top-p: the 3-digit copy task (vocabulary
-#: 16); sweep-long-tail-truncation: the long-tail task (vocabulary 512, 64-token responses).
+#: reward; {archive: {report: the arms it quotes (each at the doses that ran it)}}. sweep-top-p: the
+#: 3-digit copy task (vocabulary 16); sweep-long-tail-truncation: the long-tail task (vocabulary 512,
+#: 64-token responses).
 _TOP_P_ARCHIVES = {
     "sweep-top-p": {
         "top-p-raw": ("none",),
@@ -634,7 +635,7 @@ _TOP_P_ARCHIVES = {
         "long-tail-top-p-replay": ("none",),
         "long-tail-top-k-raw": ("none",),
         "long-tail-top-k-replay": ("none",),
-        "long-tail-top-k-processed": ("none", "token_tis"),
+        "long-tail-top-k-processed": ("none", "token_tis", "token_mis"),
     },
 }
 _TOP_P_REPORTS = [(archive, report) for archive, reports in _TOP_P_ARCHIVES.items() for report in reports]
@@ -663,8 +664,8 @@ def test_the_top_p_archive_gives_its_reports_greedy_figures(archive):
         assert "compared on the greedy reward" in (_STUDY_DOCS / archive / report / "report.md").read_text()
         for dose in summary["doses"]:
             setting = dose["setting"]
-            assert sorted(dose["arms"]) == sorted([*arms, "ref_fp32"]), setting
-            for arm in arms:
+            assert {"none", "ref_fp32"} <= set(dose["arms"]) <= {*arms, "ref_fp32"}, setting
+            for arm in [a for a in arms if a in dose["arms"]]:
                 d = dose["arms"][arm]["vs_reference"]["greedy_reward"]
                 seeds = [int(s) for s in d["diffs"]]
                 assert d["diffs"] == pytest.approx({str(s): _greedy(runs[setting, arm, s][1])
@@ -712,7 +713,7 @@ def _top_p_rows(archive: str) -> list[str]:
         mechanism, kind = report.removeprefix("long-tail-").rsplit("-", 1)
         first = kind if archive == "sweep-top-p" else f"{mechanism} {kind}"
         for dose in summary["doses"]:
-            for arm in (("ref_fp32",) if kind == "raw" else ()) + arms:
+            for arm in [a for a in (("ref_fp32",) if kind == "raw" else ()) + arms if a in dose["arms"]]:
                 a = dose["arms"][arm]
                 mon = a["monitor_flagged"]
                 rows.append(
@@ -774,10 +775,13 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     ratios = [d["arms"]["none"]["grad_norm_mean"] / d["arms"]["ref_fp32"]["grad_norm_mean"] for d in doses]
     assert f"({min(ratios):.1f}-{max(ratios):.1f}x the reference's)" in readme, ratios
     processed = _dose(archive, "long-tail-top-k-processed", "k64")
-    none, tis = processed["arms"]["none"], processed["arms"]["token_tis"]
+    none, tis, mis = (processed["arms"][a] for a in ("none", "token_tis", "token_mis"))
     assert f"(mean K3 {none['k3_mean'][0]:.2f}, every ratio at most 1)" in readme
     assert (f"({tis['ended_low']['k']} of {tis['n']} runs ended low, none {none['ended_low']['k']} of "
-            f"{none['n']})") in readme
+            f"{none['n']}; {_quoted(tis['vs_reference']['greedy_reward'])} against the reference, {tis['n']} "
+            "seeds)") in readme
+    assert (f"trained nothing ({_quoted(mis['vs_reference']['greedy_reward'])}, {mis['ended_low']['k']} of "
+            f"{mis['n']} runs)") in readme
 
 
 @pytest.mark.parametrize("archive, report", _TOP_P_REPORTS)
@@ -816,15 +820,17 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
     dose = _dose("sweep-long-tail-truncation", "long-tail-top-k-processed", "k64")
-    none, tis = dose["arms"]["none"], dose["arms"]["token_tis"]
+    none, tis, mis = dose["arms"]["none"], dose["arms"]["token_tis"], dose["arms"]["token_mis"]
     replay = _top_p_replay_vs_none("sweep-long-tail-truncation")["k64"]
     never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
+    assert mis["steps_to_threshold"]["reached"] == 0 and mis["ended_low"]["k"] == mis["n"]
     quoted = [
         f"mean K3 KL {_e(none['k3_mean'][0], 1)} uncorrected, {none['n']} seeds",
         f"token TIS {_quoted(tis['vs_reference']['greedy_reward'])} against the reference",
         f"{tis['ended_low']['k']}/{tis['n']} ended low and {never}/{tis['n']} never took off in 300 steps "
         f"(none {none['ended_low']['k']}/{none['n']})",
         f"gradient norm {tis['grad_norm_mean'] / none['grad_norm_mean']:.2f}x none's",
+        f"every step of {mis['n']}/{mis['n']} runs and never learned: {_quoted(mis['vs_reference']['greedy_reward'])}",
         f"none {_quoted(none['vs_reference']['greedy_reward'])}",
         f"{_quoted(replay)} against the run without it ({replay['n']} seeds)",
     ]
@@ -833,6 +839,36 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
     assert not missing, (missing, basis)
 
 
+
+def test_the_answers_and_correction_tables_quote_the_processed_top_k_report():
+    """docs/study.md's answers-table row for the 512-id tail and the correction table's
+    sampling-mismatch row quote the processed top-k report: K3 per dose, token TIS and token MIS
+    against the reference at top-k 64, token TIS's take-off delay at top-k 16."""
+    archive = "sweep-long-tail-truncation"
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    top_k = {label: _dose(archive, "long-tail-top-k-processed", label)["arms"] for label in ("k256", "k64", "k16")}
+    k3 = [top_k[k]["none"]["k3_mean"][0] for k in ("k256", "k64", "k16")]
+    tis, mis, none = (top_k["k64"][a] for a in ("token_tis", "token_mis", "none"))
+    delay16 = _quoted(top_k["k16"]["token_tis"]["vs_reference"]["steps_to_threshold"], "{:+.0f}")
+    quoted = [
+        f"processed top-k 256 / 64 / 16: {k3[0]:.3f} / {k3[1]:.2f} / {k3[2]:.2f}, one-sided",
+        f"token TIS {_quoted(tis['vs_reference']['greedy_reward'])} against the reference at top-k 64, "
+        f"{tis['ended_low']['k']}/{tis['n']} ended low (none {none['ended_low']['k']}/{none['n']}), its take-off later "
+        f"the smaller k ({delay16} steps at top-k 16)",
+        f"token MIS masked every token at top-k 64 and never learned ({_quoted(mis['vs_reference']['greedy_reward'])}, "
+        f"{mis['n']} seeds)",
+        f"mean K3 {k3[1]:.2f}, {none['n']} seeds): token TIS {_quoted(tis['vs_reference']['greedy_reward'])} "
+        f"against the reference, {tis['ended_low']['k']}/{tis['n']} ended low "
+        f"(none {none['ended_low']['k']}/{none['n']}, none - "
+        f"reference {_quoted(none['vs_reference']['greedy_reward'])})",
+        f"({delay16} steps after the reference at top-k 16, {top_k['k16']['token_tis']['n']} seeds); "
+        "token MIS rejected every loss token on every step and never learned "
+        f"({_quoted(mis['vs_reference']['greedy_reward'])}, "
+        f"{mis['ended_low']['k']}/{mis['n']})",
+    ]
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
+
 def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     """docs/study.md's figures on truncation with the 512-id tail beyond its table: the 4-seed
     p = 0.8 difference that 8 seeds did not confirm, the paired SD and MDE, the raw runs' K3 and
@@ -840,6 +876,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     processed runs' largest ratio (below 1 on every step: processed log-probs renormalise the kept
     mass) and token TIS's gradient norm and stalled runs, each recomputed from the archive or the
     reports."""
+    from megatron_mis.testbed.study.report import _fmt_ci
     from megatron_mis.testbed.study.stats import paired_differences
 
     archive = "sweep-long-tail-truncation"
@@ -861,26 +898,62 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     k3_replay = [d["arms"]["none"]["k3_mean"][0] for d in replays]
     gn = [d["arms"]["none"]["grad_norm_mean"] for d in (p09, p08, k64)]
     gn_ref = [d["arms"]["ref_fp32"]["grad_norm_mean"] for d in (p09, p08, k64)]
-    plateau = [g for (_, arm, _), g in greedy.items() if arm in ("none", "ref_fp32")]
-    ratio_max = max(r["mis_ratio_max"] for (s, arm, _), (records, _) in runs.items()
-                    if "processed" in s and arm != "ref_fp32" for r in records)
-    tis, none = processed["arms"]["token_tis"], processed["arms"]["none"]
+    plateau = sorted(g for (_, arm, _), g in greedy.items() if arm in ("none", "ref_fp32"))
+    (slow,) = [key for key, g in greedy.items() if key[1] in ("none", "ref_fp32") and g < 0.3]  # still climbing
+    processed_runs = [records for (s, arm, _), (records, _) in runs.items() if "processed" in s and arm != "ref_fp32"]
+    ratio_max = max(r["mis_ratio_max"] for records in processed_runs for r in records)
+    tis, none, mis = (processed["arms"][a] for a in ("token_tis", "none", "token_mis"))
     never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
+    top_k = {label: dose("long-tail-top-k-processed", label) for label in ("k256", "k64", "k16")}
+    first8 = paired_differences({s: greedy["long-tail-top-k-processed-k64", "token_tis", s] for s in range(8)},
+                                {s: greedy["long-tail-top-k-processed-k64", "ref_fp32", s] for s in range(8)},
+                                confidence=raw["study"]["confidence"], resamples=raw["study"]["bootstrap"])
+    mis_runs = {key: records for key, (records, _) in runs.items() if key[1] == "token_mis"}
+    mis64 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k64") for r in records]
+    mis256 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k256") for r in records]
+    tis256 = [r for (s, arm, _), (records, _) in runs.items() if s == "long-tail-top-k-processed-k256"
+              and arm == "token_tis" for r in records]
+    takeoff = [top_k[k]["arms"]["token_tis"]["vs_reference"]["steps_to_threshold"] for k in ("k256", "k64", "k16")]
+    none16 = top_k["k16"]["arms"]["none"]["vs_reference"]["steps_to_threshold"]
+    summary = _summary(archive, "long-tail-top-k-processed")
     quoted = [
         f"At the first 4 seeds the report put p = 0.8 at {_quoted(first4)}, measurably behind; 4 more seeds took it to "
         f"{_quoted(p08['none_vs_reference'])}",
         f"paired SD {raw['paired_sd']:.3f}, MDE {raw['minimal_detectable_effect']:.3f} at 4 seeds",
-        f"greedy reward {min(plateau):.2f}-{max(plateau):.2f}, exact answers at most "
-        f"{max(end['evaluation']['greedy_exact'] for _, end in runs.values()):.1%} in every run",
+        f"greedy reward {plateau[1]:.2f}-{plateau[-1]:.2f}, exact answers at most "
+        f"{max(end['evaluation']['greedy_exact'] for _, end in runs.values()):.1%} in every run; the one, none "
+        f"at top-k 256 seed {slow[2]}, was still climbing at step 300, greedy {greedy[slow]:.2f})",
+        f"top-p sweep; {summary['paired_sd']:.3f} and {summary['minimal_detectable_effect']:.3f} in the processed "
+        "top-k",
+        f"{_quoted(top_k['k256']['none_vs_reference'])} at top-k 256 and "
+        f"{_quoted(top_k['k16']['none_vs_reference'])} at top-k 16 (4 seeds each) and "
+        f"{_quoted(top_k['k64']['none_vs_reference'])} at top-k 64 ({none['n']} seeds)",
+        f"none reached the threshold {-none16['mean']:.0f} [{-none16['high']:.0f}, {-none16['low']:.0f}] steps "
+        "*before* the reference",
         f"K3 stays at fp32 rounding ({_e(min(k3_raw), 1)} to {_e(max(k3_raw), 1)})",
         f"mean gradient norm is {gn[0]:.2f}, {gn[1]:.2f} and {gn[2]:.2f} at p = 0.9, 0.8 and top-k 64 against the "
         f"reference's {min(gn_ref):.2f}-{max(gn_ref):.2f}",
-        f"top-k 64's mean K3 is {_e(none['k3_mean'][0], 1)}",
-        f"processed runs: {ratio_max:.4f})",
-        f"token TIS's weight is the kept mass (mean K3 {_e(tis['k3_mean'][0], 1)})",
+        "top-k 256's, 64's and 16's mean K3 is "
+        + ", ".join(_e(top_k[k]["arms"]["none"]["k3_mean"][0], 1) for k in ("k256", "k64"))
+        + f" and {_e(top_k['k16']['arms']['none']['k3_mean'][0], 1)}",
+        f"in any step of the {len(processed_runs)} processed runs: {ratio_max:.5f})",
+        f"mass (mean K3 {_e(tis['k3_mean'][0], 1)} at top-k 64)",
         f"mean gradient norm {tis['grad_norm_mean']:.2f} against none's {none['grad_norm_mean']:.2f}",
+        f"{_quoted(tis['vs_reference']['greedy_reward'])} against the reference at {tis['n']} seeds "
+        f"({_quoted(first8)} at the first 8)",
         f"{tis['ended_low']['k']} of {tis['n']} of its runs ended low and {never} never took off in 300 steps, against "
-        f"{none['ended_low']['k']} of {none['n']} for none",
+        f"0 of {none['n']} for none",
+        "token TIS reached the threshold " + ", ".join(_quoted(d, "{:+.0f}") for d in takeoff[:2])
+        + f" and {_quoted(takeoff[2], '{:+.0f}')} steps after the reference at top-k 256, 64 and 16 "
+        f"({takeoff[0]['n']}, {takeoff[1]['n']} of {tis['n']}, {takeoff[2]['n']} seeds), and at top-k 16 "
+        f"{top_k['k16']['arms']['token_tis']['collapse']['k']} of its {top_k['k16']['arms']['token_tis']['n']} runs "
+        "collapsed",
+        f"its ratios stayed in [{min(r['mis_ratio_min'] for r in mis64):.3f}, "
+        f"{max(r['mis_ratio_max'] for r in mis64):.3f}]",
+        f"fraction is 1 on every step of all {mis['n']} runs",
+        f"greedy reward {_fmt_ci(mis['greedy_reward'])}, {_quoted(mis['vs_reference']['greedy_reward'])} against the "
+        f"reference, {mis['ended_low']['k']} of {mis['n']} never took off",
+        f"(smallest ratio {min(r['mis_ratio_min'] for r in mis256):.2f})",
         f"K3 back to rounding: {_e(min(k3_replay), 1)} to {_e(max(k3_replay), 1)}",
         f"replayed top-p at 0.9 ended above the untruncated reference "
         f"({_quoted(replays[0]['none_vs_reference'])}, 4 seeds",
@@ -889,3 +962,10 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     assert not missing, missing
     assert ratio_max < 1.0 and min(r["mis_ratio_max"] for (s, arm, _), (records, _) in runs.items()
                                    if "raw" in s for r in records) >= 1.0  # raw: rounding on both sides of 1
+    # token MIS over processed top-k 64: every loss token rejected on every step, so no gradient, ever, and
+    # no run took off; at top-k 256 nothing rejected, so the same runs as token TIS, step for step
+    assert len(mis64) == mis["n"] * summary["steps"] and mis["steps_to_threshold"]["reached"] == 0
+    assert all(r["rejected_token_fraction"] == 1.0 and r["grad_norm"] == 0.0 for r in mis64)
+    assert all(r["rejected_token_fraction"] == 0.0 for r in mis256) and len(mis256) == len(tis256) > 0
+    assert [(r["reward_mean"], r["grad_norm"]) for r in mis256] == [(r["reward_mean"], r["grad_norm"]) for r in tis256]
+    assert min(r["mis_ratio_min"] for r in mis256) > 0.5
