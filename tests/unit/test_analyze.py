@@ -290,6 +290,27 @@ def test_schedule_config_changes_the_verdict(tmp_path, capsys):
     assert not _strict_json(capsys.readouterr().out)["surge"]["fired"]  # a 4x jump is no 5x surge
 
 
+
+def test_the_monitor_replay_flags_a_config_that_rejects_most_tokens(tmp_path):
+    """Dumps of processed top-k log-probs with a kept mass of 0.2 on every token (pi_train =
+    0.2 pi_rollout), analysed with token MIS's band [0.5, 5]: every loss token is rejected and the
+    replayed monitor's default bound on the rejected-token fraction (0.5) flags the first rollout;
+    with token TIS (truncation, nothing rejected) it stays silent on that metric."""
+    samples = make_samples(8, 20, 0.0, seed=4)
+    for s in samples:
+        s["train"] = s["rollout"] + math.log(0.2)
+    files = [str(write_pt(tmp_path / f"r{i}.pt", samples, rollout_id=i)) for i in range(3)]
+
+    def rejected_warnings(preset):
+        report = analyze_history(files, MISConfig.from_yaml(preset_path(preset)), preset, progress=False).report
+        assert report["rows"][0]["rejected_token_fraction"] == (1.0 if preset == "token_mis" else 0.0)
+        return [w for w in report["monitor"]["warnings"] if w["metric"] == "mis_rejected_token_fraction"]
+
+    (w,) = rejected_warnings("token_mis")  # then the cool-down
+    assert (w["kind"], w["rollout_id"], w["value"], w["threshold"]) == ("threshold", 0, 1.0, 0.5)
+    assert "removes most of the loss tokens" in w["message"]
+    assert rejected_warnings("token_tis") == []
+
 # ------------------------------------------------------------------------------ strict JSON
 def test_json_is_always_valid_with_extreme_log_probs(tmp_path, capsys):
     path = tmp_path / "x.jsonl"
