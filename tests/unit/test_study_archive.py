@@ -905,14 +905,15 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     tis, none, mis = (processed["arms"][a] for a in ("token_tis", "none", "token_mis"))
     never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
     top_k = {label: dose("long-tail-top-k-processed", label) for label in ("k256", "k64", "k16")}
+    assert top_k["k256"]["arms"]["none"]["n"] == top_k["k16"]["arms"]["none"]["n"]
     first8 = paired_differences({s: greedy["long-tail-top-k-processed-k64", "token_tis", s] for s in range(8)},
                                 {s: greedy["long-tail-top-k-processed-k64", "ref_fp32", s] for s in range(8)},
                                 confidence=raw["study"]["confidence"], resamples=raw["study"]["bootstrap"])
     mis_runs = {key: records for key, (records, _) in runs.items() if key[1] == "token_mis"}
     mis64 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k64") for r in records]
     mis256 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k256") for r in records]
-    tis256 = [r for (s, arm, _), (records, _) in runs.items() if s == "long-tail-top-k-processed-k256"
-              and arm == "token_tis" for r in records]
+    tis256 = [r for (s, arm, seed), (records, _) in runs.items() if s == "long-tail-top-k-processed-k256"
+              and arm == "token_tis" and (s, "token_mis", seed) in runs for r in records]
     takeoff = [top_k[k]["arms"]["token_tis"]["vs_reference"]["steps_to_threshold"] for k in ("k256", "k64", "k16")]
     none16 = top_k["k16"]["arms"]["none"]["vs_reference"]["steps_to_threshold"]
     summary = _summary(archive, "long-tail-top-k-processed")
@@ -923,10 +924,11 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
         f"greedy reward {plateau[1]:.2f}-{plateau[-1]:.2f}, exact answers at most "
         f"{max(end['evaluation']['greedy_exact'] for _, end in runs.values()):.1%} in every run; the one, none "
         f"at top-k 256 seed {slow[2]}, was still climbing at step 300, greedy {greedy[slow]:.2f})",
-        f"top-p sweep; {summary['paired_sd']:.3f} and {summary['minimal_detectable_effect']:.3f} in the processed "
-        "top-k",
+        f"top-p sweep; {summary['paired_sd']:.3f} and {summary['minimal_detectable_effect']:.3f} at "
+        f"{summary['seeds_run']} seeds in the processed top-k",
         f"{_quoted(top_k['k256']['none_vs_reference'])} at top-k 256 and "
-        f"{_quoted(top_k['k16']['none_vs_reference'])} at top-k 16 (4 seeds each) and "
+        f"{_quoted(top_k['k16']['none_vs_reference'])} at top-k 16 "
+        f"({top_k['k16']['arms']['none']['n']} seeds each) and "
         f"{_quoted(top_k['k64']['none_vs_reference'])} at top-k 64 ({none['n']} seeds)",
         f"none reached the threshold {-none16['mean']:.0f} [{-none16['high']:.0f}, {-none16['low']:.0f}] steps "
         "*before* the reference",
@@ -945,9 +947,10 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
         f"0 of {none['n']} for none",
         "token TIS reached the threshold " + ", ".join(_quoted(d, "{:+.0f}") for d in takeoff[:2])
         + f" and {_quoted(takeoff[2], '{:+.0f}')} steps after the reference at top-k 256, 64 and 16 "
-        f"({takeoff[0]['n']}, {takeoff[1]['n']} of {tis['n']}, {takeoff[2]['n']} seeds), and at top-k 16 "
+        f"({takeoff[0]['n']}, {takeoff[1]['n']} of {tis['n']}, {takeoff[2]['n']} of "
+        f"{top_k['k16']['arms']['token_tis']['n']} seeds), and at top-k 16 "
         f"{top_k['k16']['arms']['token_tis']['collapse']['k']} of its {top_k['k16']['arms']['token_tis']['n']} runs "
-        "collapsed",
+        f"collapsed and {top_k['k16']['arms']['token_tis']['ended_low']['k']} ended low",
         f"its ratios stayed in [{min(r['mis_ratio_min'] for r in mis64):.3f}, "
         f"{max(r['mis_ratio_max'] for r in mis64):.3f}]",
         f"fraction is 1 on every step of all {mis['n']} runs",
