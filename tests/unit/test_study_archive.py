@@ -900,6 +900,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     gn_ref = [d["arms"]["ref_fp32"]["grad_norm_mean"] for d in (p09, p08, k64)]
     plateau = sorted(g for (_, arm, _), g in greedy.items() if arm in ("none", "ref_fp32"))
     (slow,) = [key for key, g in greedy.items() if key[1] in ("none", "ref_fp32") and g < 0.3]  # still climbing
+    assert slow[:2] == ("long-tail-top-k-processed-k256", "none")
     processed_runs = [records for (s, arm, _), (records, _) in runs.items() if "processed" in s and arm != "ref_fp32"]
     ratio_max = max(r["mis_ratio_max"] for records in processed_runs for r in records)
     tis, none, mis = (processed["arms"][a] for a in ("token_tis", "none", "token_mis"))
@@ -944,7 +945,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
         f"{_quoted(tis['vs_reference']['greedy_reward'])} against the reference at {tis['n']} seeds "
         f"({_quoted(first8)} at the first 8)",
         f"{tis['ended_low']['k']} of {tis['n']} of its runs ended low and {never} never took off in 300 steps, against "
-        f"0 of {none['n']} for none",
+        f"{none['ended_low']['k']} of {none['n']} for none",
         "token TIS reached the threshold " + ", ".join(_quoted(d, "{:+.0f}") for d in takeoff[:2])
         + f" and {_quoted(takeoff[2], '{:+.0f}')} steps after the reference at top-k 256, 64 and 16 "
         f"({takeoff[0]['n']}, {takeoff[1]['n']} of {tis['n']}, {takeoff[2]['n']} of "
