@@ -890,9 +890,14 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     replays = [dose("long-tail-top-p-replay", "p0.9"), dose("long-tail-top-p-replay", "p0.8"),
                dose("long-tail-top-k-replay", "k64")]
     greedy = {key: _greedy(end) for key, (_, end) in runs.items()}
-    first4 = paired_differences({s: greedy["long-tail-top-p-raw-p0.8", "none", s] for s in range(4)},
-                                {s: greedy["long-tail-top-p-raw-p0.8", "ref_fp32", s] for s in range(4)},
-                                confidence=raw["study"]["confidence"], resamples=raw["study"]["bootstrap"])
+
+    def first_seeds(setting: str, arm: str, n: int) -> dict:
+        """``arm - reference`` on the greedy reward over seeds 0..n-1 of ``setting`` (the reports' bootstrap)."""
+        return paired_differences({s: greedy[setting, arm, s] for s in range(n)},
+                                  {s: greedy[setting, "ref_fp32", s] for s in range(n)},
+                                  confidence=raw["study"]["confidence"], resamples=raw["study"]["bootstrap"])
+
+    first4 = first_seeds("long-tail-top-p-raw-p0.8", "none", 4)
     assert first4["excludes_zero"] and not p08["none_vs_reference"]["excludes_zero"] and p08["arms"]["none"]["n"] == 8
     k3_raw = [d["arms"]["none"]["k3_mean"][0] for d in (p09, p08, k64)]
     k3_replay = [d["arms"]["none"]["k3_mean"][0] for d in replays]
@@ -907,9 +912,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
     top_k = {label: dose("long-tail-top-k-processed", label) for label in ("k256", "k64", "k16")}
     assert top_k["k256"]["arms"]["none"]["n"] == top_k["k16"]["arms"]["none"]["n"]
-    first8 = paired_differences({s: greedy["long-tail-top-k-processed-k64", "token_tis", s] for s in range(8)},
-                                {s: greedy["long-tail-top-k-processed-k64", "ref_fp32", s] for s in range(8)},
-                                confidence=raw["study"]["confidence"], resamples=raw["study"]["bootstrap"])
+    first8 = first_seeds("long-tail-top-k-processed-k64", "token_tis", 8)
     mis_runs = {key: records for key, (records, _) in runs.items() if key[1] == "token_mis"}
     mis64 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k64") for r in records]
     mis256 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k256") for r in records]
