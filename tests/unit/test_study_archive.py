@@ -633,6 +633,7 @@ _TOP_P_ARCHIVES = {
     "sweep-long-tail-truncation": {
         "long-tail-top-p-raw": ("none",),
         "long-tail-top-p-replay": ("none",),
+        "long-tail-top-p-processed": ("none", "token_tis", "sequence_mis"),
         "long-tail-top-k-raw": ("none",),
         "long-tail-top-k-replay": ("none",),
         "long-tail-top-k-processed": ("none", "token_tis", "token_mis"),
@@ -677,13 +678,13 @@ def test_the_top_p_archive_gives_its_reports_greedy_figures(archive):
     assert set(runs) == quoted
 
 
-@pytest.mark.parametrize("archive, pairs", [("sweep-top-p", 32), ("sweep-long-tail-truncation", 4)])
+@pytest.mark.parametrize("archive, pairs", [("sweep-top-p", 32), ("sweep-long-tail-truncation", 12)])
 def test_recording_the_processed_log_probs_leaves_the_uncorrected_run_as_it_was(archive, pairs):
     """Without an IS weight the rollout's recorded log-probs enter no loss, so the processed sweep's
     none follows the raw sweep's none step for step (reward, gradient norm, greedy evaluation) at
     every dose and seed archived (sweep-top-p: p 0.95 and 0.9 seeds 0-7, p 0.8 seeds 0-15;
-    sweep-long-tail-truncation: top-k 64, seeds 0-3), while only its mismatch metrics see the
-    truncation:
+    sweep-long-tail-truncation: top-p 0.8 seeds 0-7, top-k 64 seeds 0-3), while only its mismatch
+    metrics see the truncation:
     K3 at fp32 rounding with the raw log-probs, the kept mass's log-ratio with the processed ones."""
     runs = _archive_runs(archive)
     raw = ("top-p-raw-", "long-tail-top-p-raw-", "long-tail-top-k-raw-")
@@ -782,6 +783,18 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
             "seeds)") in readme
     assert (f"trained nothing ({_quoted(mis['vs_reference']['greedy_reward'])}, {mis['ended_low']['k']} of "
             f"{mis['n']} runs)") in readme
+    tis08 = _dose(archive, "long-tail-top-p-processed", "p0.8")["arms"]["token_tis"]
+    assert (f"(every weight at least 0.8) it did no measurable harm "
+            f"({_quoted(tis08['vs_reference']['greedy_reward'])}, {tis08['n']} seeds)") in readme
+    # the entropy check (docs/study.md; its other figures in the test below): greedy reward against none
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    setting, runs = "long-tail-top-k-processed-k16", _archive_runs(archive)
+    check = {seed: _greedy(end) for (_, _, seed), (_, end) in _archive_runs(f"{archive}-entropy").items()}
+    study = _summary(archive, "long-tail-top-k-processed")["study"]
+    d = paired_differences(check, {seed: _greedy(runs[setting, "none", seed][1]) for seed in check},
+                           confidence=study["confidence"], resamples=study["bootstrap"])
+    assert f"none with that bonus raised to match ended worse than none: {_quoted(d)}, {d['n']} seeds" in readme
 
 
 @pytest.mark.parametrize("archive, report", _TOP_P_REPORTS)
@@ -842,15 +855,23 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
 
 def test_the_answers_and_correction_tables_quote_the_processed_top_k_report():
     """docs/study.md's answers-table row for the 512-id tail and the correction table's
-    sampling-mismatch row quote the processed top-k report: K3 per dose, token TIS and token MIS
-    against the reference at top-k 64, token TIS's take-off delay at top-k 16."""
+    sampling-mismatch row quote the processed top-k and top-p reports: K3 per dose, token TIS and
+    token MIS against the reference at top-k 64, token TIS's take-off delay at top-k 16, token TIS
+    at top-p 0.8."""
     archive = "sweep-long-tail-truncation"
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     top_k = {label: _dose(archive, "long-tail-top-k-processed", label)["arms"] for label in ("k256", "k64", "k16")}
     k3 = [top_k[k]["none"]["k3_mean"][0] for k in ("k256", "k64", "k16")]
     tis, mis, none = (top_k["k64"][a] for a in ("token_tis", "token_mis", "none"))
     delay16 = _quoted(top_k["k16"]["token_tis"]["vs_reference"]["steps_to_threshold"], "{:+.0f}")
+    top_p = {label: _dose(archive, "long-tail-top-p-processed", label)["arms"] for label in ("p0.95", "p0.8")}
+    tis08 = top_p["p0.8"]["token_tis"]
+    assert not tis08["vs_reference"]["greedy_reward"]["excludes_zero"]
     quoted = [
+        f"processed top-p 0.95 / 0.8: {top_p['p0.95']['none']['k3_mean'][0]:.4f} / "
+        f"{top_p['p0.8']['none']['k3_mean'][0]:.3f}; processed top-k 256 / 64 / 16",
+        f"at processed top-p 0.8 (every weight at least 0.8) token TIS did no measurable harm "
+        f"({_quoted(tis08['vs_reference']['greedy_reward'])}, {tis08['n']} seeds)",
         f"processed top-k 256 / 64 / 16: {k3[0]:.3f} / {k3[1]:.2f} / {k3[2]:.2f}, one-sided",
         f"token TIS {_quoted(tis['vs_reference']['greedy_reward'])} against the reference at top-k 64, "
         f"{tis['ended_low']['k']}/{tis['n']} ended low (none {none['ended_low']['k']}/{none['n']}), its take-off later "
@@ -976,3 +997,142 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     assert all(r["rejected_token_fraction"] == 0.0 for r in mis256) and len(mis256) == len(tis256) > 0
     assert [(r["reward_mean"], r["grad_norm"]) for r in mis256] == [(r["reward_mean"], r["grad_norm"]) for r in tis256]
     assert min(r["mis_ratio_min"] for r in mis256) > 0.5
+
+
+def test_the_entropy_bonus_check_at_top_k_16_comes_from_its_archive():
+    """docs/study.md's check of why token TIS over processed top-k 16 log-probs slows learning: the
+    runs of none with ``entropy_coef`` 0.2 (0.03 over token TIS's mean weight there;
+    docs/study/sweep-long-tail-truncation-entropy/runs) differ from the archived none in that
+    coefficient alone; their entropy, take-off, collapses and greedy reward against token TIS,
+    none and the reference, and token TIS's weight over time, are recomputed from both archives
+    with the reports' metrics and bootstrap."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
+    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
+
+    setting, archive = "long-tail-top-k-processed-k16", "sweep-long-tail-truncation"
+    check_texts = read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs")
+    main_texts = read_archive(_STUDY_DOCS / archive / "runs")
+    assert sorted(check_texts) == [f"{setting}/none/seed-{s}.jsonl" for s in range(8)]
+    for rel, text in check_texts.items():
+        mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
+        assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"} and mine["entropy_coef"] == 0.2, rel
+    main, check = _archive_runs(archive), _archive_runs(f"{archive}-entropy")
+    seeds = range(8)
+    records = {**{(arm, s): main[setting, arm, s] for arm in ("ref_fp32", "none", "token_tis") for s in seeds},
+               **{("check", s): check[setting, "none", s] for s in seeds}}
+    study = _summary(archive, "long-tail-top-k-processed")["study"]
+    kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
+    metrics = {key: run_metrics(r, end, **kw) for key, (r, end) in records.items()}
+
+    def paired(arm: str, baseline: str, key: str) -> dict:
+        return paired_differences({s: metrics[arm, s][key] for s in seeds},
+                                  {s: metrics[baseline, s][key] for s in seeds},
+                                  confidence=study["confidence"], resamples=study["bootstrap"])
+
+    def series(arm: str, key: str) -> np.ndarray:
+        return np.array([[r[key] for r in records[arm, s][0]] for s in seeds])
+
+    weight = series("token_tis", "is_weight_mean")
+    assert 0.03 / weight.mean() == pytest.approx(0.2, abs=0.01)
+    entropy = {arm: series(arm, "entropy") for arm in ("ref_fp32", "none", "token_tis", "check")}
+    cells = {arm: f"{e[:, 100:150].mean():.2f} / {e[:, 250:300].mean():.2f}" for arm, e in entropy.items()}
+    reached = {arm: sum(metrics[arm, s]["steps_to_threshold"] is not None for s in seeds)
+               for arm in ("token_tis", "check")}
+    collapsed = {arm: sum(metrics[arm, s]["collapsed"] for s in seeds) for arm in ("none", "token_tis", "check")}
+    check_vs_none = paired("check", "none", "greedy_reward")
+    # the summary's "a third of its delay": the check's take-off delay over token TIS's
+    delays = [paired(arm, "ref_fp32", "steps_to_threshold")["mean"] for arm in ("check", "token_tis")]
+    assert round(3 * delays[0] / delays[1]) == 1, delays
+    assert check_vs_none["excludes_zero"] and check_vs_none["mean"] < 0
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    quoted = [
+        f"token TIS's mean weight there, {weight.mean():.3f}",
+        f"{weight[:, :10].mean():.3f} over the first 10 steps, {weight[:, :50].mean():.3f} over the first 50 and "
+        f"{weight[:, 250:].mean():.3f} over the last 50",
+        f"steps 101-150 / 251-300: {cells['check']}, token TIS {cells['token_tis']}, none {cells['none']}, the "
+        f"reference {cells['ref_fp32']}",
+        f"{_quoted(paired('check', 'ref_fp32', 'steps_to_threshold'), '{:+.0f}')} steps after the reference "
+        f"({reached['check']} of 8 took off)",
+        f"token TIS's {_quoted(paired('token_tis', 'ref_fp32', 'steps_to_threshold'), '{:+.0f}')} "
+        f"({reached['token_tis']} of 8)",
+        f"{_quoted(paired('check', 'token_tis', 'steps_to_threshold'), '{:+.0f}')} steps against token TIS",
+        f"greedy reward {_quoted(check_vs_none)} against none",
+        f"{_quoted(paired('check', 'ref_fp32', 'greedy_reward'))} against the reference",
+        f"{collapsed['check']} of 8 collapsed (token TIS {collapsed['token_tis']}, none {collapsed['none']})",
+        # the correction table's sampling-mismatch row
+        f"that bonus raised to match ended worse than none: {_quoted(check_vs_none)}, 8 seeds at top-k 16)",
+    ]
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
+
+
+def test_the_processed_top_p_figures_on_the_long_tail_come_from_the_archive():
+    """docs/study.md on processed top-p over the 512-id tail: every ratio within [p, 1] (rounding
+    aside), token TIS and sequence MIS against the reference and none, the sequence log-weight from
+    the measured log-ppl gap, the normalised sequence weights, the length at which sequence MIS's
+    lower bound rejects everything, and token TIS's take-off delay against its mean weight at every
+    processed dose; each from the report or recomputed from the archive."""
+    import math
+
+    import numpy as np
+
+    archive = "sweep-long-tail-truncation"
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    runs = _archive_runs(archive)
+    top_p = {d["label"]: d["arms"] for d in _summary(archive, "long-tail-top-p-processed")["doses"]}
+    top_k = {d["label"]: d["arms"] for d in _summary(archive, "long-tail-top-k-processed")["doses"]}
+    setting = "long-tail-top-p-processed-p0.8"
+    p08 = [r for (s, arm, _), (records, _) in runs.items() if s == setting and arm != "ref_fp32" for r in records]
+    seq = [r for (s, arm, _), (records, _) in runs.items() if s == setting and arm == "sequence_mis" for r in records]
+    lo, hi = min(r["mis_ratio_min"] for r in p08), max(r["mis_ratio_max"] for r in p08)
+    n08 = sum(1 for (s, arm, _) in runs if s == setting and arm != "ref_fp32")
+    assert 0.8 - 1e-5 < lo < 0.8 and hi < 1.0  # the kept mass, at least p up to float32 rounding
+    assert all(r["rejected_token_fraction"] == 0.0 and r["rejected_seq_fraction"] == 0.0 for r in p08)
+    gap = float(np.mean([r["mis_log_ppl_abs_diff"] for r in seq]))
+    tis, none, smis = (top_p["p0.8"][a] for a in ("token_tis", "none", "sequence_mis"))
+    p095 = top_p["p0.95"]
+
+    def takeoff(arm: dict) -> str:
+        return _quoted(arm["vs_reference"]["steps_to_threshold"], "{:+.0f}")
+
+    def mean_weight(setting: str) -> float:
+        return float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in runs.items()
+                              if s == setting and arm == "token_tis" for r in records]))
+
+    doses = [(f"p {label[1:]}", f"long-tail-top-p-processed-{label}", top_p[label]) for label in ("p0.95", "p0.8")]
+    doses += [(f"top-k {label[1:]}", f"long-tail-top-k-processed-{label}", top_k[label])
+              for label in ("k256", "k64", "k16")]
+    delays = [f"{arm['token_tis']['vs_reference']['steps_to_threshold']['mean']:+.0f} steps at {name} (mean weight "
+              f"{mean_weight(setting):.2f})" for name, setting, arm in doses]
+    quoted = [
+        f"(at p = 0.8 the {n08} processed runs' ratios stayed in [{lo:.6f}, {hi:.2f}]; mean K3 "
+        f"{_e(none['k3_mean'][0], 1)})",
+        f"{_quoted(tis['vs_reference']['greedy_reward'])} against the reference and "
+        f"{_quoted(tis['vs_none']['greedy_reward'])} against none ({tis['n']} seeds)",
+        f"taking off {takeoff(tis)} steps after the reference (none {takeoff(none)})",
+        f"about e^{-64 * gap:.0f} (64 tokens times the mean log-ratio -{gap:.2f})",
+        f"(normalised weights in [{min(r['is_weight_min'] for r in seq):.2f}, "
+        f"{max(r['is_weight_max'] for r in seq):.2f}]): "
+        f"{_quoted(smis['vs_reference']['greedy_reward'])} against the reference",
+        f"below p = {math.exp(math.log(1e-8) / 64):.2f} at 64 tokens, {math.exp(math.log(1e-8) / 256):.2f} at 256 and "
+        f"{math.exp(math.log(1e-8) / 1024):.3f} at 1,024",
+        "its mean weight falls: " + ", ".join(delays[:-1]) + f" and {delays[-1]}; only the last CI excludes 0",
+        f"At p = 0.95 (mean K3 {_e(p095['none']['k3_mean'][0], 1)}, below the monitor's K3 bound 1e-2: none of its "
+        f"{p095['none']['n'] + p095['token_tis']['n']} processed runs flagged) token TIS was "
+        f"{_quoted(p095['token_tis']['vs_reference']['greedy_reward'])} against the reference "
+        f"({p095['token_tis']['n']} seeds)",
+    ]
+    assert [bool(arm["token_tis"]["vs_reference"]["steps_to_threshold"]["excludes_zero"]) for _, _, arm in doses] == [
+        False] * (len(doses) - 1) + [True]
+    assert all(p095[a]["monitor_flagged"]["k"] == 0 for a in ("none", "token_tis"))
+    # the README's monitor paragraph: the K3 bound fires on every step at p 0.8 here, never at p 0.95
+    assert min(r["mis_k3_kl"] for r in p08) > 1e-2 and max(r["mis_k3_kl"] for (s, arm, _), (records, _) in runs.items()
+                                                         if s.endswith("-p0.95") and arm != "ref_fp32"
+                                                         for r in records) < 1e-2
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"on every step of the 512-id one (not p 0.95 there: mean K3 {_e(p095['none']['k3_mean'][0], 1)})"
+            in readme)
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
