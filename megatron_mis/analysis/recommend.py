@@ -27,9 +27,10 @@ Regimes (first match wins):
    a rollout temperature below the trainer's can do the same): the fix is in the
    configuration (replay the support, record raw log-probs, apply the temperature in the trainer)
    and no IS weight (``none``): each token's weight is about the kept mass, so a weight only
-   shrinks the gradient and a mask band removes every token whose kept mass is below its lower
-   bound (token MIS over processed top-k 64 log-probs trained nothing); measured in the long-tail
-   top-k sweep (below, ``TRUNCATION_BASIS``).
+   shrinks the policy gradient against the terms it does not weight (the entropy bonus, a KL
+   loss) and a mask band removes every token whose kept mass is below its lower bound (token MIS
+   over processed top-k 64 log-probs trained nothing); measured in the long-tail top-k sweep
+   (below, ``TRUNCATION_BASIS``).
 2. ``s <= 0.15``: the regime the study measured as harmless (no correction not measurably worse
    than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
    0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.
@@ -184,8 +185,9 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "(renormalised) log-probs of top-p / top-k sampling, or a rollout temperature below the trainer's. "
             "Fix the configuration: replay the rollout's support in the trainer (TokenSupport, as slime's top-p "
             "replay) or record the raw log-probs, and apply the rollout's temperature in the trainer. Use no IS "
-            "weight meanwhile: each token's weight is about the kept mass, so a weight only shrinks the gradient, "
-            "and a mask band (token MIS's [0.5, 5]) removes every token whose kept mass is below its lower bound",
+            "weight meanwhile: each token's weight is about the kept mass, so a weight only shrinks the policy "
+            "gradient against what it does not weight (the entropy bonus, a KL loss), and a mask band (token "
+            "MIS's [0.5, 5]) removes every token whose kept mass is below its lower bound",
             TRUNCATION_BASIS,
         )
     if k3 > K3_CONFIG_BUG:
