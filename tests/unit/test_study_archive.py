@@ -786,15 +786,6 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     tis08 = _dose(archive, "long-tail-top-p-processed", "p0.8")["arms"]["token_tis"]
     assert (f"(every weight at least 0.8) it did no measurable harm "
             f"({_quoted(tis08['vs_reference']['greedy_reward'])}, {tis08['n']} seeds)") in readme
-    # the entropy check (docs/study.md; its other figures in the test below): greedy reward against none
-    from megatron_mis.testbed.study.stats import paired_differences
-
-    setting, runs = "long-tail-top-k-processed-k16", _archive_runs(archive)
-    check = {seed: _greedy(end) for (_, _, seed), (_, end) in _archive_runs(f"{archive}-entropy").items()}
-    study = _summary(archive, "long-tail-top-k-processed")["study"]
-    d = paired_differences(check, {seed: _greedy(runs[setting, "none", seed][1]) for seed in check},
-                           confidence=study["confidence"], resamples=study["bootstrap"])
-    assert f"none with that bonus raised to match ended worse than none: {_quoted(d)}, {d['n']} seeds" in readme
 
 
 @pytest.mark.parametrize("archive, report", _TOP_P_REPORTS)
@@ -825,6 +816,26 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
     assert "Paired SD of the greedy reward" in text
 
 
+def _entropy_lowered_vs_none() -> str:
+    """Token TIS with the entropy bonus lowered by its mean weight (docs/study/
+    sweep-long-tail-truncation-entropy/runs) against the archived none at top-k 16: the take-off,
+    paired per seed with the report's metrics and bootstrap, as ``analyze``'s basis quotes it."""
+    from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
+    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
+
+    archive, setting = "sweep-long-tail-truncation", "long-tail-top-k-processed-k16"
+    study = _summary(archive, "long-tail-top-k-processed")["study"]
+    kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
+
+    def takeoff(runs: dict, arm: str) -> dict:
+        return {seed: run_metrics(*runs[setting, arm, seed], **kw)["steps_to_threshold"] for seed in range(8)}
+
+    d = paired_differences(takeoff(_archive_runs(f"{archive}-entropy"), "token_tis"),
+                           takeoff(_archive_runs(archive), "none"),
+                           confidence=study["confidence"], resamples=study["bootstrap"])
+    return f"{_quoted(d, '{:+.0f}')} steps, {d['n']} seeds"
+
+
 def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
     """``analyze``'s advice for one-sided log-ratios above numerics (no IS weight, fix the sampling
     configuration) quotes the long-tail top-k sweeps: the figures in its basis are the processed
@@ -846,6 +857,8 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
         f"every step of {mis['n']}/{mis['n']} runs and never learned: {_quoted(mis['vs_reference']['greedy_reward'])}",
         f"none {_quoted(none['vs_reference']['greedy_reward'])}",
         f"{_quoted(replay)} against the run without it ({replay['n']} seeds)",
+        # the entropy check (recomputed in test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive)
+        f"token TIS with that bonus lowered by its mean weight took off with none, {_entropy_lowered_vs_none()}",
     ]
     basis = " ".join(TRUNCATION_BASIS.split())
     missing = [q for q in quoted if q not in basis]
@@ -999,29 +1012,32 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     assert min(r["mis_ratio_min"] for r in mis256) > 0.5
 
 
-def test_the_entropy_bonus_check_at_top_k_16_comes_from_its_archive():
-    """docs/study.md's check of why token TIS over processed top-k 16 log-probs slows learning: the
-    runs of none with ``entropy_coef`` 0.2 (0.03 over token TIS's mean weight there;
-    docs/study/sweep-long-tail-truncation-entropy/runs) differ from the archived none in that
-    coefficient alone; their entropy, take-off, collapses and greedy reward against token TIS,
-    none and the reference, and token TIS's weight over time, are recomputed from both archives
-    with the reports' metrics and bootstrap."""
+def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
+    """docs/study.md's checks of why token TIS over processed top-k 16 log-probs slows learning
+    (docs/study/sweep-long-tail-truncation-entropy/runs): token TIS with ``entropy_coef`` lowered to
+    0.0044 (0.03 times its mean weight there) and none with it raised to 0.2 (0.03 over it), each
+    differing from the archived run of its arm in that coefficient alone; their entropy, take-off,
+    collapses and greedy reward against token TIS, none and the reference, and token TIS's weight
+    over time, recomputed from both archives with the reports' metrics and bootstrap."""
     import numpy as np
 
     from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
     from megatron_mis.testbed.study.stats import paired_differences, run_metrics
 
     setting, archive = "long-tail-top-k-processed-k16", "sweep-long-tail-truncation"
+    coefficients = {"none": 0.2, "token_tis": 0.0044}  # the archived arm each check re-runs, and its coefficient
     check_texts = read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs")
     main_texts = read_archive(_STUDY_DOCS / archive / "runs")
-    assert sorted(check_texts) == [f"{setting}/none/seed-{s}.jsonl" for s in range(8)]
+    assert sorted(check_texts) == sorted(f"{setting}/{arm}/seed-{s}.jsonl" for arm in coefficients for s in range(8))
     for rel, text in check_texts.items():
         mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
-        assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"} and mine["entropy_coef"] == 0.2, rel
+        assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"}, rel
+        assert mine["entropy_coef"] == coefficients[rel.split("/")[1]], rel
     main, check = _archive_runs(archive), _archive_runs(f"{archive}-entropy")
     seeds = range(8)
     records = {**{(arm, s): main[setting, arm, s] for arm in ("ref_fp32", "none", "token_tis") for s in seeds},
-               **{("check", s): check[setting, "none", s] for s in seeds}}
+               **{("raised", s): check[setting, "none", s] for s in seeds},
+               **{("lowered", s): check[setting, "token_tis", s] for s in seeds}}
     study = _summary(archive, "long-tail-top-k-processed")["study"]
     kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
     metrics = {key: run_metrics(r, end, **kw) for key, (r, end) in records.items()}
@@ -1031,41 +1047,60 @@ def test_the_entropy_bonus_check_at_top_k_16_comes_from_its_archive():
                                   {s: metrics[baseline, s][key] for s in seeds},
                                   confidence=study["confidence"], resamples=study["bootstrap"])
 
+    def steps(arm: str, baseline: str) -> str:
+        return _quoted(paired(arm, baseline, "steps_to_threshold"), "{:+.0f}")
+
     def series(arm: str, key: str) -> np.ndarray:
         return np.array([[r[key] for r in records[arm, s][0]] for s in seeds])
 
     weight = series("token_tis", "is_weight_mean")
-    assert 0.03 / weight.mean() == pytest.approx(0.2, abs=0.01)
-    entropy = {arm: series(arm, "entropy") for arm in ("ref_fp32", "none", "token_tis", "check")}
+    assert 0.03 / weight.mean() == pytest.approx(coefficients["none"], abs=0.01)
+    assert 0.03 * weight.mean() == pytest.approx(coefficients["token_tis"], abs=1e-4)
+    entropy = {arm: series(arm, "entropy") for arm in ("ref_fp32", "none", "token_tis", "raised", "lowered")}
     cells = {arm: f"{e[:, 100:150].mean():.2f} / {e[:, 250:300].mean():.2f}" for arm, e in entropy.items()}
     reached = {arm: sum(metrics[arm, s]["steps_to_threshold"] is not None for s in seeds)
-               for arm in ("token_tis", "check")}
-    collapsed = {arm: sum(metrics[arm, s]["collapsed"] for s in seeds) for arm in ("none", "token_tis", "check")}
-    check_vs_none = paired("check", "none", "greedy_reward")
-    # the summary's "a third of its delay": the check's take-off delay over token TIS's
-    delays = [paired(arm, "ref_fp32", "steps_to_threshold")["mean"] for arm in ("check", "token_tis")]
+               for arm in ("token_tis", "raised", "lowered")}
+    collapsed = {arm: sum(metrics[arm, s]["collapsed"] for s in seeds)
+                 for arm in ("none", "token_tis", "raised", "lowered")}
+    raised_vs_none = paired("raised", "none", "greedy_reward")
+    assert raised_vs_none["excludes_zero"] and raised_vs_none["mean"] < 0
+    # lowered: level with none on the take-off, resolved ahead of token TIS; the summaries' "a third of its
+    # delay" for raised
+    assert not paired("lowered", "none", "steps_to_threshold")["excludes_zero"]
+    assert paired("lowered", "token_tis", "steps_to_threshold")["high"] < 0
+    delays = [paired(arm, "ref_fp32", "steps_to_threshold")["mean"] for arm in ("raised", "token_tis")]
     assert round(3 * delays[0] / delays[1]) == 1, delays
-    assert check_vs_none["excludes_zero"] and check_vs_none["mean"] < 0
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     quoted = [
         f"token TIS's mean weight there, {weight.mean():.3f}",
+        f"take-off against the reference was {steps('lowered', 'ref_fp32')} steps ({reached['lowered']} of 8 took "
+        f"off; none's {steps('none', 'ref_fp32')}), {steps('lowered', 'none')} against none and "
+        f"{steps('lowered', 'token_tis')} against token TIS; greedy reward "
+        f"{_quoted(paired('lowered', 'ref_fp32', 'greedy_reward'))} against the reference",
+        f"steps 101-150 / 251-300: {cells['lowered']}, none {cells['none']})",
+        f"steps 101-150 / 251-300: {cells['raised']}, token TIS {cells['token_tis']}, none {cells['none']}, the "
+        f"reference {cells['ref_fp32']}",
+        f"{0.03 / weight.mean():.1f}** (0.03 over that weight)",
+        f"{0.03 * weight.mean():.4f}** (0.03 times that weight)",
         f"{weight[:, :10].mean():.3f} over the first 10 steps, {weight[:, :50].mean():.3f} over the first 50 and "
         f"{weight[:, 250:].mean():.3f} over the last 50",
-        f"steps 101-150 / 251-300: {cells['check']}, token TIS {cells['token_tis']}, none {cells['none']}, the "
-        f"reference {cells['ref_fp32']}",
-        f"{_quoted(paired('check', 'ref_fp32', 'steps_to_threshold'), '{:+.0f}')} steps after the reference "
-        f"({reached['check']} of 8 took off)",
-        f"token TIS's {_quoted(paired('token_tis', 'ref_fp32', 'steps_to_threshold'), '{:+.0f}')} "
-        f"({reached['token_tis']} of 8)",
-        f"{_quoted(paired('check', 'token_tis', 'steps_to_threshold'), '{:+.0f}')} steps against token TIS",
-        f"greedy reward {_quoted(check_vs_none)} against none",
-        f"{_quoted(paired('check', 'ref_fp32', 'greedy_reward'))} against the reference",
-        f"{collapsed['check']} of 8 collapsed (token TIS {collapsed['token_tis']}, none {collapsed['none']})",
-        # the correction table's sampling-mismatch row
-        f"that bonus raised to match ended worse than none: {_quoted(check_vs_none)}, 8 seeds at top-k 16)",
+        f"{steps('raised', 'ref_fp32')} steps after the reference ({reached['raised']} of 8 took off)",
+        f"token TIS's {steps('token_tis', 'ref_fp32')} ({reached['token_tis']} of 8)",
+        f"{steps('raised', 'token_tis')} steps against token TIS",
+        f"greedy reward {_quoted(raised_vs_none)} against none",
+        f"{_quoted(paired('raised', 'ref_fp32', 'greedy_reward'))} against the reference",
+        f"{collapsed['raised']} of 8 collapsed (token TIS {collapsed['token_tis']}, none {collapsed['none']})",
+        # the summaries, the correction table's sampling-mismatch row and the README
+        f"that bonus raised to match ended worse than none: {_quoted(raised_vs_none)}, 8 seeds at top-k 16)",
+        f"token TIS with that bonus lowered by its mean weight took off with none ({steps('lowered', 'none')} "
+        "steps, 8 seeds at top-k 16)",
     ]
+    assert collapsed["lowered"] == 0  # "none of its runs collapsed"
     missing = [q for q in quoted if q not in prose]
     assert not missing, missing
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    for q in quoted[-2:]:
+        assert q in readme, q
 
 
 def test_the_processed_top_p_figures_on_the_long_tail_come_from_the_archive():
