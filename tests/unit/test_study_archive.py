@@ -1028,6 +1028,7 @@ def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
     coefficients = {"none": 0.2, "token_tis": 0.0044}  # the archived arm each check re-runs, and its coefficient
     check_texts = read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs")
     main_texts = read_archive(_STUDY_DOCS / archive / "runs")
+    check_texts = {rel: text for rel, text in check_texts.items() if rel.startswith(f"{setting}/")}
     assert sorted(check_texts) == sorted(f"{setting}/{arm}/seed-{s}.jsonl" for arm in coefficients for s in range(8))
     for rel, text in check_texts.items():
         mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
@@ -1072,7 +1073,7 @@ def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
     assert round(3 * delays[0] / delays[1]) == 1, delays
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     quoted = [
-        f"token TIS's mean weight there, {weight.mean():.3f}",
+        f"token TIS's mean weight at that dose (at top-k 16, {weight.mean():.3f})",
         f"take-off against the reference was {steps('lowered', 'ref_fp32')} steps ({reached['lowered']} of 8 took "
         f"off; none's {steps('none', 'ref_fp32')}), {steps('lowered', 'none')} against none and "
         f"{steps('lowered', 'token_tis')} against token TIS; greedy reward "
@@ -1101,6 +1102,54 @@ def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     for q in quoted[-2:]:
         assert q in readme, q
+
+
+def test_the_lowered_entropy_check_at_top_k_64_comes_from_its_archive():
+    """The same check at top-k 64 (docs/study/sweep-long-tail-truncation-entropy/runs): token TIS
+    with ``entropy_coef`` 0.03 times its mean weight there, differing from the archived token TIS in
+    that coefficient alone; its take-off against none and token TIS, the runs that ended low and
+    the greedy reward, recomputed with the reports' metrics and bootstrap over seeds 0-7."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
+    from megatron_mis.testbed.study.report import ended_low
+    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
+
+    setting, archive = "long-tail-top-k-processed-k64", "sweep-long-tail-truncation"
+    main_texts = read_archive(_STUDY_DOCS / archive / "runs")
+    check_texts = {rel: text for rel, text in read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs").items()
+                   if rel.startswith(f"{setting}/")}
+    assert sorted(check_texts) == sorted(f"{setting}/token_tis/seed-{s}.jsonl" for s in range(8))
+    main, check = _archive_runs(archive), _archive_runs(f"{archive}-entropy")
+    weight = float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in main.items()
+                            if s == setting and arm == "token_tis" for r in records]))
+    for rel, text in check_texts.items():
+        mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
+        assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"}, rel
+        assert mine["entropy_coef"] == pytest.approx(0.03 * weight, abs=1e-4), rel
+    seeds = range(8)
+    study = _summary(archive, "long-tail-top-k-processed")["study"]
+    kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
+    metrics = {arm: {s: run_metrics(*main[setting, arm, s], **kw) for s in seeds}
+               for arm in ("ref_fp32", "none", "token_tis")}
+    metrics["lowered"] = {s: run_metrics(*check[setting, "token_tis", s], **kw) for s in seeds}
+    low = ended_low(metrics, study["collapse_fraction"])["arms"]
+
+    def paired(arm: str, baseline: str, key: str, fmt: str = "{:+.3f}") -> str:
+        d = paired_differences({s: metrics[arm][s][key] for s in seeds}, {s: metrics[baseline][s][key] for s in seeds},
+                               confidence=study["confidence"], resamples=study["bootstrap"])
+        return _quoted(d, fmt)
+
+    reached = sum(m["steps_to_threshold"] is not None for m in metrics["lowered"].values())
+    quoted = (f"token TIS with the bonus lowered to {0.03 * weight:.4f} (0.03 times its mean weight there, "
+              f"{weight:.3f}; 8 seeds) took off with none "
+              f"({paired('lowered', 'none', 'steps_to_threshold', '{:+.0f}')} "
+              f"steps against none, {paired('lowered', 'token_tis', 'steps_to_threshold', '{:+.0f}')} against token "
+              f"TIS over the seeds both took off on), {reached} of 8 took off and {len(low['lowered'])} of 8 ended "
+              f"low (token TIS over the same seeds: {len(low['token_tis'])} of 8), and its greedy reward was "
+              f"{paired('lowered', 'token_tis', 'greedy_reward')} against token TIS "
+              f"({paired('lowered', 'ref_fp32', 'greedy_reward')} against the reference)")
+    assert quoted in _prose(_STUDY_DOCS.parent / "study.md"), quoted
 
 
 def test_the_processed_top_p_figures_on_the_long_tail_come_from_the_archive():
