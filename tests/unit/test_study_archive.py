@@ -11,6 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -816,23 +817,54 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
     assert "Paired SD of the greedy reward" in text
 
 
-def _entropy_lowered_vs_none() -> str:
-    """Token TIS with the entropy bonus lowered by its mean weight (docs/study/
-    sweep-long-tail-truncation-entropy/runs) against the archived none at top-k 16: the take-off,
-    paired per seed with the report's metrics and bootstrap, as ``analyze``'s basis quotes it."""
+#: The entropy checks (docs/study/sweep-long-tail-truncation-entropy/runs): the archived arm each re-runs
+#: with another ``entropy_coef``, and the name the tests give the check.
+_ENTROPY_CHECKS = {"none": "raised", "token_tis": "lowered"}
+
+
+@functools.cache
+def _entropy_check(setting: str) -> SimpleNamespace:
+    """The entropy checks at ``setting`` beside the archived runs they re-run, seeds 0-7:
+    ``records`` and ``metrics`` (the reports' run metrics), ``{arm: {seed: ...}}`` for ref_fp32,
+    none, token_tis and each check run there ("raised", "lowered"); ``coefficients``
+    ``{check: entropy_coef}``; ``study`` (the processed top-k report's settings); ``paired(arm,
+    baseline, key)`` (the reports' paired bootstrap). Each check run's configuration is asserted
+    to differ from its archived twin's in ``entropy_coef`` alone."""
     from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
     from megatron_mis.testbed.study.stats import paired_differences, run_metrics
 
-    archive, setting = "sweep-long-tail-truncation", "long-tail-top-k-processed-k16"
+    archive = "sweep-long-tail-truncation"
+    main_texts = read_archive(_STUDY_DOCS / archive / "runs")
+    coefficients = {}
+    for rel, text in read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs").items():
+        if rel.startswith(f"{setting}/"):
+            mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
+            assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"}, rel
+            check = _ENTROPY_CHECKS[rel.split("/")[1]]
+            assert coefficients.setdefault(check, mine["entropy_coef"]) == mine["entropy_coef"], rel
+    main, checks = _archive_runs(archive), _archive_runs(f"{archive}-entropy")
+    seeds = range(8)
+    records = {arm: {s: main[setting, arm, s] for s in seeds} for arm in ("ref_fp32", "none", "token_tis")}
+    for arm, check in _ENTROPY_CHECKS.items():
+        if check in coefficients:
+            assert {s for (st, a, s) in checks if (st, a) == (setting, arm)} == set(seeds), (setting, arm)
+            records[check] = {s: checks[setting, arm, s] for s in seeds}
     study = _summary(archive, "long-tail-top-k-processed")["study"]
     kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
+    metrics = {arm: {s: run_metrics(*run, **kw) for s, run in by_seed.items()} for arm, by_seed in records.items()}
 
-    def takeoff(runs: dict, arm: str) -> dict:
-        return {seed: run_metrics(*runs[setting, arm, seed], **kw)["steps_to_threshold"] for seed in range(8)}
+    def paired(arm: str, baseline: str, key: str) -> dict:
+        return paired_differences({s: metrics[arm][s][key] for s in seeds},
+                                  {s: metrics[baseline][s][key] for s in seeds},
+                                  confidence=study["confidence"], resamples=study["bootstrap"])
 
-    d = paired_differences(takeoff(_archive_runs(f"{archive}-entropy"), "token_tis"),
-                           takeoff(_archive_runs(archive), "none"),
-                           confidence=study["confidence"], resamples=study["bootstrap"])
+    return SimpleNamespace(records=records, metrics=metrics, coefficients=coefficients, study=study, paired=paired)
+
+
+def _entropy_lowered_vs_none() -> str:
+    """Token TIS with the entropy bonus lowered by its mean weight against the archived none at top-k
+    16: the take-off, paired per seed, as ``analyze``'s basis quotes it."""
+    d = _entropy_check("long-tail-top-k-processed-k16").paired("lowered", "none", "steps_to_threshold")
     return f"{_quoted(d, '{:+.0f}')} steps, {d['n']} seeds"
 
 
@@ -1021,47 +1053,26 @@ def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
     over time, recomputed from both archives with the reports' metrics and bootstrap."""
     import numpy as np
 
-    from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
-    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
-
-    setting, archive = "long-tail-top-k-processed-k16", "sweep-long-tail-truncation"
-    coefficients = {"none": 0.2, "token_tis": 0.0044}  # the archived arm each check re-runs, and its coefficient
-    check_texts = read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs")
-    main_texts = read_archive(_STUDY_DOCS / archive / "runs")
-    check_texts = {rel: text for rel, text in check_texts.items() if rel.startswith(f"{setting}/")}
-    assert sorted(check_texts) == sorted(f"{setting}/{arm}/seed-{s}.jsonl" for arm in coefficients for s in range(8))
-    for rel, text in check_texts.items():
-        mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
-        assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"}, rel
-        assert mine["entropy_coef"] == coefficients[rel.split("/")[1]], rel
-    main, check = _archive_runs(archive), _archive_runs(f"{archive}-entropy")
-    seeds = range(8)
-    records = {**{(arm, s): main[setting, arm, s] for arm in ("ref_fp32", "none", "token_tis") for s in seeds},
-               **{("raised", s): check[setting, "none", s] for s in seeds},
-               **{("lowered", s): check[setting, "token_tis", s] for s in seeds}}
-    study = _summary(archive, "long-tail-top-k-processed")["study"]
-    kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
-    metrics = {key: run_metrics(r, end, **kw) for key, (r, end) in records.items()}
-
-    def paired(arm: str, baseline: str, key: str) -> dict:
-        return paired_differences({s: metrics[arm, s][key] for s in seeds},
-                                  {s: metrics[baseline, s][key] for s in seeds},
-                                  confidence=study["confidence"], resamples=study["bootstrap"])
+    checks = _entropy_check("long-tail-top-k-processed-k16")
+    coefficients = {"raised": 0.2, "lowered": 0.0044}
+    assert checks.coefficients == coefficients
+    metrics, seeds = checks.metrics, range(8)
+    paired = checks.paired
 
     def steps(arm: str, baseline: str) -> str:
         return _quoted(paired(arm, baseline, "steps_to_threshold"), "{:+.0f}")
 
     def series(arm: str, key: str) -> np.ndarray:
-        return np.array([[r[key] for r in records[arm, s][0]] for s in seeds])
+        return np.array([[r[key] for r in checks.records[arm][s][0]] for s in seeds])
 
     weight = series("token_tis", "is_weight_mean")
-    assert 0.03 / weight.mean() == pytest.approx(coefficients["none"], abs=0.01)
-    assert 0.03 * weight.mean() == pytest.approx(coefficients["token_tis"], abs=1e-4)
+    assert 0.03 / weight.mean() == pytest.approx(coefficients["raised"], abs=0.01)
+    assert 0.03 * weight.mean() == pytest.approx(coefficients["lowered"], abs=1e-4)
     entropy = {arm: series(arm, "entropy") for arm in ("ref_fp32", "none", "token_tis", "raised", "lowered")}
     cells = {arm: f"{e[:, 100:150].mean():.2f} / {e[:, 250:300].mean():.2f}" for arm, e in entropy.items()}
-    reached = {arm: sum(metrics[arm, s]["steps_to_threshold"] is not None for s in seeds)
+    reached = {arm: sum(metrics[arm][s]["steps_to_threshold"] is not None for s in seeds)
                for arm in ("token_tis", "raised", "lowered")}
-    collapsed = {arm: sum(metrics[arm, s]["collapsed"] for s in seeds)
+    collapsed = {arm: sum(metrics[arm][s]["collapsed"] for s in seeds)
                  for arm in ("none", "token_tis", "raised", "lowered")}
     raised_vs_none = paired("raised", "none", "greedy_reward")
     assert raised_vs_none["excludes_zero"] and raised_vs_none["mean"] < 0
@@ -1111,34 +1122,19 @@ def test_the_lowered_entropy_check_at_top_k_64_comes_from_its_archive():
     the greedy reward, recomputed with the reports' metrics and bootstrap over seeds 0-7."""
     import numpy as np
 
-    from megatron_mis.testbed.study.config import LONG_TAIL_THRESHOLD
     from megatron_mis.testbed.study.report import ended_low
-    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
 
-    setting, archive = "long-tail-top-k-processed-k64", "sweep-long-tail-truncation"
-    main_texts = read_archive(_STUDY_DOCS / archive / "runs")
-    check_texts = {rel: text for rel, text in read_archive(_STUDY_DOCS / f"{archive}-entropy" / "runs").items()
-                   if rel.startswith(f"{setting}/")}
-    assert sorted(check_texts) == sorted(f"{setting}/token_tis/seed-{s}.jsonl" for s in range(8))
-    main, check = _archive_runs(archive), _archive_runs(f"{archive}-entropy")
-    weight = float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in main.items()
-                            if s == setting and arm == "token_tis" for r in records]))
-    for rel, text in check_texts.items():
-        mine, theirs = (json.loads(t.split("\n", 1)[0])["config"] for t in (text, main_texts[rel]))
-        assert {k for k in mine if mine[k] != theirs[k]} == {"entropy_coef"}, rel
-        assert mine["entropy_coef"] == pytest.approx(0.03 * weight, abs=1e-4), rel
-    seeds = range(8)
-    study = _summary(archive, "long-tail-top-k-processed")["study"]
-    kw = dict(last_k=study["last_k"], threshold=LONG_TAIL_THRESHOLD, collapse_fraction=study["collapse_fraction"])
-    metrics = {arm: {s: run_metrics(*main[setting, arm, s], **kw) for s in seeds}
-               for arm in ("ref_fp32", "none", "token_tis")}
-    metrics["lowered"] = {s: run_metrics(*check[setting, "token_tis", s], **kw) for s in seeds}
-    low = ended_low(metrics, study["collapse_fraction"])["arms"]
+    checks = _entropy_check("long-tail-top-k-processed-k64")
+    metrics = checks.metrics
+    assert set(metrics) == {"ref_fp32", "none", "token_tis", "lowered"}
+    weight = float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in
+                            _archive_runs("sweep-long-tail-truncation").items()
+                            if s == "long-tail-top-k-processed-k64" and arm == "token_tis" for r in records]))
+    assert checks.coefficients["lowered"] == pytest.approx(0.03 * weight, abs=1e-4)
+    low = ended_low(metrics, checks.study["collapse_fraction"])["arms"]
 
     def paired(arm: str, baseline: str, key: str, fmt: str = "{:+.3f}") -> str:
-        d = paired_differences({s: metrics[arm][s][key] for s in seeds}, {s: metrics[baseline][s][key] for s in seeds},
-                               confidence=study["confidence"], resamples=study["bootstrap"])
-        return _quoted(d, fmt)
+        return _quoted(checks.paired(arm, baseline, key), fmt)
 
     reached = sum(m["steps_to_threshold"] is not None for m in metrics["lowered"].values())
     quoted = (f"token TIS with the bonus lowered to {0.03 * weight:.4f} (0.03 times its mean weight there, "
