@@ -93,9 +93,9 @@ TRUNCATION_BASIS = (
     "0.40x none's (each token's weight is its kept mass, and the entropy bonus is not weighted: at top-k 16 token "
     "TIS with that bonus lowered by its mean weight took off with none, -12 [-33, +5] steps, 8 seeds); token MIS "
     "(band [0.5, 5], this regime's advice before) rejected every loss token on every step of 12/12 runs and "
-    "never learned: -0.365 [-0.372, -0.356]; none "
-    "+0.000 [-0.009, +0.009] against the reference (no weight: the same run as with raw log-probs); replaying "
-    "the support (long-tail-top-k-replay) +0.010 [-0.014, +0.034] against the run without it (4 seeds)"
+    "never learned: -0.365 [-0.372, -0.356]; none +0.000 [-0.009, +0.009] against the reference (no weight: the "
+    "same run as with raw log-probs); replaying the support (long-tail-top-k-replay) +0.010 [-0.014, +0.034] "
+    "against the run without it (4 seeds)"
 )
 
 

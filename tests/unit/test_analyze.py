@@ -290,7 +290,6 @@ def test_schedule_config_changes_the_verdict(tmp_path, capsys):
     assert not _strict_json(capsys.readouterr().out)["surge"]["fired"]  # a 4x jump is no 5x surge
 
 
-
 def test_the_monitor_replay_flags_a_config_that_rejects_most_tokens(tmp_path):
     """Dumps of processed top-k log-probs with a kept mass of 0.2 on every token (pi_train =
     0.2 pi_rollout), analysed with token MIS's band [0.5, 5]: every loss token is rejected and the
@@ -310,6 +309,7 @@ def test_the_monitor_replay_flags_a_config_that_rejects_most_tokens(tmp_path):
     assert (w["kind"], w["rollout_id"], w["value"], w["threshold"]) == ("threshold", 0, 1.0, 0.5)
     assert "removes most of the loss tokens" in w["message"]
     assert rejected_warnings("token_tis") == []
+
 
 # ------------------------------------------------------------------------------ strict JSON
 def test_json_is_always_valid_with_extreme_log_probs(tmp_path, capsys):
