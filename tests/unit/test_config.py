@@ -136,6 +136,29 @@ def test_documented_mis_yaml_comments_every_key():
         assert lines[i - 1].startswith("#"), f"{key} has no comment above it"
 
 
+def test_token_tis_normalized_keeps_the_weights_mean_at_1_over_the_loss_tokens():
+    """Processed top-k log-probs: every ratio pi_train / pi_rollout is its context's kept mass. Hand
+    values: loss-token ratios 0.2, 0.4 (sequence 1; its third token is out of the loss) and 0.6
+    (sequence 2); token_tis keeps them (all below 2), token_tis_normalized divides them by their
+    mean 0.4, so the policy gradient keeps its overall scale and only the tokens' shares move."""
+    import math
+
+    import torch
+
+    from megatron_mis.core.engine import compute_mis
+
+    train = torch.log(torch.tensor([0.2, 0.4, 0.9, 0.6])) - 1.0
+    rollout = torch.full((4,), -1.0)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    plain, normalized = (compute_mis(train, rollout, mask, [0, 3, 4], MISConfig.from_yaml(preset_path(name)))
+                         for name in ("token_tis", "token_tis_normalized"))
+    kept = mask.bool()
+    assert plain.weights[kept].tolist() == pytest.approx([0.2, 0.4, 0.6], rel=1e-6)
+    assert normalized.weights[kept].tolist() == pytest.approx([0.5, 1.0, 1.5], rel=1e-6)
+    assert float(normalized.normalizer) == pytest.approx(0.4, rel=1e-6) and float(plain.normalizer) == 1.0
+    assert math.isclose(float(normalized.weights[kept].mean()), 1.0, rel_tol=1e-6)
+
+
 def test_preset_lookup_errors():
     assert preset_path("token_tis").is_file()
     with pytest.raises(FileNotFoundError, match="unknown preset 'token_tsi' \\(did you mean 'token_tis'\\?\\)"):

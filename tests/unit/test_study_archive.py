@@ -897,7 +897,6 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
     assert not missing, (missing, basis)
 
 
-
 def test_the_answers_and_correction_tables_quote_the_processed_top_k_report():
     """docs/study.md's answers-table row for the 512-id tail and the correction table's
     sampling-mismatch row quote the processed top-k and top-p reports: K3 per dose, token TIS and
