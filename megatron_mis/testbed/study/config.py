@@ -316,7 +316,7 @@ SWEEPS: dict[str, Sweep] = {
                 measure,
                 tuple((f"{prefix}{v:g}", {measure: v, **(values if v != off else {})}) for v in doses),
                 {**_SWEEP_BASE, **_LONG_TAIL, "scratchpad": 61},
-                _CORRECTIONS + ("sequence_tis",),
+                _CORRECTIONS + ("sequence_tis", "token_tis_normalized"),
                 threshold=LONG_TAIL_THRESHOLD, outcome="greedy_reward",
             )
             for mech, how, measure, prefix, off, doses, kept in (
