@@ -29,8 +29,9 @@ Regimes (first match wins):
    and no IS weight (``none``): each token's weight is about the kept mass, so a weight only
    shrinks the policy gradient against the terms it does not weight (the entropy bonus, a KL
    loss) and a mask band removes every token whose kept mass is below its lower bound (token MIS
-   over processed top-k 64 log-probs trained nothing); measured in the long-tail top-k sweep
-   (below, ``TRUNCATION_BASIS``).
+   over processed top-k 64 log-probs trained nothing); where a weight stays on, self-normalised
+   token TIS (``token_tis_normalized``, mean weight 1) did not slow learning there; measured in
+   the long-tail top-k sweep (below, ``TRUNCATION_BASIS``).
 2. ``s <= 0.15``: the regime the study measured as harmless (no correction not measurably worse
    than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
    0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.
@@ -93,7 +94,8 @@ TRUNCATION_BASIS = (
     "0.40x none's (each token's weight is its kept mass, and the entropy bonus is not weighted: at top-k 16 token "
     "TIS with that bonus lowered by its mean weight took off with none, -12 [-33, +5] steps, 8 seeds); token MIS "
     "(band [0.5, 5], this regime's advice before) rejected every loss token on every step of 12/12 runs and "
-    "never learned: -0.365 [-0.372, -0.356]; none +0.000 [-0.009, +0.009] against the reference (no weight: the "
+    "never learned: -0.365 [-0.372, -0.356]; token TIS self-normalised (token_tis_normalized) -0.008 [-0.017, "
+    "+0.001], 0/12 ended low, 12/12 took off; none +0.000 [-0.009, +0.009] against the reference (no weight: the "
     "same run as with raw log-probs); replaying the support (long-tail-top-k-replay) +0.010 [-0.014, +0.034] "
     "against the run without it (4 seeds)"
 )
@@ -189,7 +191,9 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "replay) or record the raw log-probs, and apply the rollout's temperature in the trainer. Use no IS "
             "weight meanwhile: each token's weight is about the kept mass, so a weight only shrinks the policy "
             "gradient against what it does not weight (the entropy bonus, a KL loss), and a mask band (token "
-            "MIS's [0.5, 5]) removes every token whose kept mass is below its lower bound",
+            "MIS's [0.5, 5]) removes every token whose kept mass is below its lower bound. Where a weight stays on "
+            "(a host that always applies one), self-normalise it (preset token_tis_normalized): its mean is then 1, "
+            "so it moves the tokens' shares and leaves the policy gradient's scale as it is",
             TRUNCATION_BASIS,
         )
     if k3 > K3_CONFIG_BUG:

@@ -123,6 +123,7 @@ def test_one_sided_log_ratios_above_numerics_advise_no_weight_and_the_sampling_f
     if regime == "sampling-mismatch":
         assert "replay the rollout's support" in r.reason and "raw log-probs" in r.reason and "temperature" in r.reason
         assert "long-tail-top-k-processed k64" in r.basis
+        assert "self-normalise it (preset token_tis_normalized)" in r.reason
 
 
 @pytest.mark.parametrize("above", [-0.1, 1.5, float("nan")])

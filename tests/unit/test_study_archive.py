@@ -634,10 +634,10 @@ _TOP_P_ARCHIVES = {
     "sweep-long-tail-truncation": {
         "long-tail-top-p-raw": ("none",),
         "long-tail-top-p-replay": ("none",),
-        "long-tail-top-p-processed": ("none", "token_tis", "sequence_mis"),
+        "long-tail-top-p-processed": ("none", "token_tis", "token_tis_normalized", "sequence_mis"),
         "long-tail-top-k-raw": ("none",),
         "long-tail-top-k-replay": ("none",),
-        "long-tail-top-k-processed": ("none", "token_tis", "token_mis"),
+        "long-tail-top-k-processed": ("none", "token_tis", "token_tis_normalized", "token_mis"),
     },
 }
 _TOP_P_REPORTS = [(archive, report) for archive, reports in _TOP_P_ARCHIVES.items() for report in reports]
@@ -976,7 +976,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     tis, none, mis = (processed["arms"][a] for a in ("token_tis", "none", "token_mis"))
     never = tis["steps_to_threshold"]["n"] - tis["steps_to_threshold"]["reached"]
     top_k = {label: dose("long-tail-top-k-processed", label) for label in ("k256", "k64", "k16")}
-    assert top_k["k256"]["arms"]["none"]["n"] == top_k["k16"]["arms"]["none"]["n"]
+    assert top_k["k16"]["arms"]["none"]["n"] == none["n"]
     first8 = first_seeds("long-tail-top-k-processed-k64", "token_tis", 8)
     mis_runs = {key: records for key, (records, _) in runs.items() if key[1] == "token_mis"}
     mis64 = [r for (s, _, _), records in mis_runs.items() if s.endswith("-k64") for r in records]
@@ -985,6 +985,8 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
               and arm == "token_tis" and (s, "token_mis", seed) in runs for r in records]
     takeoff = [top_k[k]["arms"]["token_tis"]["vs_reference"]["steps_to_threshold"] for k in ("k256", "k64", "k16")]
     none16 = top_k["k16"]["arms"]["none"]["vs_reference"]["steps_to_threshold"]
+    tis16 = top_k["k16"]["arms"]["token_tis"]
+    assert all(tis16[against]["greedy_reward"]["excludes_zero"] for against in ("vs_reference", "vs_none"))
     summary = _summary(archive, "long-tail-top-k-processed")
     quoted = [
         f"At the first 4 seeds the report put p = 0.8 at {_quoted(first4)}, measurably behind; 4 more seeds took it to "
@@ -995,10 +997,9 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
         f"at top-k 256 seed {slow[2]}, was still climbing at step 300, greedy {greedy[slow]:.2f})",
         f"top-p sweep; {summary['paired_sd']:.3f} and {summary['minimal_detectable_effect']:.3f} at "
         f"{summary['seeds_run']} seeds in the processed top-k",
-        f"{_quoted(top_k['k256']['none_vs_reference'])} at top-k 256 and "
-        f"{_quoted(top_k['k16']['none_vs_reference'])} at top-k 16 "
-        f"({top_k['k16']['arms']['none']['n']} seeds each) and "
-        f"{_quoted(top_k['k64']['none_vs_reference'])} at top-k 64 ({none['n']} seeds)",
+        f"{_quoted(top_k['k256']['none_vs_reference'])} at top-k 256 ({top_k['k256']['arms']['none']['n']} seeds), "
+        f"{_quoted(top_k['k16']['none_vs_reference'])} at top-k 16 and "
+        f"{_quoted(top_k['k64']['none_vs_reference'])} at top-k 64 ({none['n']} seeds each)",
         f"none reached the threshold {-none16['mean']:.0f} [{-none16['high']:.0f}, {-none16['low']:.0f}] steps "
         "*before* the reference",
         f"K3 stays at fp32 rounding ({_e(min(k3_raw), 1)} to {_e(max(k3_raw), 1)})",
@@ -1020,6 +1021,8 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
         f"{top_k['k16']['arms']['token_tis']['n']} seeds), and at top-k 16 "
         f"{top_k['k16']['arms']['token_tis']['collapse']['k']} of its {top_k['k16']['arms']['token_tis']['n']} runs "
         f"collapsed and {top_k['k16']['arms']['token_tis']['ended_low']['k']} ended low",
+        f"{_quoted(tis16['vs_reference']['greedy_reward'])}, and none's, {_quoted(tis16['vs_none']['greedy_reward'])} "
+        f"(at the first 8 seeds {_quoted(first_seeds('long-tail-top-k-processed-k16', 'token_tis', 8))})",
         f"its ratios stayed in [{min(r['mis_ratio_min'] for r in mis64):.3f}, "
         f"{max(r['mis_ratio_max'] for r in mis64):.3f}]",
         f"fraction is 1 on every step of all {mis['n']} runs",
@@ -1096,7 +1099,7 @@ def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
         f"{weight[:, :10].mean():.3f} over the first 10 steps, {weight[:, :50].mean():.3f} over the first 50 and "
         f"{weight[:, 250:].mean():.3f} over the last 50",
         f"{steps('raised', 'ref_fp32')} steps after the reference ({reached['raised']} of 8 took off)",
-        f"token TIS's {steps('token_tis', 'ref_fp32')} ({reached['token_tis']} of 8)",
+        f"token TIS's {steps('token_tis', 'ref_fp32')} over the same 8 seeds ({reached['token_tis']} of 8)",
         f"{steps('raised', 'token_tis')} steps against token TIS",
         f"greedy reward {_quoted(raised_vs_none)} against none",
         f"{_quoted(paired('raised', 'ref_fp32', 'greedy_reward'))} against the reference",
@@ -1215,3 +1218,87 @@ def test_the_processed_top_p_figures_on_the_long_tail_come_from_the_archive():
             in readme)
     missing = [q for q in quoted if q not in prose]
     assert not missing, missing
+
+
+def test_the_self_normalised_token_tis_figures_come_from_the_archive():
+    """docs/study.md, the README and ``analyze``'s basis on token TIS self-normalised
+    (``token_tis_normalized``) over processed log-probs on the 512-id tail: its weights average 1
+    on every step of every run, and per dose its greedy reward against the reference, the runs
+    that ended low and took off, and its take-off against the reference, none and token TIS (paired
+    per seed with the reports' bootstrap; against token TIS over the seeds both took off on, the
+    reference having taken off on every seed), from the processed reports and their archive."""
+    from megatron_mis.analysis.recommend import TRUNCATION_BASIS
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    archive = "sweep-long-tail-truncation"
+    runs = _archive_runs(archive)
+    figures = {}
+    for report, label, name in (("long-tail-top-k-processed", "k16", "top-k 16"),
+                                ("long-tail-top-k-processed", "k64", "top-k 64"),
+                                ("long-tail-top-k-processed", "k256", "top-k 256"),
+                                ("long-tail-top-p-processed", "p0.8", "p 0.8")):
+        dose, study = _dose(archive, report, label), _summary(archive, report)["study"]
+        arms = dose["arms"]
+        norm, tis, none = arms["token_tis_normalized"], arms["token_tis"], arms["none"]
+        assert norm["seeds"] == tis["seeds"] == none["seeds"], label
+        assert arms["ref_fp32"]["steps_to_threshold"]["reached"] == arms["ref_fp32"]["n"], label
+        weights = [r["is_weight_mean"] for s in norm["seeds"]
+                   for r in runs[dose["setting"], "token_tis_normalized", s][0]]
+        assert max(abs(w - 1.0) for w in weights) < 1e-5, label
+
+        def steps(arm: dict) -> dict:
+            return {int(s): d for s, d in arm["vs_reference"]["steps_to_threshold"]["diffs"].items()}
+
+        vs_tis = paired_differences(steps(norm), steps(tis), confidence=study["confidence"],
+                                    resamples=study["bootstrap"])
+        figures[label] = {
+            "n": norm["n"], "reached": norm["steps_to_threshold"]["reached"], "low": norm["ended_low"]["k"],
+            "tis_low": tis["ended_low"]["k"], "none_low": none["ended_low"]["k"],
+            "ref": _quoted(norm["vs_reference"]["greedy_reward"]),
+            "steps_ref": _quoted(norm["vs_reference"]["steps_to_threshold"], "{:+.0f}"),
+            "none_steps_ref": _quoted(none["vs_reference"]["steps_to_threshold"], "{:+.0f}"),
+            "steps_none": _quoted(norm["vs_none"]["steps_to_threshold"], "{:+.0f}"),
+            "steps_tis": _quoted(vs_tis, "{:+.0f}"), "n_tis": vs_tis["n"],
+        }
+    k16, k64, k256, p08 = (figures[label] for label in ("k16", "k64", "k256", "p0.8"))
+    quoted = [
+        f"at top-k 16 it took off {k16['steps_ref']} steps against the reference ({k16['reached']} of {k16['n']}; "
+        f"none {k16['none_steps_ref']}), {k16['steps_none']} against none and {k16['steps_tis']} against token TIS "
+        f"(the {k16['n_tis']} seeds token TIS took off on); greedy reward {k16['ref']} against the reference, "
+        f"{k16['low']} of {k16['n']} ended low (token TIS {k16['tis_low']}, none {k16['none_low']})",
+        f"At top-k 64 ({k64['n']} seeds): {k64['ref']} against the reference, {k64['reached']} of {k64['n']} took "
+        f"off, {k64['steps_none']} steps against none and {k64['steps_tis']} against token TIS ({k64['n_tis']} "
+        f"seeds), {k64['low']} of {k64['n']} ended low (token TIS {k64['tis_low']})",
+        f"at top-k 256 and p 0.8 ({k256['n']} and {p08['n']} seeds), where token TIS had done no measurable harm, it "
+        f"did none either: {k256['ref']} and {p08['ref']} against the reference",
+        # the section's summary and the "not yet measured" paragraph
+        f"it stalled {k64['tis_low']} of {k64['n']} runs at top-k 64 and {k16['tis_low']} of {k16['n']} at top-k 16",
+        f"Self-normalising the weight removed the stalls ({k16['low']} of {k16['n']} and {k64['low']} of {k64['n']} "
+        f"ended low at top-k 16 and 64; none {k16['none_low']} and {k64['none_low']})",
+        f"self-normalised, token TIS ended low in {k16['low'] + k64['low']} of {k16['n'] + k64['n']} runs at top-k 16 "
+        f"and 64 (unnormalised {k16['tis_low'] + k64['tis_low']} of {k16['n'] + k64['n']})",
+        # the answers table and the correction table
+        f"token TIS self-normalised (`token_tis_normalized`) left no run low at top-k 64 ({k64['low']}/{k64['n']}, "
+        f"{k64['ref']}",
+    ]
+    assert k64["low"] == 0
+    # the reference's seeds 8-11, run again at top-k 16, equal the archived ones at top-k 64 after the header
+    root = _STUDY_DOCS / archive / "runs"
+    for seed in range(8, 12):
+        copy = json.loads((root / "long-tail-top-k-processed-k64" / "ref_fp32" / f"seed-{seed}.copy.json").read_text())
+        assert copy["body_of"] == f"long-tail-top-k-processed-k16/ref_fp32/seed-{seed}.jsonl"
+        assert (root / "long-tail-top-k-processed-k16" / "ref_fp32" / f"seed-{seed}.jsonl.gz").is_file()
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    summary = (f"token TIS self-normalised (`token_tis_normalized`) did not slow learning ({k64['low']} of "
+               f"{k64['n']} ended low at top-k 64, {k64['ref']} against the reference)")
+    assert summary in readme
+    tis16 = _dose(archive, "long-tail-top-k-processed", "k16")["arms"]["token_tis"]
+    behind16 = (f"at top-k 16 it ended measurably behind ({_quoted(tis16['vs_reference']['greedy_reward'])}, "
+                f"{tis16['n']} seeds)")
+    assert behind16 in readme
+    assert behind16 in prose  # the answers table
+    assert (f"token TIS self-normalised (token_tis_normalized) {k64['ref']}, {k64['low']}/{k64['n']} ended low, "
+            f"{k64['reached']}/{k64['n']} took off") in " ".join(TRUNCATION_BASIS.split())
