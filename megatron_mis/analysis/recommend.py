@@ -30,8 +30,8 @@ Regimes (first match wins):
    shrinks the policy gradient against the terms it does not weight (the entropy bonus, a KL
    loss) and a mask band removes every token whose kept mass is below its lower bound (token MIS
    over processed top-k 64 log-probs trained nothing); where a weight stays on, self-normalised
-   token TIS (``token_tis_normalized``, mean weight 1) did not slow learning there; measured in
-   the long-tail top-k sweep (below, ``TRUNCATION_BASIS``).
+   token TIS (``token_tis_normalized``, mean weight 1) stalled no run there; measured in the
+   long-tail top-k sweep (below, ``TRUNCATION_BASIS``).
 2. ``s <= 0.15``: the regime the study measured as harmless (no correction not measurably worse
    than the no-mismatch reference at K3 up to 2e-3 with 3-6-token responses, i.e. s up to about
    0.155); ``token_tis`` (bounded, rejects nothing) as cheap insurance.

@@ -112,8 +112,9 @@ def test_shipped_yaml_count():
     mis_files = [p for p in SHIPPED if p.name == "mis.yaml" or p.parent.name == "presets"]
     assert len(mis_files) == 13, [str(p) for p in mis_files]
     assert preset_names() == sorted(
-        ["token_tis", "token_tis_normalized", "token_mis", "sequence_tis", "sequence_mis", "geometric_tis", "geometric_rs", "geometric_rs_token_tis",
-         "seed000_default", "seq_mean_k3", "k3_rs_token_tis", "zscore_rs_token_mis"]
+        ["token_tis", "token_tis_normalized", "token_mis", "sequence_tis", "sequence_mis", "geometric_tis",
+         "geometric_rs", "geometric_rs_token_tis", "seed000_default", "seq_mean_k3", "k3_rs_token_tis",
+         "zscore_rs_token_mis"]
     )
 
 

@@ -1292,7 +1292,7 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
     missing = [q for q in quoted if q not in prose]
     assert not missing, missing
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    summary = (f"token TIS self-normalised (`token_tis_normalized`) did not slow learning ({k64['low']} of "
+    summary = (f"token TIS self-normalised (`token_tis_normalized`) stalled no run ({k64['low']} of "
                f"{k64['n']} ended low at top-k 64, {k64['ref']} against the reference)")
     assert summary in readme
     tis16 = _dose(archive, "long-tail-top-k-processed", "k16")["arms"]["token_tis"]

@@ -390,8 +390,8 @@ ARMS: dict[str, Arm] = {
     for a in (
         _arm("none", "PPO against the recomputed fp32 pi_old, no IS weight (the mismatch uncorrected)", correction="none"),
         _arm("token_tis", "decoupled PPO, token IS weight truncated at 2", correction="token_tis"),
-        _arm("token_tis_normalized", "decoupled PPO, token IS weight truncated at 2, self-normalised to mean 1 over the "
-             "micro-batch's loss tokens", correction="token_tis_normalized"),
+        _arm("token_tis_normalized", "decoupled PPO, token IS weight truncated at 2, self-normalised to mean 1 over "
+             "the micro-batch's loss tokens", correction="token_tis_normalized"),
         _arm("token_mis", "decoupled PPO, token IS weight masked outside [0.5, 5] (MIS: out of the loss mask)", correction="token_mis"),
         _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
         _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
