@@ -817,6 +817,16 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
     assert "Paired SD of the greedy reward" in text
 
 
+def _token_tis_mean_weight(setting: str) -> float:
+    """Token TIS's mean IS weight (``is_weight_mean``) over every step of every archived run at
+    ``setting`` of the long-tail truncation archive."""
+    import numpy as np
+
+    return float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in
+                          _archive_runs("sweep-long-tail-truncation").items()
+                          if s == setting and arm == "token_tis" for r in records]))
+
+
 #: The entropy checks (docs/study/sweep-long-tail-truncation-entropy/runs): the archived arm each re-runs
 #: with another ``entropy_coef``, and the name the tests give the check.
 _ENTROPY_CHECKS = {"none": "raised", "token_tis": "lowered"}
@@ -1122,16 +1132,12 @@ def test_the_lowered_entropy_check_at_top_k_64_comes_from_its_archive():
     with ``entropy_coef`` 0.03 times its mean weight there, differing from the archived token TIS in
     that coefficient alone; its take-off against none and token TIS, the runs that ended low and
     the greedy reward, recomputed with the reports' metrics and bootstrap over seeds 0-7."""
-    import numpy as np
-
     from megatron_mis.testbed.study.report import ended_low
 
     checks = _entropy_check("long-tail-top-k-processed-k64")
     metrics = checks.metrics
     assert set(metrics) == {"ref_fp32", "none", "token_tis", "lowered"}
-    weight = float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in
-                            _archive_runs("sweep-long-tail-truncation").items()
-                            if s == "long-tail-top-k-processed-k64" and arm == "token_tis" for r in records]))
+    weight = _token_tis_mean_weight("long-tail-top-k-processed-k64")
     assert checks.coefficients["lowered"] == pytest.approx(0.03 * weight, abs=1e-4)
     low = ended_low(metrics, checks.study["collapse_fraction"])["arms"]
 
@@ -1179,15 +1185,11 @@ def test_the_processed_top_p_figures_on_the_long_tail_come_from_the_archive():
     def takeoff(arm: dict) -> str:
         return _quoted(arm["vs_reference"]["steps_to_threshold"], "{:+.0f}")
 
-    def mean_weight(setting: str) -> float:
-        return float(np.mean([r["is_weight_mean"] for (s, arm, _), (records, _) in runs.items()
-                              if s == setting and arm == "token_tis" for r in records]))
-
     doses = [(f"p {label[1:]}", f"long-tail-top-p-processed-{label}", top_p[label]) for label in ("p0.95", "p0.8")]
     doses += [(f"top-k {label[1:]}", f"long-tail-top-k-processed-{label}", top_k[label])
               for label in ("k256", "k64", "k16")]
     delays = [f"{arm['token_tis']['vs_reference']['steps_to_threshold']['mean']:+.0f} steps at {name} (mean weight "
-              f"{mean_weight(setting):.2f})" for name, setting, arm in doses]
+              f"{_token_tis_mean_weight(setting):.2f})" for name, setting, arm in doses]
     quoted = [
         f"(at p = 0.8 the {n08} processed runs' ratios stayed in [{lo:.6f}, {hi:.2f}]; mean K3 "
         f"{_e(none['k3_mean'][0], 1)})",
