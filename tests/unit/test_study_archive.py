@@ -1234,11 +1234,13 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
 
     archive = "sweep-long-tail-truncation"
     runs = _archive_runs(archive)
+
+    def steps(arm: dict) -> dict:
+        return {int(s): d for s, d in arm["vs_reference"]["steps_to_threshold"]["diffs"].items()}
+
     figures = {}
-    for report, label, name in (("long-tail-top-k-processed", "k16", "top-k 16"),
-                                ("long-tail-top-k-processed", "k64", "top-k 64"),
-                                ("long-tail-top-k-processed", "k256", "top-k 256"),
-                                ("long-tail-top-p-processed", "p0.8", "p 0.8")):
+    for report, label in (("long-tail-top-k-processed", "k16"), ("long-tail-top-k-processed", "k64"),
+                          ("long-tail-top-k-processed", "k256"), ("long-tail-top-p-processed", "p0.8")):
         dose, study = _dose(archive, report, label), _summary(archive, report)["study"]
         arms = dose["arms"]
         norm, tis, none = arms["token_tis_normalized"], arms["token_tis"], arms["none"]
@@ -1247,10 +1249,6 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
         weights = [r["is_weight_mean"] for s in norm["seeds"]
                    for r in runs[dose["setting"], "token_tis_normalized", s][0]]
         assert max(abs(w - 1.0) for w in weights) < 1e-5, label
-
-        def steps(arm: dict) -> dict:
-            return {int(s): d for s, d in arm["vs_reference"]["steps_to_threshold"]["diffs"].items()}
-
         vs_tis = paired_differences(steps(norm), steps(tis), confidence=study["confidence"],
                                     resamples=study["bootstrap"])
         figures[label] = {
