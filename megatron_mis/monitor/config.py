@@ -261,7 +261,7 @@ class MonitorConfig(ConfigBase):
         {"mis_k3_kl": 1e-2, "mis_rejected_token_fraction": 0.5},
         "Absolute upper bounds, metric name -> value; a value above its bound gives a 'threshold' "
         "warning. The default flags a mean K3 above 1e-2, more than any numeric path gave in the study "
-        "(bf16 / fp16 / int8 / int4 <= 2e-3) and what a stale policy or a rollout-only temperature give, "
+        "(bf16 / fp16 / int8 / int4 <= 2.6e-3) and what a stale policy or a rollout-only temperature give, "
         "and processed top-p 0.8 log-probs early in training (docs/study.md), steady or not; and a "
         "correction that removes more than half of the loss tokens from the gradient (tight geometric "
         "bands rejected 67-93% and hurt; token MIS over processed top-k log-probs rejected every token "

@@ -65,6 +65,14 @@ WarningKind = Literal["trend", "spike", "threshold", "length_surge", "non_finite
 
 #: What a threshold warning on a metric means, appended to its message.
 _THRESHOLD_HINTS = {
+    "mis_k3_kl": (
+        ": more than numeric precision gave in the study (bf16 / fp16 / int8 / int4 rollouts: mean K3 at most "
+        "2.6e-3); the measured causes above it are stale weights (asynchronous rollouts, a missed weight sync), "
+        "a temperature the rollout applies and the trainer does not, and processed top-p / top-k log-probs "
+        "(docs/study.md). `megatron-mis analyze` on the step's --save-debug-train-data dump tells a one-sided "
+        "mismatch (processed log-probs; a rollout temperature below the trainer's) from a two-sided one (stale "
+        "weights) and says what to do"
+    ),
     "mis_rejected_token_fraction": (
         ": the correction removes most of the loss tokens from the gradient (its mask or rejection band "
         "does not fit the ratios: one-sided ratios from processed top-p / top-k log-probs or a "
