@@ -89,13 +89,13 @@ ONE_SIDED_SHARE = 0.01
 #: What the sampling-mismatch advice rests on (docs/study.md, "Top-p and top-k on the long-tail task").
 TRUNCATION_BASIS = (
     "study: long-tail-top-k-processed k64 (512 ids, 64-token responses, top-k 64 with the processed log-probs "
-    "recorded; mean K3 KL 4.8e-1 uncorrected, 12 seeds): token TIS -0.035 [-0.083, +0.001] against the reference "
-    "on the greedy reward, 3/12 ended low and 2/12 never took off in 300 steps (none 0/12), with a gradient norm "
-    "0.40x none's (each token's weight is its kept mass, and the entropy bonus is not weighted: at top-k 16 token "
+    "recorded; mean K3 KL 4.8e-1 uncorrected, 16 seeds): token TIS -0.031 [-0.068, -0.004] against the reference "
+    "on the greedy reward, 3/16 ended low and 2/16 never took off in 300 steps (none 0/16), with a gradient norm "
+    "0.37x none's (each token's weight is its kept mass, and the entropy bonus is not weighted: at top-k 16 token "
     "TIS with that bonus lowered by its mean weight took off with none, -12 [-33, +5] steps, 8 seeds); token MIS "
     "(band [0.5, 5], this regime's advice before) rejected every loss token on every step of 12/12 runs and "
-    "never learned: -0.365 [-0.372, -0.356]; token TIS self-normalised (token_tis_normalized) -0.008 [-0.017, "
-    "+0.001], 0/12 ended low, 12/12 took off; none +0.000 [-0.009, +0.009] against the reference (no weight: the "
+    "never learned: -0.365 [-0.372, -0.356]; token TIS self-normalised (token_tis_normalized) -0.009 [-0.019, "
+    "-0.000], 0/16 ended low, 16/16 took off; none -0.004 [-0.012, +0.005] against the reference (no weight: the "
     "same run as with raw log-probs); replaying the support (long-tail-top-k-replay) +0.010 [-0.014, +0.034] "
     "against the run without it (4 seeds)"
 )
