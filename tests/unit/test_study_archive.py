@@ -204,6 +204,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-256", "sequence-seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
                                                            "bypass_ppo": range(6, 11), "sequence_mis": range(6, 11),
                                                            "sequence_tis": range(6, 11)}),
+    # one step of lag at 120 seeds (150 steps, third VM): none and the reference, their own archive
+    ("sweep-staleness-k1", ".", {"none": range(120)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -1320,3 +1322,62 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
     assert behind16 in prose  # the answers table
     assert (f"token TIS self-normalised (token_tis_normalized) {k64['ref']}, {k64['low']}/{k64['n']} ended low, "
             f"{k64['reached']}/{k64['n']} took off") in " ".join(TRUNCATION_BASIS.split())
+
+
+def test_the_powered_one_step_lag_figures_come_from_the_archive():
+    """docs/study.md and the README on one step of lag (``staleness`` k1, 150 steps) at 120 seeds of
+    none and the reference (docs/study/sweep-staleness-k1): none - reference with its CI, the paired
+    SD, the minimal detectable effect and the seeds a 0.05 difference needs, collapses, runs that
+    ended low, K3 and the monitor's flags (the report's), the figure over the first 8 seeds
+    (recomputed from the archive with the report's bootstrap) and the 8-seed sweep's figure (its own
+    report, docs/study/sweep-staleness/summary.json)."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    summary = _summary("sweep-staleness-k1", ".")
+    (dose,) = summary["doses"]
+    none, ref = dose["arms"]["none"], dose["arms"]["ref_fp32"]
+    n = none["n"]
+    assert n == ref["n"] == summary["seeds_run"] == 120 and summary["steps"] == 150
+    diff = dose["none_vs_reference"]
+    assert diff["excludes_zero"] and diff["high"] < 0 and summary["first_dose_none_behind_reference"] == "k1"
+    final = _committed_finals("sweep-staleness-k1", summary)
+    study = summary["study"]
+    first8 = paired_differences({s: final["none", s] for s in range(8)}, {s: final["ref_fp32", s] for s in range(8)},
+                                confidence=study["confidence"], resamples=study["bootstrap"])
+    sweep = _dose("sweep-staleness", ".", "k1")
+    late = none["vs_reference"]["steps_to_threshold"]
+    assert late["excludes_zero"] and late["low"] > 0
+    assert sweep["none_vs_reference"]["n"] == 8
+    assert summary["runs_made_on"] == {"AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu": 2 * n}  # one VM
+    quoted = [
+        f"none - reference is {_quoted(diff)} over {n} seeds",
+        f"final reward {none['final_reward'][0]:.3f} against the reference's {ref['final_reward'][0]:.3f}",
+        f"paired SD {summary['paired_sd']:.3f}, so {n} seeds resolve {summary['minimal_detectable_effect']:.3f} and "
+        f"a 0.05 difference needs {summary['seeds_for_target']}",
+        f"first 8 of these seeds give {_quoted(first8)}",
+        f"the sweep's 8 seeds gave {_quoted(sweep['none_vs_reference'])}",
+        f"mean K3 {_e(none['k3_mean'][0], 1)}",
+        f"{none['collapse']['k']} of {n} runs of none collapsed (the reference {ref['collapse']['k']})",
+        f"{none['ended_low']['k']} ended low (the reference {ref['ended_low']['k']})",
+        f"flagged {none['monitor_flagged']['k']} of {n} runs of none on the mismatch and "
+        f"{ref['monitor_flagged']['k']} of the reference's",
+        f"{none['steps_to_threshold']['reached']} of {n} reached the threshold reward {summary['threshold']} against "
+        f"the reference's {ref['steps_to_threshold']['reached']}, and those that did were later "
+        f"({_quoted(late, '{:+.0f}')} steps, over the {late['n']} seeds on which both did)",
+        f"(bypass's {_quoted(sweep['arms']['bypass_ppo']['vs_none']['final_reward'])} over none at 8 seeds needs no "
+        f"more; token TIS's {_quoted(sweep['arms']['token_tis']['vs_none']['final_reward'])} does)",
+        f"paired SD ({_summary('sweep-staleness', '.')['paired_sd']:.3f}) that was "
+        f"{_summary('sweep-staleness', '.')['seeds_for_target']} per dose",
+    ]
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"`none - ref_fp32` {_quoted(diff)}, {n} seeds, MDE {summary['minimal_detectable_effect']:.3f} (paired "
+            f"SD {summary['paired_sd']:.3f}; {none['collapse']['k']} of {n} runs of none collapsed, the reference "
+            f"{ref['collapse']['k']})") in readme
+    # the answers table's staleness row
+    k2 = _dose("sweep-staleness", ".", "k2")["arms"]["none"]["k3_mean"][0]
+    answers = (f"| k = 1 optimizer step ({_quoted(diff, '{:+.2f}')}, {n} seeds; the sweep's 8 seeds had left it at "
+               f"{_quoted(sweep['none_vs_reference'], '{:+.2f}')}) | {none['k3_mean'][0]:.3f} (k = 2: {k2:.2f}) |")
+    assert answers in prose, answers
