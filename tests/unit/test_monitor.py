@@ -441,6 +441,7 @@ def test_a_correction_that_rejects_most_tokens_is_flagged(tmp_path):
     mine = monitor(tmp_path, monitor_thresholds={"mis_k3_kl": 1e-2})
     assert not mine.update(1, base | {"mis_rejected_token_fraction": 1.0})
 
+
 def test_a_k3_above_its_bound_names_the_measured_causes(tmp_path):
     """K3 above numerics (mean K3 <= 2.6e-3 for every rollout precision in the study) came from stale
     weights, a rollout-only temperature or processed top-p / top-k log-probs (docs/study.md); the

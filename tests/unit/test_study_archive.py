@@ -1349,6 +1349,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     assert late["excludes_zero"] and late["low"] > 0
     assert sweep["none_vs_reference"]["n"] == 8
     assert summary["runs_made_on"] == {"AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu": 2 * n}  # one VM
+    size = sum(f.stat().st_size for f in (_STUDY_DOCS / "sweep-staleness-k1" / "runs").rglob("*") if f.is_file())
     quoted = [
         f"none - reference is {_quoted(diff)} over {n} seeds",
         f"final reward {none['final_reward'][0]:.3f} against the reference's {ref['final_reward'][0]:.3f}",
@@ -1368,6 +1369,10 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
         f"more; token TIS's {_quoted(sweep['arms']['token_tis']['vs_none']['final_reward'])} does)",
         f"paired SD ({_summary('sweep-staleness', '.')['paired_sd']:.3f}) that was "
         f"{_summary('sweep-staleness', '.')['seeds_for_target']} per dose",
+        f"k = 1 is measurably behind too: {_quoted(diff)}",
+        f"with 3-token responses: {diff['mean']:+.3f} at {n} seeds)",
+        f"({2 * n} runs in 50 minutes, about {none['wall_s']:.0f} s per run; 1.7 CPU-hours)",
+        f"({2 * n} runs, {size / 1e6:.1f} MB)",
     ]
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     missing = [q for q in quoted if q not in prose]
