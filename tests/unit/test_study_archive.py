@@ -1344,7 +1344,8 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     study = summary["study"]
     first8 = paired_differences({s: final["none", s] for s in range(8)}, {s: final["ref_fp32", s] for s in range(8)},
                                 confidence=study["confidence"], resamples=study["bootstrap"])
-    sweep = _dose("sweep-staleness", ".", "k1")
+    sweep_summary = _summary("sweep-staleness", ".")  # the 8-seed sweep: its k1 and k2 doses
+    sweep, sweep_k2 = ({d["label"]: d for d in sweep_summary["doses"]}[label] for label in ("k1", "k2"))
     late = none["vs_reference"]["steps_to_threshold"]
     tis = dose["arms"]["token_tis"]
     tis_none, tis_ref = tis["vs_none"]["final_reward"], tis["vs_reference"]["final_reward"]
@@ -1376,8 +1377,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
         f"{tis['ended_low']['k']} ended low (none {none['collapse']['k']} and {none['ended_low']['k']}), and its mean "
         f"K3 is {_e(tis['k3_mean'][0], 1)} (none {_e(none['k3_mean'][0], 1)})",
         f"about {share:.0%} of the gap",
-        f"paired SD ({_summary('sweep-staleness', '.')['paired_sd']:.3f}) that was "
-        f"{_summary('sweep-staleness', '.')['seeds_for_target']} per dose",
+        f"paired SD ({sweep_summary['paired_sd']:.3f}) that was {sweep_summary['seeds_for_target']} per dose",
         f"k = 1 is measurably behind too: {_quoted(diff)}",
         f"with 3-token responses: {diff['mean']:+.3f} at {n} seeds)",
         f"({2 * n} runs in 50 minutes, about {none['wall_s']:.0f} s per run; 1.7 CPU-hours)",
@@ -1394,7 +1394,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
             f"{_quoted(tis_none)} of it)") in readme
     assert f"at k = 1 token TIS recovers {_quoted(tis_none)} of the {diff['mean']:+.3f} ({n} seeds)" in prose
     # the answers table's staleness row
-    k2 = _dose("sweep-staleness", ".", "k2")["arms"]["none"]["k3_mean"][0]
+    k2 = sweep_k2["arms"]["none"]["k3_mean"][0]
     answers = (f"| k = 1 optimizer step ({_quoted(diff, '{:+.2f}')}, {n} seeds; the sweep's 8 seeds had left it at "
                f"{_quoted(sweep['none_vs_reference'], '{:+.2f}')}) | {none['k3_mean'][0]:.3f} (k = 2: {k2:.2f}) |")
     assert answers in prose, answers
