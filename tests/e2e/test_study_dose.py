@@ -127,6 +127,21 @@ def test_sweep_row_extras_hand_derived():
     assert _run_extras({0: {"records": [{"grad_norm": 1.0}]}})["rejected_seq_mean"] is None
 
 
+def test_the_sweep_report_gives_the_detectable_effect_of_every_seed_count_run():
+    """``seeds_run`` is the fewest paired seeds of any dose; a dose run with more seeds gets its own
+    minimal detectable effect, 2.8016 x SD / sqrt(n) (hand-derived: SD 0.1, n 16 -> 0.0700)."""
+    from megatron_mis.testbed.study.sweep_report import _per_dose_mde
+
+    def dose(label, n):
+        return {"label": label, "none_vs_reference": {"n": n} if n else None}
+
+    summary = {"paired_sd": 0.1, "seeds_run": 4,
+               "doses": [dose("k0", 4), dose("k1", 16), dose("k2", None), dose("k4", 16), dose("k8", 9)]}
+    assert _per_dose_mde(summary) == " (k8: 9 seeds, 0.093; k1, k4: 16 seeds, 0.070)"
+    summary["doses"] = [dose("k0", 4), dose("k1", 4), dose("k2", None)]
+    assert _per_dose_mde(summary) == ""
+
+
 def test_list_names_the_sweeps(capsys):
     assert main(["study", "--list"]) == 0
     out = capsys.readouterr().out

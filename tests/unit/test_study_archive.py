@@ -289,6 +289,23 @@ def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, repor
     assert dose["none_vs_reference"]["diffs"] == dose["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
 
 
+#: the committed sweep summaries the current report writer reads (those with an ``outcome``; older
+#: reports were written before it, and their summaries lack fields it needs)
+_CURRENT_SWEEP_SUMMARIES = sorted(p.parent.relative_to(_STUDY_DOCS).as_posix() for p in _STUDY_DOCS.rglob("summary.json")
+                                  if "outcome" in json.loads(p.read_text()))
+
+
+def test_the_current_sweep_reports_are_their_summaries_markdown():
+    """Each such report.md is what the report writer makes of its summary.json, so a report
+    edited by hand, or left behind when the writer changed (its detectable-effect line), fails."""
+    from megatron_mis.testbed.study.sweep_report import format_sweep_markdown
+
+    assert len(_CURRENT_SWEEP_SUMMARIES) >= 10, _CURRENT_SWEEP_SUMMARIES
+    for folder in _CURRENT_SWEEP_SUMMARIES:
+        summary = json.loads((_STUDY_DOCS / folder / "summary.json").read_text())
+        assert (_STUDY_DOCS / folder / "report.md").read_text() == format_sweep_markdown(summary), folder
+
+
 @pytest.mark.parametrize("sweep", sorted({sweep for sweep, _, _ in _REPORTS}))
 def test_every_committed_run_is_in_a_report(sweep):
     """A run added to a committed archive without a report that quotes it fails here."""

@@ -67,6 +67,22 @@ def _fmt_paired_steps(d: dict[str, Any] | None) -> str:
     return "-" if d is None else f"{_fmt_diff(d, '{:+.0f}')} (n {d['n']})"
 
 
+def _per_dose_mde(summary: dict[str, Any]) -> str:
+    """``""`` when every dose ran the same number of paired seeds; otherwise, since ``seeds_run`` is
+    the fewest, the minimal detectable effect at each other seed count and the doses that ran it, e.g.
+    ``" (k16, k64: 16 seeds, 0.123)"``."""
+    by_n: dict[int, list[str]] = {}
+    for d in summary["doses"]:
+        if d["none_vs_reference"]:
+            by_n.setdefault(d["none_vs_reference"]["n"], []).append(str(d["label"]))
+    others = sorted(n for n in by_n if n != summary["seeds_run"])
+    if not others:
+        return ""
+    sd = summary["paired_sd"]
+    return " (" + "; ".join(f"{', '.join(by_n[n])}: {n} seeds, {minimal_detectable_effect(sd, n):.3f}"
+                            for n in others) + ")"
+
+
 def summarize_sweep(study: StudyConfig, *, write_dose_reports: bool = True) -> dict[str, Any]:
     """Per dose the study summary's rows (plus gradient norm and monitor flags), the paired SD
     and the seed rule; also writes each dose's own report when ``write_dose_reports``."""
@@ -185,7 +201,7 @@ def format_sweep_markdown(summary: dict[str, Any]) -> str:
             f"Paired SD of the {name}, none - reference (pooled over doses, {summary['paired_differences']} pairs): "
             f"{sd:.3f}. Seeds per dose for a {summary['target_effect']} difference (two-sided 5%, power 80%): "
             f"{summary['seeds_for_target']}. Minimal detectable effect with the {summary['seeds_run']} seeds run: "
-            f"{summary['minimal_detectable_effect']:.3f}."
+            f"{summary['minimal_detectable_effect']:.3f}{_per_dose_mde(summary)}."
         )
     first = summary["first_dose_none_behind_reference"]
     lines.append("")
