@@ -291,8 +291,10 @@ def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, repor
 
 #: the committed sweep summaries the current report writer reads (those with an ``outcome``; older
 #: reports were written before it, and their summaries lack fields it needs)
-_CURRENT_SWEEP_SUMMARIES = sorted(p.parent.relative_to(_STUDY_DOCS).as_posix() for p in _STUDY_DOCS.rglob("summary.json")
-                                  if "outcome" in json.loads(p.read_text()))
+_CURRENT_SWEEP_SUMMARIES = sorted(
+    p.parent.relative_to(_STUDY_DOCS).as_posix()
+    for p in _STUDY_DOCS.rglob("summary.json") if "outcome" in json.loads(p.read_text())
+)
 
 
 def test_the_current_sweep_reports_are_their_summaries_markdown():
