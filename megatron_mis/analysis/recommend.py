@@ -16,7 +16,7 @@ geometric band (``rs_criteria: {seq_zscore_k1: {k3: K3, z: 3}}``, which scales i
 Regimes (first match wins):
 
 1. ``K3 > 1e-2``: more than numerics. The study's precision settings (bf16, fp16, int8, int4,
-   dense and MoE) measured K3 up to about 2e-3; a temperature, top-p / top-k or stale-weight
+   dense and MoE) measured K3 up to about 2.6e-3; a temperature, top-p / top-k or stale-weight
    mismatch (the dose-response sweeps' mechanisms) reaches far higher. With stale rollouts,
    bypass PPO (the staleness sweep's one correction that closed the gap); otherwise check the
    rollout's sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
@@ -200,14 +200,16 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         return Recommendation(
             "token_mis", None, None, s, share, "config-bug",
             f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g}, more than bf16 / fp16 / int8 / int4 numerics gave in the "
-            "study (<= 2e-3): a configuration or staleness mismatch. If the rollouts are stale (asynchronous RL), use "
-            "bypass (the rollout's log-probs as PPO's old policy: --use-rollout-logprobs, policy_loss: bypass_ppo): "
-            "in the study's staleness sweep it alone closed the gap at 1-8 steps of lag (+0.36 to +0.66 reward over "
-            "none; IS-weight corrections +0.03 to +0.18). Otherwise check the rollout's temperature, top-p / top-k "
-            "(replay the rollout's support in the trainer: TokenSupport) and weight sync; meanwhile mask tokens "
-            "outside [0.5, 5]",
-            "study: K3 of the precision settings; the staleness sweep (6 doses x 7 arms x 8 seeds) and the "
-            "temperature / top-p runs (docs/study.md)",
+            "study (<= 2.6e-3): a configuration or staleness mismatch. If the rollouts are stale (asynchronous RL), "
+            "use bypass (the rollout's log-probs as PPO's old policy: --use-rollout-logprobs, policy_loss: "
+            "bypass_ppo): in the study's staleness sweep it alone closed the gap at 1-8 steps of lag (+0.36 to +0.66 "
+            "reward over none; IS-weight corrections +0.03 to +0.18); at one step of lag, where none fell -0.152 "
+            "[-0.187, -0.117] behind fresh rollouts (120 seeds), token TIS recovered +0.095 [+0.063, +0.126] and "
+            "decoupled PPO +0.080 [+0.049, +0.111], bypass +0.366 [+0.324, +0.408] (60 seeds). Otherwise check the "
+            "rollout's temperature, top-p / top-k (replay the rollout's support in the trainer: TokenSupport) and "
+            "weight sync; meanwhile mask tokens outside [0.5, 5]",
+            "study: K3 of the precision settings; the staleness sweep (6 doses x 7 arms x 8 seeds), its one step of "
+            "lag at 120 seeds (docs/study/sweep-staleness-k1) and the temperature / top-p runs (docs/study.md)",
         )
     if s <= S_MEASURED_HARMLESS:
         return Recommendation(

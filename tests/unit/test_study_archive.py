@@ -205,7 +205,8 @@ _REPORTS = [
                                                            "bypass_ppo": range(6, 11), "sequence_mis": range(6, 11),
                                                            "sequence_tis": range(6, 11)}),
     # one step of lag at 120 seeds (150 steps, third VM): none, the reference and token TIS, their own archive
-    ("sweep-staleness-k1", ".", {"none": range(120), "token_tis": range(120)}),
+    ("sweep-staleness-k1", ".", {"none": range(120), "token_tis": range(120), "decoupled_ppo": range(120),
+                                 "bypass_ppo": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -1372,7 +1373,9 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     share = tis_none["mean"] / -diff["mean"]  # the share of none's gap it recovers
     assert late["excludes_zero"] and late["low"] > 0
     assert sweep["none_vs_reference"]["n"] == 8
-    assert summary["runs_made_on"] == {"AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu": 3 * n}  # one VM
+    # none, the reference and token TIS on one VM; decoupled PPO and bypass later on another
+    assert summary["runs_made_on"] == {"AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu": 3 * n,
+                                       "AMD EPYC [AVX2], Python 3.11.7, torch 2.13.0+cpu": n + n // 2}
     size = sum(f.stat().st_size for f in (_STUDY_DOCS / "sweep-staleness-k1" / "runs").rglob("*") if f.is_file())
     quoted = [
         f"none - reference is {_quoted(diff)} over {n} seeds",
@@ -1389,7 +1392,6 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
         f"{none['steps_to_threshold']['reached']} of {n} reached the threshold reward {summary['threshold']} against "
         f"the reference's {ref['steps_to_threshold']['reached']}, and those that did were later "
         f"({_quoted(late, '{:+.0f}')} steps, over the {late['n']} seeds on which both did)",
-        f"({_quoted(sweep['arms']['bypass_ppo']['vs_none']['final_reward'])} over none at 8 seeds",
         f"it is {_quoted(tis_none)} against none and {_quoted(tis_ref)} against the reference (the sweep's 8 seeds "
         f"had it at {_quoted(sweep['arms']['token_tis']['vs_none']['final_reward'])} against none, unresolved); "
         f"{tis['collapse']['k']} of its {tis['n']} runs collapsed and "
@@ -1400,7 +1402,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
         f"k = 1 is measurably behind too: {_quoted(diff)}",
         f"with 3-token responses: {diff['mean']:+.3f} at {n} seeds)",
         f"({2 * n} runs in 50 minutes, about {none['wall_s']:.0f} s per run; 1.7 CPU-hours)",
-        f"({3 * n} runs, {size / 1e6:.1f} MB)",
+        f"({sum(a['n'] for a in dose['arms'].values())} runs, {size / 1e6:.1f} MB)",
     ]
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     missing = [q for q in quoted if q not in prose]
@@ -1410,10 +1412,86 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
             f"SD {summary['paired_sd']:.3f}; {none['collapse']['k']} of {n} runs of none collapsed, the reference "
             f"{ref['collapse']['k']})") in readme
     assert (f"(docs/study.md, \"One step of lag at 120 seeds\"; token TIS on the same seeds recovers "
-            f"{_quoted(tis_none)} of it)") in readme
+            f"{_quoted(tis_none)} of it,") in readme
     assert f"at k = 1 token TIS recovers {_quoted(tis_none)} of the {diff['mean']:+.3f} ({n} seeds)" in prose
     # the answers table's staleness row
     k2 = sweep_k2["arms"]["none"]["k3_mean"][0]
     answers = (f"| k = 1 optimizer step ({_quoted(diff, '{:+.2f}')}, {n} seeds; the sweep's 8 seeds had left it at "
                f"{_quoted(sweep['none_vs_reference'], '{:+.2f}')}) | {none['k3_mean'][0]:.3f} (k = 2: {k2:.2f}) |")
     assert answers in prose, answers
+
+
+def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
+    """docs/study.md, the README and ``analyze``'s recommendation on decoupled PPO (120 seeds) and
+    bypass PPO (the first 60) at one step of lag, run on a second VM: their differences against
+    none and the reference, collapses, runs that ended low or reached the threshold, K3, time per
+    run (the report's), decoupled PPO - token TIS and the cross-arm correlations of the final reward
+    that justify pairing by seed across machines (recomputed from the archive)."""
+    import numpy as np
+
+    from megatron_mis.analysis.recommend import recommend
+    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
+
+    summary = _summary("sweep-staleness-k1", ".")
+    (dose,) = summary["doses"]
+    arms = dose["arms"]
+    none, dec, byp = arms["none"], arms["decoupled_ppo"], arms["bypass_ppo"]
+    n = dec["n"]
+    assert n == none["n"] == 120 and byp["n"] == 60
+    final = _committed_finals("sweep-staleness-k1", summary)
+    study = summary["study"]
+    dec_tis = paired_differences({s: final["decoupled_ppo", s] for s in range(n)},
+                                 {s: final["token_tis", s] for s in range(n)},
+                                 confidence=study["confidence"], resamples=study["bootstrap"])
+    assert not dec_tis["excludes_zero"]
+
+    def corr(a: str, b: str) -> float:
+        return float(np.corrcoef([final[a, s] for s in range(n)], [final[b, s] for s in range(n)])[0, 1])
+
+    dec_none, dec_ref = dec["vs_none"]["final_reward"], dec["vs_reference"]["final_reward"]
+    byp_none, byp_ref = byp["vs_none"]["final_reward"], byp["vs_reference"]["final_reward"]
+    assert dec_none["low"] > 0 and dec_ref["high"] < 0 and byp_ref["low"] > 0  # bypass above fresh rollouts
+    gap = -dose["none_vs_reference"]["mean"]
+    early = byp["vs_reference"]["steps_to_threshold"]
+    assert early["excludes_zero"] and early["high"] < 0
+    sweep = {d["label"]: d for d in _summary("sweep-staleness", ".")["doses"]}["k1"]["arms"]
+    ref_reached = sum(  # the reference's runs that reached the threshold on bypass's seeds
+        run_metrics(records, end, last_k=study["last_k"], threshold=summary["threshold"],
+                    collapse_fraction=study["collapse_fraction"])["steps_to_threshold"] is not None
+        for (_, arm, seed), (records, end) in _archive_runs("sweep-staleness-k1").items()
+        if arm == "ref_fp32" and seed < byp["n"])
+    quoted = [
+        f"{_quoted(dec_none)} against none and {_quoted(dec_ref)} against "
+        f"the reference over the same {n} seeds (the sweep's 8 seeds: "
+        f"{_quoted(sweep['decoupled_ppo']['vs_none']['final_reward'])}), about {dec_none['mean'] / gap:.0%} of the "
+        "gap; "
+        f"{dec['collapse']['k']} of its {n} runs collapsed and {dec['ended_low']['k']} ended low, mean K3 "
+        f"{_e(dec['k3_mean'][0], 1)}. Against token TIS it is {_quoted(dec_tis)}",
+        f"{_quoted(byp_none)} against none and {_quoted(byp_ref)} against the reference (the sweep's 8 seeds: "
+        f"{_quoted(sweep['bypass_ppo']['vs_none']['final_reward'])} and "
+        f"{_quoted(sweep['bypass_ppo']['vs_reference']['final_reward'])}). None of its {byp['n']} runs collapsed, "
+        f"{byp['ended_low']['k']} ended low, {byp['steps_to_threshold']['reached']} reached the threshold reward "
+        f"{summary['threshold']} (the reference {ref_reached} of the same {byp['n']}), "
+        f"{-early['mean']:.0f} [{-early['high']:.0f}, {-early['low']:.0f}] steps before the reference on the "
+        f"{early['n']} seeds on which both did; mean K3 {_e(byp['k3_mean'][0], 1)}",
+        f"(120 runs in 55 minutes, about {dec['wall_s']:.0f} s per run), bypass 19:07-19:36 UTC (60 runs in 29 "
+        f"minutes, about {byp['wall_s']:.0f} s per run); 2.8 CPU-hours (decoupled PPO's runs took "
+        f"{dec['wall_s'] / none['wall_s']:.1f} times as long as none's on the third VM)",
+        f"Final rewards correlate {corr('decoupled_ppo', 'none'):.2f} between decoupled PPO (fourth VM) and none "
+        f"(third VM) over the {n} seeds, the same as token TIS and none on one VM ({corr('token_tis', 'none'):.2f}), "
+        f"and {corr('none', 'ref_fp32'):.2f} between none and the reference on one VM",
+        f"decoupled PPO {_quoted(dec_none)} ({n}), bypass {_quoted(byp_none)} ({byp['n']}; {_quoted(byp_ref)} above "
+        "fresh rollouts) |",  # the answers table's staleness row
+    ]
+    assert byp["collapse"]["k"] == 0
+    prose = _prose(_STUDY_DOCS.parent / "study.md")
+    missing = [q for q in quoted if q not in prose]
+    assert not missing, missing
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert f"decoupled PPO {_quoted(dec_none)}, on a Zen 3 VM)" in readme
+    assert (f"(at k = 1 over {byp['n']} seeds {_quoted(byp_none)}, and {_quoted(byp_ref)} above fresh rollouts)"
+            in readme)
+    reason = " ".join(recommend(0.044, 3).reason.split())
+    assert (f"none fell {_quoted(dose['none_vs_reference'])} behind fresh rollouts ({n} seeds), token TIS recovered "
+            f"{_quoted(arms['token_tis']['vs_none']['final_reward'])} and decoupled PPO {_quoted(dec_none)}, bypass "
+            f"{_quoted(byp_none)} ({byp['n']} seeds)") in reason
