@@ -204,7 +204,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-256", "sequence-seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
                                                            "bypass_ppo": range(6, 11), "sequence_mis": range(6, 11),
                                                            "sequence_tis": range(6, 11)}),
-    # one step of lag at 120 seeds (150 steps, third VM): none, the reference and token TIS, their own archive
+    # one step of lag at 120 seeds (150 steps): none, the reference and token TIS (third VM), decoupled PPO and
+    # bypass's first 60 seeds (fourth VM), their own archive
     ("sweep-staleness-k1", ".", {"none": range(120), "token_tis": range(120), "decoupled_ppo": range(120),
                                  "bypass_ppo": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -1423,7 +1424,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
 
 def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
     """docs/study.md, the README and ``analyze``'s recommendation on decoupled PPO (120 seeds) and
-    bypass PPO (the first 60) at one step of lag, run on a second VM: their differences against
+    bypass PPO (the first 60) at one step of lag, run on another VM: their differences against
     none and the reference, collapses, runs that ended low or reached the threshold, K3, time per
     run (the report's), decoupled PPO - token TIS and the cross-arm correlations of the final reward
     that justify pairing by seed across machines (recomputed from the archive)."""
@@ -1461,12 +1462,10 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
         for (_, arm, seed), (records, end) in _archive_runs("sweep-staleness-k1").items()
         if arm == "ref_fp32" and seed < byp["n"])
     quoted = [
-        f"{_quoted(dec_none)} against none and {_quoted(dec_ref)} against "
-        f"the reference over the same {n} seeds (the sweep's 8 seeds: "
-        f"{_quoted(sweep['decoupled_ppo']['vs_none']['final_reward'])}), about {dec_none['mean'] / gap:.0%} of the "
-        "gap; "
-        f"{dec['collapse']['k']} of its {n} runs collapsed and {dec['ended_low']['k']} ended low, mean K3 "
-        f"{_e(dec['k3_mean'][0], 1)}. Against token TIS it is {_quoted(dec_tis)}",
+        f"{_quoted(dec_none)} against none and {_quoted(dec_ref)} against the reference over the same {n} seeds "
+        f"(the sweep's 8 seeds: {_quoted(sweep['decoupled_ppo']['vs_none']['final_reward'])}), about "
+        f"{dec_none['mean'] / gap:.0%} of the gap; {dec['collapse']['k']} of its {n} runs collapsed and "
+        f"{dec['ended_low']['k']} ended low, mean K3 {_e(dec['k3_mean'][0], 1)}. Against token TIS it is {_quoted(dec_tis)}",
         f"{_quoted(byp_none)} against none and {_quoted(byp_ref)} against the reference (the sweep's 8 seeds: "
         f"{_quoted(sweep['bypass_ppo']['vs_none']['final_reward'])} and "
         f"{_quoted(sweep['bypass_ppo']['vs_reference']['final_reward'])}). None of its {byp['n']} runs collapsed, "
@@ -1474,7 +1473,7 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
         f"{summary['threshold']} (the reference {ref_reached} of the same {byp['n']}), "
         f"{-early['mean']:.0f} [{-early['high']:.0f}, {-early['low']:.0f}] steps before the reference on the "
         f"{early['n']} seeds on which both did; mean K3 {_e(byp['k3_mean'][0], 1)}",
-        f"(120 runs in 55 minutes, about {dec['wall_s']:.0f} s per run), bypass 19:07-19:36 UTC (60 runs in 29 "
+        f"({n} runs in 55 minutes, about {dec['wall_s']:.0f} s per run), bypass 19:07-19:36 UTC (60 runs in 29 "
         f"minutes, about {byp['wall_s']:.0f} s per run); 2.8 CPU-hours (decoupled PPO's runs took "
         f"{dec['wall_s'] / none['wall_s']:.1f} times as long as none's on the third VM)",
         f"Final rewards correlate {corr('decoupled_ppo', 'none'):.2f} between decoupled PPO (fourth VM) and none "
