@@ -1465,7 +1465,8 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
         f"{_quoted(dec_none)} against none and {_quoted(dec_ref)} against the reference over the same {n} seeds "
         f"(the sweep's 8 seeds: {_quoted(sweep['decoupled_ppo']['vs_none']['final_reward'])}), about "
         f"{dec_none['mean'] / gap:.0%} of the gap; {dec['collapse']['k']} of its {n} runs collapsed and "
-        f"{dec['ended_low']['k']} ended low, mean K3 {_e(dec['k3_mean'][0], 1)}. Against token TIS it is {_quoted(dec_tis)}",
+        f"{dec['ended_low']['k']} ended low, mean K3 {_e(dec['k3_mean'][0], 1)}. Against token TIS it is "
+        f"{_quoted(dec_tis)}",
         f"{_quoted(byp_none)} against none and {_quoted(byp_ref)} against the reference (the sweep's 8 seeds: "
         f"{_quoted(sweep['bypass_ppo']['vs_none']['final_reward'])} and "
         f"{_quoted(sweep['bypass_ppo']['vs_reference']['final_reward'])}). None of its {byp['n']} runs collapsed, "
