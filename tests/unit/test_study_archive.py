@@ -264,6 +264,13 @@ def _prose(path: Path) -> str:
     return " ".join(path.read_text().split())
 
 
+def _assert_quoted(quoted: list[str], text: str, context: object = None) -> None:
+    """Every string of ``quoted`` is in ``text``; a failure lists those that are not (with
+    ``context`` when given)."""
+    missing = [q for q in quoted if q not in text]
+    assert not missing, missing if context is None else (missing, context)
+
+
 def _e(x: float, digits: int) -> str:
     """``x`` as docs/study.md writes it: 2.5e-2, not 2.5e-02."""
     return re.sub(r"e([-+])0(\d)", r"e\1\2", f"{x:.{digits}e}")
@@ -396,8 +403,7 @@ def test_the_quoted_k3_guard_figures_at_128_tokens_k1_come_from_the_archive():
         f"a 20-step K3 of {_e(peak['ref_fp32', 8], 0)}",
     ]
     text = _prose(_STUDY_DOCS.parent / "study.md")
-    missing = [q for q in quoted if q not in text]
-    assert not missing, missing
+    _assert_quoted(quoted, text)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert f"would have fired on {flagged(lowest_failure)[1]} of the {len(learned)} that learned" in readme
 
@@ -927,8 +933,7 @@ def test_the_sampling_mismatch_advice_quotes_the_long_tail_top_k_archive():
         f"token TIS with that bonus lowered by its mean weight took off with none, {_entropy_lowered_vs_none()}",
     ]
     basis = " ".join(TRUNCATION_BASIS.split())
-    missing = [q for q in quoted if q not in basis]
-    assert not missing, (missing, basis)
+    _assert_quoted(quoted, basis, context=basis)
 
 
 def test_the_answers_and_correction_tables_quote_the_processed_top_k_report():
@@ -966,8 +971,7 @@ def test_the_answers_and_correction_tables_quote_the_processed_top_k_report():
         f"({_quoted(mis['vs_reference']['greedy_reward'])}, "
         f"{mis['ended_low']['k']}/{mis['n']})",
     ]
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
 
 def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
     """docs/study.md's figures on truncation with the 512-id tail beyond its table: the 4-seed
@@ -1076,8 +1080,7 @@ def test_the_long_tail_truncation_prose_figures_come_from_the_archive():
         f"replayed top-p at 0.9 ended above the untruncated reference "
         f"({_quoted(replays[0]['none_vs_reference'])}, 4 seeds",
     ]
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
     assert ratio_max < 1.0 and min(r["mis_ratio_max"] for (s, arm, _), (records, _) in runs.items()
                                    if "raw" in s for r in records) >= 1.0  # raw: rounding on both sides of 1
     # token MIS over processed top-k 64: every loss token rejected on every step, so no gradient, ever, and
@@ -1153,8 +1156,7 @@ def test_the_entropy_bonus_checks_at_top_k_16_come_from_their_archive():
         "steps, 8 seeds at top-k 16)",
     ]
     assert collapsed["lowered"] == 0  # "none of its runs collapsed"
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     for q in quoted[-2:]:
         assert q in readme, q
@@ -1252,8 +1254,7 @@ def test_the_processed_top_p_figures_on_the_long_tail_come_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"on every step of the 512-id one (not p 0.95 there: mean K3 {_e(p095['none']['k3_mean'][0], 1)})"
             in readme)
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
 
 
 def test_the_self_normalised_token_tis_figures_come_from_the_archive():
@@ -1330,8 +1331,7 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
         header = json.loads(texts[f"long-tail-top-k-processed-k16/ref_fp32/seed-{seed}.jsonl"].split("\n", 1)[0])
         assert header["copied_from"].endswith(f"long-tail-top-k-processed-k64/ref_fp32/seed-{seed}.jsonl")
     prose = _prose(_STUDY_DOCS.parent / "study.md")
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     summary = (f"token TIS self-normalised (`token_tis_normalized`) stalled no run ({k64['low']} of "
                f"{k64['n']} ended low at top-k 64, {k64['ref']} against the reference)")
@@ -1406,8 +1406,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
         f"({sum(a['n'] for a in dose['arms'].values())} runs, {size / 1e6:.1f} MB)",
     ]
     prose = _prose(_STUDY_DOCS.parent / "study.md")
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"`none - ref_fp32` {_quoted(diff)}, {n} seeds, MDE {summary['minimal_detectable_effect']:.3f} (paired "
             f"SD {summary['paired_sd']:.3f}; {none['collapse']['k']} of {n} runs of none collapsed, the reference "
@@ -1485,8 +1484,7 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
     ]
     assert byp["collapse"]["k"] == 0
     prose = _prose(_STUDY_DOCS.parent / "study.md")
-    missing = [q for q in quoted if q not in prose]
-    assert not missing, missing
+    _assert_quoted(quoted, prose)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert f"decoupled PPO {_quoted(dec_none)}, on a Zen 3 VM)" in readme
     assert (f"(at k = 1 over {byp['n']} seeds {_quoted(byp_none)}, and {_quoted(byp_ref)} above fresh rollouts)"
