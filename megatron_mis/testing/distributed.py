@@ -4,7 +4,8 @@
 group in each (through a file store: no ports to pick, nothing to race for), and then runs many
 functions on every rank: ``pool.run(fn, *args)`` returns the list of per-rank results. Starting
 processes and importing Megatron-Core costs seconds per process, so a test module starts one
-pool and runs all its cases in it.
+pool and runs all its cases in it, and the workers are forked from a fork server that imported
+torch and Megatron-Core once (:mod:`megatron_mis.testing._preload`), not spawned.
 
 Nothing hangs: a case that fails on one rank while others wait in a collective is bounded by the
 pool's timeout, after which the pool is torn down (and restarted on the next ``run``) and the
@@ -35,6 +36,11 @@ COLLECTIVES = (
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
     "send", "recv", "isend", "irecv", "barrier", "all_gather_object", "broadcast_object_list",
 )
+
+#: What the fork server imports before it forks a worker (``multiprocessing``'s "forkserver" start
+#: method: a worker is a fork of that clean server, never of the caller, so the caller's threads
+#: and state do not reach it; the server starts once per calling process).
+PRELOAD = ["megatron_mis.testing._preload"]
 
 
 class RemoteError(RuntimeError):
@@ -124,7 +130,8 @@ class ProcessGroupPool:
     def start(self) -> "ProcessGroupPool":
         if self._procs:
             return self
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs (it keeps its imports)
         self._tmp = tempfile.mkdtemp(prefix="mis_pg_")
         store = os.path.join(self._tmp, "store")
         for rank in range(self.world_size):

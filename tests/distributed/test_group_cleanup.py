@@ -68,3 +68,21 @@ def test_pool_arguments_are_validated():
     n = torch.cuda.device_count()
     with pytest.raises(ValueError, match=rf"backend='nccl' needs one GPU per rank: world_size={n + 1}, {n} visible"):
         ProcessGroupPool(n + 1, backend="nccl")
+
+
+def _start_state() -> tuple[int, bool, bool]:
+    import sys
+
+    return os.getppid(), "megatron.core.parallel_state" in sys.modules, "megatron_mis.testing._preload" in sys.modules
+
+
+def test_workers_are_forks_of_a_server_that_preloaded_torch_and_megatron():
+    """Spawned workers imported torch and Megatron-Core each (8 ranks: ~30 s on 2 cores); the pool
+    forks them from ``multiprocessing``'s fork server, which imported them once
+    (``megatron_mis.testing._preload``). A worker's parent is that server, not this process, and
+    a pool without ``cpu_compat`` (which imports Megatron itself) finds Megatron loaded."""
+    with ProcessGroupPool(2, cpu_compat=False) as pool:
+        states = pool.run(_start_state)
+    parents = {parent for parent, _, _ in states}
+    assert len(parents) == 1 and os.getpid() not in parents, (os.getpid(), states)
+    assert all(megatron and preload for _, megatron, preload in states), states
