@@ -7,6 +7,7 @@ and of threads returns to where it was, over two ranks."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -86,3 +87,46 @@ def test_workers_are_forks_of_a_server_that_preloaded_torch_and_megatron():
     parents = {parent for parent, _, _ in states}
     assert len(parents) == 1 and os.getpid() not in parents, (os.getpid(), states)
     assert all(megatron and preload for _, megatron, preload in states), states
+
+
+def _training_runs(release: bool, out_dir: str, runs: int) -> list[tuple[int, int]]:
+    """``runs`` 2-step runs of the testbed's training (the staleness sweep's first none run, the
+    study worker's path: ``megatron_state`` on a world of one) in this worker, with the group
+    counts and threads after each; ``release=False`` turns off the release of Megatron's own
+    references (what the worker did before)."""
+    import megatron_mis.testing.distributed as harness
+    from megatron_mis.testbed.demo.config import DemoConfig
+    from megatron_mis.testbed.demo.train import run_rank
+    from megatron_mis.testbed.study.config import StudyConfig
+    from megatron_mis.testbed.study.runner import plan_sweep
+
+    job = next(j for j in plan_sweep(StudyConfig(sweep="staleness", seeds=1, quick=True, out_dir=out_dir))
+               if j.arm == "none")
+    cfg = DemoConfig.from_dict({**job.config, "out_dir": out_dir, "steps": 2, "progress": False})
+    kept = harness.release_megatron_group_references
+    if not release:
+        harness.release_megatron_group_references = lambda: None
+    try:
+        seen = []
+        for _ in range(runs):
+            run_rank(cfg)
+            gc.collect()
+            seen.append(_groups_and_threads())
+        return seen
+    finally:
+        harness.release_megatron_group_references = kept
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_training_runs_leave_no_gloo_threads_behind(tmp_path):
+    """A destroyed gloo group keeps its threads while anything references it, and Megatron-Core
+    keeps two kinds of reference after ``destroy_model_parallel`` (an intra-partial data-parallel
+    group it does not reset, ``RotaryEmbedding.forward``'s lru_cache of instances): a study worker
+    gained three threads a run, ~160 after 36 runs. With
+    :func:`~megatron_mis.testing.distributed.release_megatron_group_references` the groups and
+    threads stay flat from the first run on; without it they grow by a group's threads each run."""
+    with ProcessGroupPool(1) as pool:
+        (clean,) = pool.run(_training_runs, True, str(tmp_path / "clean"), 3)
+        (leaky,) = pool.run(_training_runs, False, str(tmp_path / "leaky"), 2)
+    assert [g for g, _ in clean] == [clean[0][0]] * 3 and clean[2][1] == clean[1][1] == clean[0][1], clean
+    assert leaky[1][1] >= leaky[0][1] + 3, leaky  # the check catches the leak it guards against

@@ -119,7 +119,7 @@ def megatron_state(cfg: DemoConfig) -> Iterator[None]:
         raise ValueError(
             f"{world} processes but tp x cp x pp x dp = {cfg.tp} x {cfg.cp} x {cfg.pp} x {cfg.dp} = {cfg.world_size}"
         )
-    from megatron_mis.testing.distributed import owned_process_groups
+    from megatron_mis.testing.distributed import owned_process_groups, release_megatron_group_references
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -133,6 +133,7 @@ def megatron_state(cfg: DemoConfig) -> Iterator[None]:
             yield
         finally:
             ps.destroy_model_parallel()
+            release_megatron_group_references()
 
 
 def _trainer_device() -> torch.device:
