@@ -204,8 +204,9 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "use bypass (the rollout's log-probs as PPO's old policy: --use-rollout-logprobs, policy_loss: "
             "bypass_ppo): in the study's staleness sweep it alone closed the gap at 1-8 steps of lag (+0.36 to +0.66 "
             "reward over none; IS-weight corrections +0.03 to +0.18); at one step of lag, where none fell -0.152 "
-            "[-0.187, -0.117] behind fresh rollouts (120 seeds), token TIS recovered +0.095 [+0.063, +0.126] and "
-            "decoupled PPO +0.080 [+0.049, +0.111], bypass +0.366 [+0.324, +0.408] (60 seeds). Otherwise check the "
+            "[-0.187, -0.117] behind fresh rollouts (120 seeds), token TIS recovered +0.095 [+0.063, +0.126], "
+            "decoupled PPO +0.080 [+0.049, +0.111] and token MIS +0.073 [+0.042, +0.103] (masking 1.6% of the "
+            "tokens), bypass +0.366 [+0.324, +0.408] (60 seeds). Otherwise check the "
             "rollout's temperature, top-p / top-k (replay the rollout's support in the trainer: TokenSupport) and "
             "weight sync; meanwhile mask tokens outside [0.5, 5]",
             "study: K3 of the precision settings; the staleness sweep (6 doses x 7 arms x 8 seeds), its one step of "

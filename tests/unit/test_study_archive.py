@@ -204,10 +204,10 @@ _REPORTS = [
     ("sweep-long-tail-stale-256", "sequence-seeds-6-10", {"none": range(6, 11), "token_tis": range(6, 11),
                                                            "bypass_ppo": range(6, 11), "sequence_mis": range(6, 11),
                                                            "sequence_tis": range(6, 11)}),
-    # one step of lag at 120 seeds (150 steps): none, the reference and token TIS (third VM), decoupled PPO and
-    # bypass's first 60 seeds (fourth VM), their own archive
+    # one step of lag at 120 seeds (150 steps): none, the reference and token TIS (third VM), decoupled PPO, token
+    # MIS and the first 60 seeds of bypass and sequence MIS (fourth VM), their own archive
     ("sweep-staleness-k1", ".", {"none": range(120), "token_tis": range(120), "decoupled_ppo": range(120),
-                                 "bypass_ppo": range(60)}),
+                                 "token_mis": range(120), "bypass_ppo": range(60), "sequence_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -1375,8 +1375,9 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     assert late["excludes_zero"] and late["low"] > 0
     assert sweep["none_vs_reference"]["n"] == 8
     # none, the reference and token TIS on one VM; decoupled PPO and bypass later on another
+    # (and token / sequence MIS there in a later session: 120 + 60)
     assert summary["runs_made_on"] == {"AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu": 3 * n,
-                                       "AMD EPYC [AVX2], Python 3.11.7, torch 2.13.0+cpu": n + n // 2}
+                                       "AMD EPYC [AVX2], Python 3.11.7, torch 2.13.0+cpu": 2 * (n + n // 2)}
     size = sum(f.stat().st_size for f in (_STUDY_DOCS / "sweep-staleness-k1" / "runs").rglob("*") if f.is_file())
     quoted = [
         f"none - reference is {_quoted(diff)} over {n} seeds",
@@ -1479,17 +1480,83 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
         f"Final rewards correlate {corr('decoupled_ppo', 'none'):.2f} between decoupled PPO (fourth VM) and none "
         f"(third VM) over the {n} seeds, the same as token TIS and none on one VM ({corr('token_tis', 'none'):.2f}), "
         f"and {corr('none', 'ref_fp32'):.2f} between none and the reference on one VM",
-        f"decoupled PPO {_quoted(dec_none)} ({n}), bypass {_quoted(byp_none)} ({byp['n']}; {_quoted(byp_ref)} above "
-        "fresh rollouts) |",  # the answers table's staleness row
+        f"decoupled PPO {_quoted(dec_none)} ({n}), token MIS",  # the answers table's staleness row
+        f"bypass {_quoted(byp_none)} ({byp['n']}; {_quoted(byp_ref)} above fresh rollouts) |",
     ]
     assert byp["collapse"]["k"] == 0
     prose = _prose(_STUDY_DOCS.parent / "study.md")
     _assert_quoted(quoted, prose)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    assert f"decoupled PPO {_quoted(dec_none)}, on a Zen 3 VM)" in readme
+    assert f"decoupled PPO {_quoted(dec_none)}, token MIS" in readme
     assert (f"(at k = 1 over {byp['n']} seeds {_quoted(byp_none)}, and {_quoted(byp_ref)} above fresh rollouts)"
             in readme)
     reason = " ".join(recommend(0.044, 3).reason.split())
+    tmis_none = arms["token_mis"]["vs_none"]["final_reward"]
     assert (f"none fell {_quoted(dose['none_vs_reference'])} behind fresh rollouts ({n} seeds), token TIS recovered "
-            f"{_quoted(arms['token_tis']['vs_none']['final_reward'])} and decoupled PPO {_quoted(dec_none)}, bypass "
+            f"{_quoted(arms['token_tis']['vs_none']['final_reward'])}, decoupled PPO {_quoted(dec_none)} and token MIS "
+            f"{_quoted(tmis_none)} (masking {_rejected_token_share('token_mis'):.1%} of the tokens), bypass "
             f"{_quoted(byp_none)} ({byp['n']} seeds)") in reason
+
+
+def _rejected_token_share(arm: str) -> float:
+    """The mean over ``arm``'s runs at one step of lag (docs/study/sweep-staleness-k1) of its runs'
+    mean fraction of loss tokens the correction rejected per step."""
+    import numpy as np
+
+    return float(np.mean([np.mean([r["rejected_token_fraction"] for r in records])
+                          for (_, a, _), (records, _) in _archive_runs("sweep-staleness-k1").items() if a == arm]))
+
+
+def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive():
+    """docs/study.md and the README on token MIS (120 seeds) and sequence MIS (the first 60) at one
+    step of lag, run on the fourth VM in a later session: their differences against none, the
+    reference and token TIS (recomputed from the archive), the share of the gap, the tokens and
+    sequences they masked (recomputed), collapses, runs that ended low, K3, time per run and the
+    archive's size; the answers table's row."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    summary = _summary("sweep-staleness-k1", ".")
+    (dose,) = summary["doses"]
+    arms = dose["arms"]
+    tmis, smis = arms["token_mis"], arms["sequence_mis"]
+    n, m = tmis["n"], smis["n"]
+    assert n == 120 and m == 60 and sum(a["n"] for a in arms.values()) == 720
+    final = _committed_finals("sweep-staleness-k1", summary)
+    study = summary["study"]
+
+    def against(arm: str, other: str, seeds: int) -> dict:
+        return paired_differences({s: final[arm, s] for s in range(seeds)}, {s: final[other, s] for s in range(seeds)},
+                                  confidence=study["confidence"], resamples=study["bootstrap"])
+
+    tmis_tis, smis_tis = against("token_mis", "token_tis", n), against("sequence_mis", "token_tis", m)
+    assert not tmis_tis["excludes_zero"] and not smis_tis["excludes_zero"]
+    t_none, t_ref = tmis["vs_none"]["final_reward"], tmis["vs_reference"]["final_reward"]
+    s_none, s_ref = smis["vs_none"]["final_reward"], smis["vs_reference"]["final_reward"]
+    assert t_none["low"] > 0 and t_ref["high"] < 0 and s_none["low"] > 0 and s_ref["high"] < 0
+    gap = -dose["none_vs_reference"]["mean"]
+    shares = [arms[a]["vs_none"]["final_reward"]["mean"] / gap for a in arms if a not in ("none", "ref_fp32",
+                                                                                       "bypass_ppo")]
+    seq_share = float(np.mean([np.mean([r["rejected_seq_fraction"] for r in records])
+                               for (_, a, _), (records, _) in _archive_runs("sweep-staleness-k1").items()
+                               if a == "sequence_mis"]))
+    sweep = {d["label"]: d for d in _summary("sweep-staleness", ".")["doses"]}["k1"]["arms"]
+    size = sum(f.stat().st_size for f in (_STUDY_DOCS / "sweep-staleness-k1" / "runs").rglob("*") if f.is_file())
+    quoted = [
+        f"{_quoted(t_none)} against none and {_quoted(t_ref)} against the reference over the same {n} seeds (the "
+        f"sweep's 8 seeds had it at {sweep['token_mis']['vs_none']['final_reward']['mean']:+.3f}), about "
+        f"{t_none['mean'] / gap:.0%} of the gap; it masked {_rejected_token_share('token_mis'):.1%} of the loss "
+        f"tokens, {tmis['collapse']['k']} of its {n} runs collapsed and {tmis['ended_low']['k']} ended low, mean K3 "
+        f"{_e(tmis['k3_mean'][0], 1)}; against token TIS {_quoted(tmis_tis)}",
+        f"on the first {m} seeds: {_quoted(s_none)} against none and {_quoted(s_ref)} against the reference; it "
+        f"masked {seq_share:.1%} of the sequences, {smis['collapse']['k']} of {m} runs collapsed and "
+        f"{smis['ended_low']['k']} ended low; against token TIS on those seeds {_quoted(smis_tis)}",
+        f"every IS weight recovers about half of the gap ({min(shares) * 100:.0f}-{max(shares):.0%})",
+        f"about {tmis['wall_s']:.0f} s per token MIS run and {smis['wall_s']:.0f} s per sequence MIS run",
+        f"({sum(a['n'] for a in arms.values())} runs, {size / 1e6:.1f} MB)",
+        f"token MIS {_quoted(t_none)} ({n}), sequence MIS {_quoted(s_none)} ({m}), bypass",
+    ]
+    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert f"token MIS {_quoted(t_none)} and, over {m} seeds, sequence MIS {_quoted(s_none)}, those three" in readme
