@@ -1352,8 +1352,6 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     ended low, K3 and the monitor's flags (the report's), the figure over the first 8 seeds
     (recomputed from the archive with the report's bootstrap) and the 8-seed sweep's figure (its own
     report, docs/study/sweep-staleness/summary.json)."""
-    from megatron_mis.testbed.study.stats import paired_differences
-
     summary = _summary("sweep-staleness-k1", ".")
     (dose,) = summary["doses"]
     none, ref = dose["arms"]["none"], dose["arms"]["ref_fp32"]
@@ -1361,10 +1359,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     assert n == ref["n"] == summary["seeds_run"] == 120 and summary["steps"] == 150
     diff = dose["none_vs_reference"]
     assert diff["excludes_zero"] and diff["high"] < 0 and summary["first_dose_none_behind_reference"] == "k1"
-    final = _committed_finals("sweep-staleness-k1", summary)
-    study = summary["study"]
-    first8 = paired_differences({s: final["none", s] for s in range(8)}, {s: final["ref_fp32", s] for s in range(8)},
-                                confidence=study["confidence"], resamples=study["bootstrap"])
+    first8 = _k1_paired(summary, "none", "ref_fp32", 8)
     sweep_summary = _summary("sweep-staleness", ".")  # the 8-seed sweep: its k1 and k2 doses
     sweep, sweep_k2 = ({d["label"]: d for d in sweep_summary["doses"]}[label] for label in ("k1", "k2"))
     late = none["vs_reference"]["steps_to_threshold"]
@@ -1378,7 +1373,7 @@ def test_the_powered_one_step_lag_figures_come_from_the_archive():
     # (and token / sequence MIS there in a later session: 120 + 60)
     assert summary["runs_made_on"] == {"AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu": 3 * n,
                                        "AMD EPYC [AVX2], Python 3.11.7, torch 2.13.0+cpu": 2 * (n + n // 2)}
-    size = sum(f.stat().st_size for f in (_STUDY_DOCS / "sweep-staleness-k1" / "runs").rglob("*") if f.is_file())
+    size = _archive_bytes("sweep-staleness-k1")
     quoted = [
         f"none - reference is {_quoted(diff)} over {n} seeds",
         f"final reward {none['final_reward'][0]:.3f} against the reference's {ref['final_reward'][0]:.3f}",
@@ -1431,7 +1426,7 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
     import numpy as np
 
     from megatron_mis.analysis.recommend import recommend
-    from megatron_mis.testbed.study.stats import paired_differences, run_metrics
+    from megatron_mis.testbed.study.stats import run_metrics
 
     summary = _summary("sweep-staleness-k1", ".")
     (dose,) = summary["doses"]
@@ -1441,9 +1436,7 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
     assert n == none["n"] == 120 and byp["n"] == 60
     final = _committed_finals("sweep-staleness-k1", summary)
     study = summary["study"]
-    dec_tis = paired_differences({s: final["decoupled_ppo", s] for s in range(n)},
-                                 {s: final["token_tis", s] for s in range(n)},
-                                 confidence=study["confidence"], resamples=study["bootstrap"])
+    dec_tis = _k1_paired(summary, "decoupled_ppo", "token_tis", n)
     assert not dec_tis["excludes_zero"]
 
     def corr(a: str, b: str) -> float:
@@ -1494,17 +1487,34 @@ def test_the_one_step_lag_decoupled_and_bypass_figures_come_from_the_archive():
     tmis_none = arms["token_mis"]["vs_none"]["final_reward"]
     assert (f"none fell {_quoted(dose['none_vs_reference'])} behind fresh rollouts ({n} seeds), token TIS recovered "
             f"{_quoted(arms['token_tis']['vs_none']['final_reward'])}, decoupled PPO {_quoted(dec_none)} and token MIS "
-            f"{_quoted(tmis_none)} (masking {_rejected_token_share('token_mis'):.1%} of the tokens), bypass "
+            f"{_quoted(tmis_none)} (masking {_rejected_share('token_mis'):.1%} of the tokens), bypass "
             f"{_quoted(byp_none)} ({byp['n']} seeds)") in reason
 
 
-def _rejected_token_share(arm: str) -> float:
+def _rejected_share(arm: str, field: str = "rejected_token_fraction") -> float:
     """The mean over ``arm``'s runs at one step of lag (docs/study/sweep-staleness-k1) of its runs'
-    mean fraction of loss tokens the correction rejected per step."""
+    mean per-step ``field``: the fraction of loss tokens (or, ``rejected_seq_fraction``, of
+    sequences) the correction rejected."""
     import numpy as np
 
-    return float(np.mean([np.mean([r["rejected_token_fraction"] for r in records])
+    return float(np.mean([np.mean([r[field] for r in records])
                           for (_, a, _), (records, _) in _archive_runs("sweep-staleness-k1").items() if a == arm]))
+
+
+def _k1_paired(summary: dict, arm: str, other: str, seeds: int) -> dict:
+    """``arm - other`` in final reward over the first ``seeds`` seeds at one step of lag
+    (docs/study/sweep-staleness-k1), recomputed from the archive with the report's bootstrap."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    final = _committed_finals("sweep-staleness-k1", summary)
+    study = summary["study"]
+    return paired_differences({s: final[arm, s] for s in range(seeds)}, {s: final[other, s] for s in range(seeds)},
+                              confidence=study["confidence"], resamples=study["bootstrap"])
+
+
+def _archive_bytes(sweep: str) -> int:
+    """The size of docs/study/SWEEP/runs, every file's bytes."""
+    return sum(f.stat().st_size for f in (_STUDY_DOCS / sweep / "runs").rglob("*") if f.is_file())
 
 
 def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive():
@@ -1513,24 +1523,14 @@ def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive()
     reference and token TIS (recomputed from the archive), the share of the gap, the tokens and
     sequences they masked (recomputed), collapses, runs that ended low, K3, time per run and the
     archive's size; the answers table's row."""
-    import numpy as np
-
-    from megatron_mis.testbed.study.stats import paired_differences
-
     summary = _summary("sweep-staleness-k1", ".")
     (dose,) = summary["doses"]
     arms = dose["arms"]
     tmis, smis = arms["token_mis"], arms["sequence_mis"]
     n, m = tmis["n"], smis["n"]
     assert n == 120 and m == 60 and sum(a["n"] for a in arms.values()) == 720
-    final = _committed_finals("sweep-staleness-k1", summary)
-    study = summary["study"]
-
-    def against(arm: str, other: str, seeds: int) -> dict:
-        return paired_differences({s: final[arm, s] for s in range(seeds)}, {s: final[other, s] for s in range(seeds)},
-                                  confidence=study["confidence"], resamples=study["bootstrap"])
-
-    tmis_tis, smis_tis = against("token_mis", "token_tis", n), against("sequence_mis", "token_tis", m)
+    tmis_tis = _k1_paired(summary, "token_mis", "token_tis", n)
+    smis_tis = _k1_paired(summary, "sequence_mis", "token_tis", m)
     assert not tmis_tis["excludes_zero"] and not smis_tis["excludes_zero"]
     t_none, t_ref = tmis["vs_none"]["final_reward"], tmis["vs_reference"]["final_reward"]
     s_none, s_ref = smis["vs_none"]["final_reward"], smis["vs_reference"]["final_reward"]
@@ -1538,15 +1538,13 @@ def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive()
     gap = -dose["none_vs_reference"]["mean"]
     shares = [arms[a]["vs_none"]["final_reward"]["mean"] / gap for a in arms if a not in ("none", "ref_fp32",
                                                                                        "bypass_ppo")]
-    seq_share = float(np.mean([np.mean([r["rejected_seq_fraction"] for r in records])
-                               for (_, a, _), (records, _) in _archive_runs("sweep-staleness-k1").items()
-                               if a == "sequence_mis"]))
+    seq_share = _rejected_share("sequence_mis", "rejected_seq_fraction")
     sweep = {d["label"]: d for d in _summary("sweep-staleness", ".")["doses"]}["k1"]["arms"]
-    size = sum(f.stat().st_size for f in (_STUDY_DOCS / "sweep-staleness-k1" / "runs").rglob("*") if f.is_file())
+    size = _archive_bytes("sweep-staleness-k1")
     quoted = [
         f"{_quoted(t_none)} against none and {_quoted(t_ref)} against the reference over the same {n} seeds (the "
         f"sweep's 8 seeds had it at {sweep['token_mis']['vs_none']['final_reward']['mean']:+.3f}), about "
-        f"{t_none['mean'] / gap:.0%} of the gap; it masked {_rejected_token_share('token_mis'):.1%} of the loss "
+        f"{t_none['mean'] / gap:.0%} of the gap; it masked {_rejected_share('token_mis'):.1%} of the loss "
         f"tokens, {tmis['collapse']['k']} of its {n} runs collapsed and {tmis['ended_low']['k']} ended low, mean K3 "
         f"{_e(tmis['k3_mean'][0], 1)}; against token TIS {_quoted(tmis_tis)}",
         f"on the first {m} seeds: {_quoted(s_none)} against none and {_quoted(s_ref)} against the reference; it "
