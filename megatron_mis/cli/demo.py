@@ -58,6 +58,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--pp", "pp", {"type": int, "metavar": "N"}),
     ("--dp", "dp", {"type": int, "metavar": "N"}),
     ("--threads", "threads", {"type": int, "metavar": "N"}),
+    ("--dump-log-probs", "dump_log_probs", {"metavar": "DIR"}),
 )
 # (flag, field, value stored, help; None: the field's doc)
 _SWITCHES: tuple[tuple[str, str, bool, str | None], ...] = (

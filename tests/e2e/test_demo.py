@@ -135,15 +135,50 @@ def test_tp2_and_cp2_reproduce_the_single_process_step(tmp_path):
     assert all(r["logprob_bitwise_equal"] and r["logprob_abs_diff_max"] == 0.0 for r in recs)
 
 
+def test_the_log_prob_dump_is_what_the_step_measured_and_analyze_reads_it(tmp_path, capsys):
+    """--dump-log-probs DIR: one file per step and data-parallel rank (here dp = 2, spawned), one line
+    per sequence; the K3 recomputed from the dumped log-probs by hand is the step's ``mis_k3_kl``;
+    ``megatron-mis analyze`` reads the folder as a host's dumps (one row per step, the same K3); the
+    run's records equal those of the same run without the dump."""
+    flags = ("--correction", "none", "--temperature", "0.5", "--trainer-temperature", "1", "--dp", "2", "--no-plot")
+    dump = tmp_path / "dump"
+    rc, _, err, recs = run_demo(tmp_path, *flags, "--dump-log-probs", str(dump), name="dumped")
+    assert rc == 0, err
+    files = sorted(p.name for p in (dump / "none").iterdir())
+    assert files == [f"step-{s:05d}.dp-{r}.jsonl" for s in (1, 2, 3) for r in (0, 1)]
+    for rec in recs:
+        rows = [json.loads(line) for r in (0, 1)
+                for line in (dump / "none" / f"step-{rec['step']:05d}.dp-{r}.jsonl").read_text().splitlines()]
+        assert len(rows) == 16 and {row["rollout_id"] for row in rows} == {rec["step"] - 1}  # 4 prompts x 4 samples
+        k3 = []
+        for row in rows:
+            assert len(row["train_log_probs"]) == len(row["rollout_log_probs"]) == len(row["loss_mask"]) >= 1
+            k3 += [math.exp(t - r) - 1 - (t - r) for t, r in zip(row["train_log_probs"], row["rollout_log_probs"])]
+        # a temperature the trainer does not apply: a real mismatch, the one the step measured
+        assert rec["mis_k3_kl"] > 1e-3 and sum(k3) / len(k3) == pytest.approx(rec["mis_k3_kl"], rel=1e-4)
+    assert main(["analyze", str(dump / "none"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["rollout_id"] for row in report["rows"]] == [0, 1, 2]
+    assert [row["k3_mean"] for row in report["rows"]] == pytest.approx([r["mis_k3_kl"] for r in recs], rel=1e-4)
+    # K3 far above numerics: the recommendation names a configuration or sampling mismatch
+    assert report["overall"]["k3_mean"] > 1e-2 and report["recommendation"]["regime"] in ("config-bug",
+                                                                                         "sampling-mismatch")
+    rc, _, err, plain = run_demo(tmp_path, *flags, name="plain")
+    assert rc == 0, err
+    assert [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in recs] == [
+        {k: v for k, v in r.items() if k not in TIME_KEYS} for r in plain]
+    assert not list(dump.rglob("*.tmp"))
+
+
 def test_bad_flags_are_reported_together(tmp_path, capsys):
     rc = main([
         "demo", "--true-on-policy", "--rollout-precision", "bf16", "--cp", "2", "--correction", "tokn_tis",
-        "--prompts-per-step", "3", "--out-dir", str(tmp_path),
+        "--prompts-per-step", "3", "--out-dir", str(tmp_path), "--dump-log-probs", "",
     ])
     err = capsys.readouterr().err
     assert rc == 2
     for part in ("needs rollout_precision fp32", "cp=2", "unknown preset 'tokn_tis'", "did you mean", "token_tis",
-                 "must split into dp=1"):
+                 "must split into dp=1", "dump_log_probs='' must be a folder path"):
         assert part in err, part
     assert main(["demo", "--compare", "--correction", "none"]) == 2
     assert "runs the baseline (none) against CORRECTION" in capsys.readouterr().err

@@ -182,7 +182,13 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
     assert "runs whose 2-step mean reward reached 0.5, and the mean of their first such step" in report
     assert f"Runs made on: {header['machine']['cpu']} [{isa}], Python {platform.python_version()}, torch {torch.__version__} (8 runs)" in report
     assert (tmp_path / "sweep-temperature" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # run again: every run is reused
+    # run again: every run is reused, also one written before the demo had its output-only
+    # dump_log_probs field (the committed archives' runs), whose header lacks the key
+    run = tmp_path / "temperature-t1" / "none" / "seed-1.jsonl"
+    lines = run.read_text().splitlines(keepends=True)
+    old = json.loads(lines[0])
+    assert old["config"].pop("dump_log_probs") is None
+    run.write_text(json.dumps(old) + "\n" + "".join(lines[1:]))
     assert main(argv) == 0
     assert "ran 0 runs, reused 8" in capsys.readouterr().err
 

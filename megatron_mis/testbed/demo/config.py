@@ -185,6 +185,13 @@ class DemoConfig(ConfigBase):
     # ---- output --------------------------------------------------------------------------
     progress: bool = doc(True, "Show a progress bar with the live reward and K3 KL.")
     plot: bool = doc(True, "Write the PNG report.")
+    dump_log_probs: str | None = doc(
+        None,
+        "Folder: every step writes its rollout log-probs and the trainer's recomputed pi_old to "
+        "DIR/ARM/step-SSSSS.dp-R.jsonl (megatron-mis' JSONL dump, rollout_id = step - 1, one line per sequence, "
+        "one file per data-parallel rank), which megatron-mis analyze reads as it reads a host's dumps. "
+        "null: off. Changes nothing in the run.",
+    )
 
     # ---------------------------------------------------------------------------- resolved
     @property
@@ -276,6 +283,8 @@ class DemoConfig(ConfigBase):
             out.append(f"lr_surge_step={self.lr_surge_step!r} must be >= 1")
         if not self.name or any(c in self.name for c in "/\\") or self.name in (".", ".."):
             out.append(f"name={self.name!r} must be a plain folder name (no '/')")
+        if self.dump_log_probs is not None and (not self.dump_log_probs or os.path.isfile(self.dump_log_probs)):
+            out.append(f"dump_log_probs={self.dump_log_probs!r} must be a folder path (made if missing) or null")
         out += self._correction_problems()
         if self.compare and self.correction == "none":
             out.append("compare=True runs the baseline (none) against CORRECTION: choose a preset, e.g. --correction token_tis")

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -202,6 +203,12 @@ class GRPOTrainer:
         self.mp_group = ps.get_model_parallel_group()
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.reporter = self.last_stage and self.tp_rank == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        # the log-prob dump: one writer per data-parallel rank (its sequences), on the stage that has pi_old
+        self.dump_dir = (
+            Path(cfg.dump_log_probs) / arm.label
+            if cfg.dump_log_probs and self.last_stage and self.tp_rank == 0 and ps.get_context_parallel_rank() == 0
+            else None
+        )
 
         self.task = DigitTask(
             TaskConfig(kind=cfg.task, min_length=cfg.min_digits, max_length=cfg.max_digits, stop_with_eos=cfg.eos,
@@ -352,6 +359,22 @@ class GRPOTrainer:
             "logprob_bitwise_equal": bool(counts[1] == 0),
         }
 
+    def _dump_log_probs(self, step: int, micro_batches: list[Any]) -> None:
+        """Write this rank's sequences of step ``step``: rollout log-probs, the recomputed pi_old
+        and the loss mask, one JSON line each, as ``megatron-mis analyze`` reads them
+        (``rollout_id`` = ``step - 1``); written to a temporary name and renamed when complete."""
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        path = self.dump_dir / f"step-{step:05d}.dp-{self.dp_rank}.jsonl"
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as fh:
+            for mb in micro_batches:
+                sizes = mb.response_lengths.tolist()
+                parts = zip(*(torch.split(t, sizes) for t in (mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask)))
+                for train, rollout, mask in parts:
+                    fh.write(json.dumps({"train_log_probs": train.tolist(), "rollout_log_probs": rollout.tolist(),
+                                         "loss_mask": mask.tolist(), "rollout_id": step - 1}) + "\n")
+        os.replace(tmp, path)
+
     def step(self, step: int) -> dict[str, Any]:
         """Run RL step ``step`` (numbered from 1) on this rank; returns the step's record (complete
         on the reporting rank)."""
@@ -419,6 +442,8 @@ class GRPOTrainer:
         if old is not None:
             micro_batches = [mb.with_old_log_probs(o.cpu()) for mb, o in zip(micro_batches, old)]
             record.update(self._compare_log_probs(micro_batches))
+            if self.dump_dir is not None:
+                self._dump_log_probs(step, micro_batches)
             if cfg.true_on_policy and not record["logprob_bitwise_equal"]:
                 raise RuntimeError(
                     f"step {step}: true on-policy rollout log-probs differ from the trainer's recompute "

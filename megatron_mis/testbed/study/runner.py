@@ -52,7 +52,7 @@ def run_path(study: StudyConfig, arm: str, seed: int) -> Path:
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     """The configuration keys that decide a run's numbers (not where it writes or what it shows)."""
-    return {k: v for k, v in config.items() if k not in ("name", "out_dir", "progress", "plot")}
+    return {k: v for k, v in config.items() if k not in ("name", "out_dir", "progress", "plot", "dump_log_probs")}
 
 
 def load_run(path: str | Path) -> dict[str, Any] | None:
