@@ -22,11 +22,12 @@ Regimes (first match wins):
    rollout's sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
    Unless the log-ratios are one-sided: when fewer than 1% of the loss tokens have
    ``pi_train / pi_rollout >= 10^0.05`` (about 1.12; ``share_ratio_above``), the rollout's
-   distribution is a truncated or sharpened copy of the trainer's (processed log-probs of top-p /
-   top-k sampling renormalise the kept mass, so every sampled token has ``pi_rollout >= pi_train``;
-   a rollout temperature below the trainer's can do the same): the fix is in the
-   configuration (replay the support, record raw log-probs, apply the temperature in the trainer)
-   and no IS weight (``none``): each token's weight is about the kept mass, so a weight only
+   distribution is a truncated copy of the trainer's (processed log-probs of top-p / top-k
+   sampling renormalise the kept mass, so every sampled token has ``pi_rollout >= pi_train`` and
+   the ratios average the kept mass, below 1). A full-support mismatch cannot be one-sided: its
+   ratios average 1 over the rollout's samples, so a rollout-only temperature (measured at T 0.5:
+   10% of the tokens at 1.12 or more) falls in the case above. For a truncation the fix is in the
+   configuration (replay the support, or record raw log-probs) and no IS weight (``none``): each token's weight is about the kept mass, so a weight only
    shrinks the policy gradient against the terms it does not weight (the entropy bonus, a KL
    loss) and a mask band removes every token whose kept mass is below its lower bound (token MIS
    over processed top-k 64 log-probs trained nothing); where a weight stays on, self-normalised
@@ -185,10 +186,10 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "none", None, None, s, share, "sampling-mismatch",
             f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g} and the log-ratios are one-sided: only "
             f"{share_ratio_above:.2%} of the loss tokens have pi_train / pi_rollout >= {10 ** ONE_SIDED_LOG10:.2f}, "
-            "so the rollout's distribution is a truncated or sharpened copy of the trainer's: processed "
-            "(renormalised) log-probs of top-p / top-k sampling, or a rollout temperature below the trainer's. "
-            "Fix the configuration: replay the rollout's support in the trainer (TokenSupport, as slime's top-p "
-            "replay) or record the raw log-probs, and apply the rollout's temperature in the trainer. Use no IS "
+            "so the rollout's distribution is a truncated copy of the trainer's: processed (renormalised) "
+            "log-probs of top-p / top-k sampling (a full-support mismatch, stale weights or a rollout-only "
+            "temperature, has ratios averaging 1, so not one-sided). Fix the configuration: replay the rollout's "
+            "support in the trainer (TokenSupport, as slime's top-p replay) or record the raw log-probs. Use no IS "
             "weight meanwhile: each token's weight is about the kept mass, so a weight only shrinks the policy "
             "gradient against what it does not weight (the entropy bonus, a KL loss), and a mask band (token "
             "MIS's [0.5, 5]) removes every token whose kept mass is below its lower bound. Where a weight stays on "

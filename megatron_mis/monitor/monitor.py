@@ -70,8 +70,8 @@ _THRESHOLD_HINTS = {
         "2.6e-3); the measured causes above it are stale weights (asynchronous rollouts, a missed weight sync), "
         "a temperature the rollout applies and the trainer does not, and processed top-p / top-k log-probs "
         "(docs/study.md). `megatron-mis analyze` on the step's --save-debug-train-data dump tells a one-sided "
-        "mismatch (processed log-probs; a rollout temperature below the trainer's) from a two-sided one (stale "
-        "weights) and says what to do"
+        "mismatch (processed top-p / top-k log-probs) from a two-sided one (stale weights, a rollout-only "
+        "temperature) and says what to do"
     ),
     "mis_rejected_token_fraction": (
         ": the correction removes most of the loss tokens from the gradient (its mask or rejection band "

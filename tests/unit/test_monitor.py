@@ -457,6 +457,8 @@ def test_a_k3_above_its_bound_names_the_measured_causes(tmp_path):
     for cause in ("stale weights", "a temperature the rollout applies and the trainer does not",
                   "processed top-p / top-k log-probs", "`megatron-mis analyze`", "one-sided", "two-sided"):
         assert cause in message, cause
+    # a rollout-only temperature is two-sided (its ratios average 1; measured at T 0.5: docs/study.md)
+    assert "two-sided one (stale weights, a rollout-only temperature)" in message
     # the Miles example function's own name for K3 is another metric: a bound on it gets no hint
     (w,) = monitor(tmp_path, monitor_thresholds={"k3_kl": 1e-2}).update(1, base | {"mis_k3_kl": 1e-3, "k3_kl": 0.48})
     assert w.message == "k3_kl=0.48 at step 1 exceeds its bound 0.01"

@@ -112,7 +112,7 @@ def test_share_ratio_above_reads_the_histogram_hand_derived():
     [
         (0.5, 0.0, "none", "sampling-mismatch"),  # processed top-k log-probs: every ratio <= 1
         (0.5, 0.0099, "none", "sampling-mismatch"),
-        (0.5, 0.01, "token_mis", "config-bug"),  # 1% above: two-sided enough (stale weights, temperature > 1)
+        (0.5, 0.01, "token_mis", "config-bug"),  # 1% above: two-sided enough (stale weights, a temperature)
         (0.5, None, "token_mis", "config-bug"),  # not measured: the K3 rule alone
         (5e-3, 0.0, "token_tis", "sequence-level"),  # one-sided at a numeric K3 is not flagged
     ],
@@ -121,7 +121,9 @@ def test_one_sided_log_ratios_above_numerics_advise_no_weight_and_the_sampling_f
     r = recommend(k3, 64, share_ratio_above=above)
     assert (r.correction, r.regime) == (correction, regime)
     if regime == "sampling-mismatch":
-        assert "replay the rollout's support" in r.reason and "raw log-probs" in r.reason and "temperature" in r.reason
+        assert "replay the rollout's support" in r.reason and "raw log-probs" in r.reason
+        # a rollout-only temperature is a full-support mismatch: two-sided, not this regime's cause
+        assert "apply the rollout's temperature" not in r.reason and "not one-sided" in r.reason
         assert "long-tail-top-k-processed k64" in r.basis
         assert "self-normalise it (preset token_tis_normalized)" in r.reason
 
