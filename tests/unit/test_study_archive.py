@@ -208,6 +208,8 @@ _REPORTS = [
     # MIS and the first 60 seeds of bypass and sequence MIS (fourth VM), their own archive
     ("sweep-staleness-k1", ".", {"none": range(120), "token_tis": range(120), "decoupled_ppo": range(120),
                                  "token_mis": range(120), "bypass_ppo": range(60), "sequence_mis": range(60)}),
+    # a rollout-only temperature of 0.5 at 60 seeds (150 steps, the fourth VM): its own archive
+    ("sweep-temperature-t0.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -1558,3 +1560,74 @@ def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive()
     _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert f"token MIS {_quoted(t_none)} and, over {m} seeds, sequence MIS {_quoted(s_none)}, those three" in readme
+
+
+def test_the_rollout_only_temperature_figures_come_from_the_archive():
+    """docs/study.md and the README on a rollout-only temperature of 0.5 at 60 seeds
+    (docs/study/sweep-temperature-t0.5): none against the reference, token TIS and token MIS against
+    none and the reference (final and greedy reward), the paired SD and the seeds a 0.05 difference
+    needs, collapses, runs that ended low, K3, the monitor's flags, the tokens token MIS masked, and
+    none's step-1 gradient norm over the reference's (the temperature: at equal weights the
+    uncorrected gradient is T times the reference's), recomputed from the archive."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    sweep = "sweep-temperature-t0.5"
+    summary = _summary(sweep, ".")
+    (dose,) = summary["doses"]
+    arms = dose["arms"]
+    n = arms["none"]["n"]
+    assert n == 60 and all(arms[a]["n"] == n for a in arms) and len(arms) == 4
+    runs = _archive_runs(sweep)
+    study = summary["study"]
+    final = _committed_finals(sweep, summary)
+
+    def paired(arm: str, other: str, key: str = "final_reward") -> dict:
+        if key == "final_reward":
+            a, b = ({s: final[x, s] for s in range(n)} for x in (arm, other))
+        else:
+            a, b = ({s: runs["temperature-t0.5", x, s][1]["evaluation"][key] for s in range(n)} for x in (arm, other))
+        return paired_differences(a, b, confidence=study["confidence"], resamples=study["bootstrap"])
+
+    none_ref = dose["none_vs_reference"]
+    assert _quoted(none_ref) == _quoted(paired("none", "ref_fp32")) and not none_ref["excludes_zero"]
+    tis, tmis = arms["token_tis"], arms["token_mis"]
+    step1 = [runs["temperature-t0.5", "none", s][0][0]["grad_norm"] / runs["temperature-t0.5", "ref_fp32", s][0][0]
+             ["grad_norm"] for s in range(n)]
+    assert all(abs(r - 0.5) < 0.01 for r in step1)  # T = 0.5
+    masked = float(np.mean([np.mean([r["rejected_token_fraction"] for r in runs["temperature-t0.5", "token_mis", s][0]])
+                            for s in range(n)]))
+    mde = summary["minimal_detectable_effect"]
+    tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
+    assert tis_greedy["excludes_zero"] and tis_greedy["low"] < 0.005  # the one interval that excludes 0, barely
+    quoted = [
+        f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
+        f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
+        f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
+        f"The paired SD is {summary['paired_sd']:.3f}, so {n} seeds detect {mde:.3f} and a 0.05 difference needs "
+        f"{summary['seeds_for_target']}",
+        f"{arms['none']['collapse']['k']} of {n} runs of none collapsed and {arms['none']['ended_low']['k']} ended low "
+        f"(the reference {arms['ref_fp32']['collapse']['k']} and {arms['ref_fp32']['ended_low']['k']})",
+        f"The monitor flagged {arms['none']['monitor_flagged']['k']} of {n} runs of none",
+        f"none's gradient norm is {min(step1):.3f} to {max(step1):.3f} of the reference's over the {n} seeds "
+        f"(median {np.median(step1):.3f})",
+        f"the mean gradient norm over the runs is {arms['none']['grad_norm_mean']:.3f} against the reference's "
+        f"{arms['ref_fp32']['grad_norm_mean']:.3f}",
+        f"token TIS {_quoted(tis['vs_none']['final_reward'])} against none and "
+        f"{_quoted(tis['vs_reference']['final_reward'])} against the reference (on the greedy reward {_quoted(tis_greedy)}",
+        f"token MIS {_quoted(tmis['vs_none']['final_reward'])} against none and "
+        f"{_quoted(tmis['vs_reference']['final_reward'])} against the reference, masking {masked:.1%} of the loss "
+        f"tokens, {tmis['collapse']['k']} of its {n} runs collapsed and {tmis['ended_low']['k']} ended low",
+        f"token MIS - token TIS {_quoted(paired('token_mis', 'token_tis'))}",
+        f"({len(runs)} runs, {_archive_bytes(sweep) / 1e6:.1f} MB)",
+        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
+        f"(+{none_ref['mean']:.3f} [{none_ref['low']:+.3f}, {none_ref['high']:+.3f}] at 0.5, {n} seeds; MDE {mde:.3f})",
+        f"token TIS {_quoted(tis['vs_none']['final_reward'])}, token MIS {_quoted(tmis['vs_none']['final_reward'])} "
+        "at 0.5",
+    ]
+    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"nor did 0.5 at {n} seeds ({_quoted(none_ref)}, detectable effect {mde:.3f}; token TIS "
+            f"{_quoted(tis['vs_none']['final_reward'])} and token MIS {_quoted(tmis['vs_none']['final_reward'])} "
+            f"against none") in readme
