@@ -1615,7 +1615,8 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
         f"the mean gradient norm over the runs is {arms['none']['grad_norm_mean']:.3f} against the reference's "
         f"{arms['ref_fp32']['grad_norm_mean']:.3f}",
         f"token TIS {_quoted(tis['vs_none']['final_reward'])} against none and "
-        f"{_quoted(tis['vs_reference']['final_reward'])} against the reference (on the greedy reward {_quoted(tis_greedy)}",
+        f"{_quoted(tis['vs_reference']['final_reward'])} against the reference (on the greedy reward "
+        f"{_quoted(tis_greedy)}",
         f"token MIS {_quoted(tmis['vs_none']['final_reward'])} against none and "
         f"{_quoted(tmis['vs_reference']['final_reward'])} against the reference, masking {masked:.1%} of the loss "
         f"tokens, {tmis['collapse']['k']} of its {n} runs collapsed and {tmis['ended_low']['k']} ended low",
