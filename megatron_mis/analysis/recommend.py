@@ -209,9 +209,12 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "decoupled PPO +0.080 [+0.049, +0.111] and token MIS +0.073 [+0.042, +0.103] (masking 1.6% of the "
             "tokens), bypass +0.366 [+0.324, +0.408] (60 seeds). Otherwise check the "
             "rollout's temperature, top-p / top-k (replay the rollout's support in the trainer: TokenSupport) and "
-            "weight sync; meanwhile mask tokens outside [0.5, 5]",
+            "weight sync; meanwhile mask tokens outside [0.5, 5]. A rollout-only temperature (the trainer's log-probs "
+            "at another one) was harmless in the study: at T 0.5 (K3 0.19, 60 seeds) none - reference +0.020 "
+            "[-0.019, +0.058], token MIS -0.016 [-0.067, +0.035] against none",
             "study: K3 of the precision settings; the staleness sweep (6 doses x 7 arms x 8 seeds), its one step of "
-            "lag at 120 seeds (docs/study/sweep-staleness-k1) and the temperature / top-p runs (docs/study.md)",
+            "lag at 120 seeds (docs/study/sweep-staleness-k1), temperature 0.5 at 60 seeds "
+            "(docs/study/sweep-temperature-t0.5) and the top-p runs (docs/study.md)",
         )
     if s <= S_MEASURED_HARMLESS:
         return Recommendation(

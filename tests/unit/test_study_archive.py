@@ -1628,6 +1628,13 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
         "at 0.5",
     ]
     _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    from megatron_mis.analysis.recommend import recommend
+
+    # analyze's advice for a two-sided K3 this large quotes the same figures
+    rec = recommend(arms["none"]["k3_mean"][0], 3, share_ratio_above=0.102)
+    assert rec.regime == "config-bug" and "sweep-temperature-t0.5" in rec.basis
+    assert (f"at T 0.5 (K3 {arms['none']['k3_mean'][0]:.2f}, {n} seeds) none - reference {_quoted(none_ref)}, "
+            f"token MIS {_quoted(tmis['vs_none']['final_reward'])} against none") in " ".join(rec.reason.split())
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"nor did 0.5 at {n} seeds ({_quoted(none_ref)}, detectable effect {mde:.3f}; token TIS "
             f"{_quoted(tis['vs_none']['final_reward'])} and token MIS {_quoted(tmis['vs_none']['final_reward'])} "
