@@ -24,12 +24,13 @@ Regimes (first match wins):
    ``pi_train / pi_rollout >= 10^0.05`` (about 1.12; ``share_ratio_above``), the rollout's
    distribution is a truncated copy of the trainer's (processed log-probs of top-p / top-k
    sampling renormalise the kept mass, so every sampled token has ``pi_rollout >= pi_train`` and
-   the ratios average the kept mass, below 1). A full-support mismatch cannot be one-sided: its
-   ratios average 1 over the rollout's samples, so a rollout-only temperature (measured at T 0.5:
-   10% of the tokens at 1.12 or more) falls in the case above. For a truncation the fix is in the
-   configuration (replay the support, or record raw log-probs) and no IS weight (``none``): each token's weight is about the kept mass, so a weight only
-   shrinks the policy gradient against the terms it does not weight (the entropy bonus, a KL
-   loss) and a mask band removes every token whose kept mass is below its lower bound (token MIS
+   the ratios average the kept mass, below 1). A full-support mismatch is not one-sided: its
+   ratios average 1 over the rollout's samples, so where most lie below 1 a few lie far above,
+   and a rollout-only temperature (measured at T 0.5: 10% of the tokens at 1.12 or more) falls in
+   the case above. For a truncation the fix is in the configuration (replay the support, or
+   record raw log-probs) and no IS weight (``none``): each token's weight is about the kept
+   mass, so a weight only shrinks the policy gradient against the terms it does not weight (the
+   entropy bonus, a KL loss) and a mask band removes every token whose kept mass is below its lower bound (token MIS
    over processed top-k 64 log-probs trained nothing); where a weight stays on, self-normalised
    token TIS (``token_tis_normalized``, mean weight 1) stalled no run there; measured in the
    long-tail top-k sweep (below, ``TRUNCATION_BASIS``).
