@@ -75,8 +75,8 @@ _THRESHOLD_HINTS = {
     ),
     "mis_rejected_token_fraction": (
         ": the correction removes most of the loss tokens from the gradient (its mask or rejection band "
-        "does not fit the ratios: one-sided ratios from processed top-p / top-k log-probs or a "
-        "rollout-only temperature, stale rollouts, or a band too tight for the response length)"
+        "does not fit the ratios: one-sided ratios from processed top-p / top-k log-probs, the wide two-sided "
+        "ones of stale rollouts or a rollout-only temperature, or a band too tight for the response length)"
     ),
 }
 
