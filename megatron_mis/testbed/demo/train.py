@@ -137,6 +137,16 @@ def megatron_state(cfg: DemoConfig) -> Iterator[None]:
             release_megatron_group_references()
 
 
+def _per_sequence(micro_batches: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each sequence's ``(pi_old, rollout log-probs, loss mask)``, ``[T_i]`` each, in the order of
+    ``micro_batches`` (packed micro-batches with ``old_log_probs`` recomputed)."""
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for mb in micro_batches:
+        sizes = mb.response_lengths.tolist()
+        out += zip(*(torch.split(t, sizes) for t in (mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask)))
+    return out
+
+
 def _trainer_device() -> torch.device:
     import torch.distributed as dist
 
@@ -340,17 +350,13 @@ class GRPOTrainer:
         start = self.dp_rank * per_rank
         return [list(range(lo, lo + cfg.micro_batch_size)) for lo in range(start, start + per_rank, cfg.micro_batch_size)]
 
-    def _compare_log_probs(self, micro_batches: list[Any]) -> dict[str, float]:
-        """The recomputed pi_old against the rollout's log-probs with the public bitwise check,
-        over the whole global batch (one SUM and one MAX all-reduce over the DP group)."""
+    def _compare_log_probs(self, sequences: list[tuple[torch.Tensor, ...]]) -> dict[str, float]:
+        """The recomputed pi_old against the rollout's log-probs (``sequences``: this rank's, as
+        :func:`_per_sequence` gives them) with the public bitwise check, over the whole global batch
+        (one SUM and one MAX all-reduce over the DP group)."""
         from megatron_mis.core.bitwise import compare_log_probs
 
-        train, rollout = [], []
-        for mb in micro_batches:
-            sizes = mb.response_lengths.tolist()
-            train += list(torch.split(mb.old_log_probs, sizes))
-            rollout += list(torch.split(mb.rollout_log_probs, sizes))
-        rep = compare_log_probs(train, rollout)
+        rep = compare_log_probs([seq[0] for seq in sequences], [seq[1] for seq in sequences])
         counts = _all_reduce(torch.tensor([rep.num_tokens, rep.num_different], dtype=torch.float64), self.dp_group)
         worst = _all_reduce(torch.tensor([rep.max_abs_diff], dtype=torch.float64), self.dp_group, "max")
         return {
@@ -359,20 +365,18 @@ class GRPOTrainer:
             "logprob_bitwise_equal": bool(counts[1] == 0),
         }
 
-    def _dump_log_probs(self, step: int, micro_batches: list[Any]) -> None:
-        """Write this rank's sequences of step ``step``: rollout log-probs, the recomputed pi_old
-        and the loss mask, one JSON line each, as ``megatron-mis analyze`` reads them
-        (``rollout_id`` = ``step - 1``); written to a temporary name and renamed when complete."""
+    def _dump_log_probs(self, step: int, sequences: list[tuple[torch.Tensor, ...]]) -> None:
+        """Write this rank's sequences of step ``step`` (as :func:`_per_sequence` gives them):
+        rollout log-probs, the recomputed pi_old and the loss mask, one JSON line each, as
+        ``megatron-mis analyze`` reads them (``rollout_id`` = ``step - 1``); written to a temporary
+        name and renamed when complete."""
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / f"step-{step:05d}.dp-{self.dp_rank}.jsonl"
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("w", encoding="utf-8") as fh:
-            for mb in micro_batches:
-                sizes = mb.response_lengths.tolist()
-                parts = zip(*(torch.split(t, sizes) for t in (mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask)))
-                for train, rollout, mask in parts:
-                    fh.write(json.dumps({"train_log_probs": train.tolist(), "rollout_log_probs": rollout.tolist(),
-                                         "loss_mask": mask.tolist(), "rollout_id": step - 1}) + "\n")
+            for train, rollout, mask in sequences:
+                fh.write(json.dumps({"train_log_probs": train.tolist(), "rollout_log_probs": rollout.tolist(),
+                                     "loss_mask": mask.tolist(), "rollout_id": step - 1}) + "\n")
         os.replace(tmp, path)
 
     def step(self, step: int) -> dict[str, Any]:
@@ -441,9 +445,10 @@ class GRPOTrainer:
             record.update(self.routes.after_recompute(shards, self.dp_group))
         if old is not None:
             micro_batches = [mb.with_old_log_probs(o.cpu()) for mb, o in zip(micro_batches, old)]
-            record.update(self._compare_log_probs(micro_batches))
+            sequences = _per_sequence(micro_batches)
+            record.update(self._compare_log_probs(sequences))
             if self.dump_dir is not None:
-                self._dump_log_probs(step, micro_batches)
+                self._dump_log_probs(step, sequences)
             if cfg.true_on_policy and not record["logprob_bitwise_equal"]:
                 raise RuntimeError(
                     f"step {step}: true on-policy rollout log-probs differ from the trainer's recompute "
