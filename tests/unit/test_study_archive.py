@@ -1562,20 +1562,21 @@ def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive()
     assert f"token MIS {_quoted(t_none)} and, over {m} seeds, sequence MIS {_quoted(s_none)}, those three" in readme
 
 
-def test_the_rollout_only_temperature_figures_come_from_the_archive():
-    """docs/study.md and the README on a rollout-only temperature of 0.5 at 60 seeds
-    (docs/study/sweep-temperature-t0.5): none against the reference, token TIS and token MIS against
-    none and the reference (final and greedy reward), the paired SD and the seeds a 0.05 difference
-    needs, collapses, runs that ended low, K3, the monitor's flags, the tokens token MIS masked, and
-    none's step-1 gradient norm over the reference's (the temperature: at equal weights the
-    uncorrected gradient is T times the reference's), recomputed from the archive."""
+def _temperature_run(sweep: str, temperature: float) -> tuple:
+    """A rollout-only temperature dose's committed archive and report (docs/study/SWEEP): 60 seeds
+    of none, the reference, token TIS and token MIS, checked; returns the summary, its dose, the
+    runs, a paired-difference function over the final or the greedy reward, none's step-1 gradient
+    norm over the reference's per seed (at equal weights the uncorrected gradient is T times the
+    reference's on the first response token: each within 0.01 of T) and the share of loss tokens
+    token MIS masked, all recomputed from the archive."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import paired_differences
 
-    sweep = "sweep-temperature-t0.5"
     summary = _summary(sweep, ".")
     (dose,) = summary["doses"]
+    setting = dose["setting"]
+    assert setting == f"temperature-t{temperature:g}"
     arms = dose["arms"]
     n = arms["none"]["n"]
     assert n == 60 and all(arms[a]["n"] == n for a in arms) and len(arms) == 4
@@ -1587,17 +1588,33 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
         if key == "final_reward":
             a, b = ({s: final[x, s] for s in range(n)} for x in (arm, other))
         else:
-            a, b = ({s: runs["temperature-t0.5", x, s][1]["evaluation"][key] for s in range(n)} for x in (arm, other))
+            a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in range(n)} for x in (arm, other))
         return paired_differences(a, b, confidence=study["confidence"], resamples=study["bootstrap"])
 
+    step1 = [runs[setting, "none", s][0][0]["grad_norm"] / runs[setting, "ref_fp32", s][0][0]["grad_norm"]
+             for s in range(n)]
+    assert all(abs(r - temperature) < 0.01 for r in step1)
+    masked = float(np.mean([np.mean([r["rejected_token_fraction"] for r in runs[setting, "token_mis", s][0]])
+                            for s in range(n)]))
+    return summary, dose, runs, paired, step1, masked
+
+
+def test_the_rollout_only_temperature_figures_come_from_the_archive():
+    """docs/study.md and the README on a rollout-only temperature of 0.5 at 60 seeds
+    (docs/study/sweep-temperature-t0.5): none against the reference, token TIS and token MIS against
+    none and the reference (final and greedy reward), the paired SD and the seeds a 0.05 difference
+    needs, collapses, runs that ended low, K3, the monitor's flags, the tokens token MIS masked, and
+    none's step-1 gradient norm over the reference's (the temperature: at equal weights the
+    uncorrected gradient is T times the reference's), recomputed from the archive."""
+    import numpy as np
+
+    sweep = "sweep-temperature-t0.5"
+    summary, dose, runs, paired, step1, masked = _temperature_run(sweep, 0.5)
+    arms = dose["arms"]
+    n = arms["none"]["n"]
     none_ref = dose["none_vs_reference"]
     assert _quoted(none_ref) == _quoted(paired("none", "ref_fp32")) and not none_ref["excludes_zero"]
     tis, tmis = arms["token_tis"], arms["token_mis"]
-    step1 = [runs["temperature-t0.5", "none", s][0][0]["grad_norm"] / runs["temperature-t0.5", "ref_fp32", s][0][0]
-             ["grad_norm"] for s in range(n)]
-    assert all(abs(r - 0.5) < 0.01 for r in step1)  # T = 0.5
-    masked = float(np.mean([np.mean([r["rejected_token_fraction"] for r in runs["temperature-t0.5", "token_mis", s][0]])
-                            for s in range(n)]))
     mde = summary["minimal_detectable_effect"]
     tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
     assert tis_greedy["excludes_zero"] and tis_greedy["low"] < 0.005  # the one interval that excludes 0, barely
