@@ -19,7 +19,11 @@ Regimes (first match wins):
    dense and MoE) measured K3 up to about 2.6e-3; a temperature, top-p / top-k or stale-weight
    mismatch (the dose-response sweeps' mechanisms) reaches far higher. With stale rollouts,
    bypass PPO (the staleness sweep's one correction that closed the gap); otherwise check the
-   rollout's sampling parameters and weight sync; meanwhile token-level masking (``token_mis``).
+   rollout's sampling parameters and weight sync; meanwhile a truncated token weight
+   (``token_tis``: at one step of lag it recovered the most of the IS weights, and token masking
+   was never measurably better and at a rollout temperature of 1.5 measurably worse). A
+   rollout-only temperature is fixed in the configuration, not by a weight: uncorrected it was
+   level with the reference at T 0.5 and 1.5, and at 1.5 both token weights cost reward.
    Unless the log-ratios are one-sided: when fewer than 1% of the loss tokens have
    ``pi_train / pi_rollout >= 10^0.05`` (about 1.12; ``share_ratio_above``), the rollout's
    distribution is a truncated copy of the trainer's (processed log-probs of top-p / top-k
@@ -200,7 +204,7 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         )
     if k3 > K3_CONFIG_BUG:
         return Recommendation(
-            "token_mis", None, None, s, share, "config-bug",
+            "token_tis", None, None, s, share, "config-bug",
             f"mean K3 {k3:.2e} exceeds {K3_CONFIG_BUG:g}, more than bf16 / fp16 / int8 / int4 numerics gave in the "
             "study (<= 2.6e-3): a configuration or staleness mismatch. If the rollouts are stale (asynchronous RL), "
             "use bypass (the rollout's log-probs as PPO's old policy: --use-rollout-logprobs, policy_loss: "
@@ -210,12 +214,18 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "decoupled PPO +0.080 [+0.049, +0.111] and token MIS +0.073 [+0.042, +0.103] (masking 1.6% of the "
             "tokens), bypass +0.366 [+0.324, +0.408] (60 seeds). Otherwise check the "
             "rollout's temperature, top-p / top-k (replay the rollout's support in the trainer: TokenSupport) and "
-            "weight sync; meanwhile mask tokens outside [0.5, 5]. A rollout-only temperature (the trainer's log-probs "
-            "at another one) was harmless in the study: at T 0.5 (K3 0.19, 60 seeds) none - reference +0.020 "
-            "[-0.019, +0.058], token MIS -0.016 [-0.067, +0.035] against none",
+            "weight sync; meanwhile weight tokens truncated at 2 (token TIS; token MIS - token TIS was -0.022 "
+            "[-0.053, +0.010] at one step of lag and -0.055 [-0.087, -0.022] at a rollout temperature of 1.5). A "
+            "rollout-only temperature (the trainer's log-probs at another one) is fixed in the configuration, not "
+            "by a weight: uncorrected it was level with the reference in the study, at T 0.5 (K3 0.19, 60 seeds) "
+            "none - reference +0.020 [-0.019, +0.058], token MIS -0.016 [-0.067, +0.035] against none, and at T 1.5 "
+            "(K3 0.086, 60 seeds) none - reference +0.010 [-0.044, +0.065], where token TIS cost -0.064 [-0.115, "
+            "-0.014] and token MIS -0.119 [-0.167, -0.071] against none (masking 17% of the tokens: the rollout's "
+            "low-probability samples, which a weight discounts)",
             "study: K3 of the precision settings; the staleness sweep (6 doses x 7 arms x 8 seeds), its one step of "
-            "lag at 120 seeds (docs/study/sweep-staleness-k1), temperature 0.5 at 60 seeds "
-            "(docs/study/sweep-temperature-t0.5) and the top-p runs (docs/study.md)",
+            "lag at 120 seeds (docs/study/sweep-staleness-k1), temperatures 0.5 and 1.5 at 60 seeds "
+            "(docs/study/sweep-temperature-t0.5, docs/study/sweep-temperature-t1.5) and the top-p runs "
+            "(docs/study.md)",
         )
     if s <= S_MEASURED_HARMLESS:
         return Recommendation(

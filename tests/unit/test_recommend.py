@@ -25,7 +25,7 @@ def test_sequence_sd_and_band_hand_derived():
         (1e-3, 200, "token_tis", "sequence-level"),  # s = 0.632: sequence weights usable, the option
         (5e-3, 100, "token_tis", "sequence-level"),  # s = 1.0 exactly: still sequence-level
         (1e-3, 2000, "token_tis", "token-level"),  # s = 2
-        (2e-2, 5, "token_mis", "config-bug"),  # K3 above numerics
+        (2e-2, 5, "token_tis", "config-bug"),  # K3 above numerics
         (0.0, 4096, "token_tis", "measured-harmless"),
     ],
 )
@@ -112,8 +112,8 @@ def test_share_ratio_above_reads_the_histogram_hand_derived():
     [
         (0.5, 0.0, "none", "sampling-mismatch"),  # processed top-k log-probs: every ratio <= 1
         (0.5, 0.0099, "none", "sampling-mismatch"),
-        (0.5, 0.01, "token_mis", "config-bug"),  # 1% above: two-sided enough (stale weights, a temperature)
-        (0.5, None, "token_mis", "config-bug"),  # not measured: the K3 rule alone
+        (0.5, 0.01, "token_tis", "config-bug"),  # 1% above: two-sided enough (stale weights, a temperature)
+        (0.5, None, "token_tis", "config-bug"),  # not measured: the K3 rule alone
         (5e-3, 0.0, "token_tis", "sequence-level"),  # one-sided at a numeric K3 is not flagged
     ],
 )
