@@ -210,6 +210,8 @@ _REPORTS = [
                                  "token_mis": range(120), "bypass_ppo": range(60), "sequence_mis": range(60)}),
     # a rollout-only temperature of 0.5 at 60 seeds (150 steps, the fourth VM): its own archive
     ("sweep-temperature-t0.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
+    # and of 1.5, in a later session on the same VM
+    ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -1640,9 +1642,9 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
         f"token MIS - token TIS {_quoted(paired('token_mis', 'token_tis'))}",
         f"({len(runs)} runs, {_archive_bytes(sweep) / 1e6:.1f} MB)",
         f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
-        f"(+{none_ref['mean']:.3f} [{none_ref['low']:+.3f}, {none_ref['high']:+.3f}] at 0.5, {n} seeds; MDE {mde:.3f})",
-        f"token TIS {_quoted(tis['vs_none']['final_reward'])}, token MIS {_quoted(tmis['vs_none']['final_reward'])} "
-        "at 0.5",
+        f"(+{none_ref['mean']:.3f} [{none_ref['low']:+.3f}, {none_ref['high']:+.3f}] at 0.5, {n} seeds; MDE {mde:.3f};",
+        f"at 0.5 no correction differs from none (token TIS {_quoted(tis['vs_none']['final_reward'])}, token MIS "
+        f"{_quoted(tmis['vs_none']['final_reward'])}, {n} seeds)",
     ]
     _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
     from megatron_mis.analysis.recommend import recommend
@@ -1656,3 +1658,68 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     assert (f"nor did 0.5 at {n} seeds ({_quoted(none_ref)}, detectable effect {mde:.3f}; token TIS "
             f"{_quoted(tis['vs_none']['final_reward'])} and token MIS {_quoted(tmis['vs_none']['final_reward'])} "
             f"against none") in readme
+
+
+def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
+    """docs/study.md, the README and ``analyze`` on a rollout-only temperature of 1.5 at 60 seeds
+    (docs/study/sweep-temperature-t1.5): none level with the reference, token TIS and token MIS
+    measurably behind none (final reward), token MIS behind token TIS, the tokens token MIS masked,
+    the step-1 gradient-norm ratio (T), recomputed from the archive; and token MIS - token TIS at
+    one step of lag (docs/study/sweep-staleness-k1), which analyze's config-bug advice quotes."""
+    import numpy as np
+
+    from megatron_mis.analysis.recommend import recommend
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    summary, dose, runs, paired, step1, masked = _temperature_run("sweep-temperature-t1.5", 1.5)
+    arms = dose["arms"]
+    n = arms["none"]["n"]
+    none_ref = dose["none_vs_reference"]
+    assert _quoted(none_ref) == _quoted(paired("none", "ref_fp32")) and not none_ref["excludes_zero"]
+    tis, tmis = paired("token_tis", "none"), paired("token_mis", "none")
+    mis_tis = paired("token_mis", "token_tis")
+    assert tis["excludes_zero"] and tmis["excludes_zero"] and mis_tis["excludes_zero"] and mis_tis["high"] < 0
+    assert _quoted(tis) == _quoted(arms["token_tis"]["vs_none"]["final_reward"])
+    k1 = _summary("sweep-staleness-k1", ".")
+    k1_final = _committed_finals("sweep-staleness-k1", k1)
+    k1_mis_tis = paired_differences({s: k1_final["token_mis", s] for s in range(120)},
+                                    {s: k1_final["token_tis", s] for s in range(120)},
+                                    confidence=k1["study"]["confidence"], resamples=k1["study"]["bootstrap"])
+    mde = summary["minimal_detectable_effect"]
+    reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
+    quoted = [
+        f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
+        f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
+        f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
+        f"The paired SD is {summary['paired_sd']:.3f}, so {n} seeds detect {mde:.3f} and a 0.05 difference needs "
+        f"{summary['seeds_for_target']}",
+        f"none's gradient norm is {min(step1):.3f} to {max(step1):.3f} of the reference's over the {n} seeds "
+        f"(median {np.median(step1):.3f})",
+        f"token TIS {_quoted(tis)} against none ({_quoted(paired('token_tis', 'ref_fp32'))} against the reference; "
+        f"greedy reward {_quoted(paired('token_tis', 'none', 'greedy_reward'))})",
+        f"token MIS {_quoted(tmis)} against none ({_quoted(paired('token_mis', 'ref_fp32'))} against the reference; "
+        f"greedy reward {_quoted(paired('token_mis', 'none', 'greedy_reward'))}), masking {masked:.1%} of the loss "
+        f"tokens",
+        f"token MIS - token TIS {_quoted(mis_tis)}",
+        f"{reached['none']} of {n} runs of none reached a 10-step mean reward of 0.5, {reached['ref_fp32']} of the "
+        f"reference's, {reached['token_tis']} of token TIS's and {reached['token_mis']} of token MIS's",
+        f"{arms['token_mis']['collapse']['k']} of token MIS's runs collapsed and {arms['token_mis']['ended_low']['k']} "
+        f"ended low (none {arms['none']['collapse']['k']} and {arms['none']['ended_low']['k']})",
+        f"({len(runs)} runs, {_archive_bytes('sweep-temperature-t1.5') / 1e6:.1f} MB)",
+        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
+        f"at one step of lag token MIS - token TIS is {_quoted(k1_mis_tis)} (120 seeds)",
+        f"{_quoted(none_ref)} at 1.5, {n} seeds; MDE {mde:.3f})",
+        f"at 1.5 both cost reward (token TIS {_quoted(tis)}, token MIS {_quoted(tmis)} against none, {n} seeds)",
+    ]
+    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    rec = recommend(arms["none"]["k3_mean"][0], 3, share_ratio_above=0.298)
+    reason = " ".join(rec.reason.split())
+    assert rec.regime == "config-bug" and rec.correction == "token_tis" and "sweep-temperature-t1.5" in rec.basis
+    assert (f"token MIS - token TIS was {_quoted(k1_mis_tis)} at one step of lag and {_quoted(mis_tis)} at a rollout "
+            "temperature of 1.5") in reason
+    assert (f"at T 1.5 (K3 {arms['none']['k3_mean'][0]:.3f}, {n} seeds) none - reference {_quoted(none_ref)}, where "
+            f"token TIS cost {_quoted(tis)} and token MIS {_quoted(tmis)} against none (masking {masked:.0%}") in reason
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"at 1.5 ({n} seeds) none was level too ({_quoted(none_ref)}, detectable effect {mde:.3f}) and the "
+            f"weights cost reward: token TIS "
+            f"{_quoted(tis)}, token MIS {_quoted(tmis)} against none") in readme
