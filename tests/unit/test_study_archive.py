@@ -1601,6 +1601,24 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
     return summary, dose, runs, paired, step1, masked
 
 
+def _temperature_quotes(summary: dict, dose: dict, paired, step1: list) -> list[str]:
+    """The sentences both temperature sections quote alike: none - reference (final and greedy
+    reward, K3), the paired SD and detectable effect, and the step-1 gradient-norm ratio."""
+    import numpy as np
+
+    arms, none_ref = dose["arms"], dose["none_vs_reference"]
+    n, mde = arms["none"]["n"], summary["minimal_detectable_effect"]
+    return [
+        f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
+        f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
+        f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
+        f"The paired SD is {summary['paired_sd']:.3f}, so {n} seeds detect {mde:.3f} and a 0.05 difference needs "
+        f"{summary['seeds_for_target']}",
+        f"none's gradient norm is {min(step1):.3f} to {max(step1):.3f} of the reference's over the {n} seeds "
+        f"(median {np.median(step1):.3f})",
+    ]
+
+
 def test_the_rollout_only_temperature_figures_come_from_the_archive():
     """docs/study.md and the README on a rollout-only temperature of 0.5 at 60 seeds
     (docs/study/sweep-temperature-t0.5): none against the reference, token TIS and token MIS against
@@ -1621,16 +1639,10 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
     assert tis_greedy["excludes_zero"] and tis_greedy["low"] < 0.005  # the one interval that excludes 0, barely
     quoted = [
-        f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
-        f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
-        f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
-        f"The paired SD is {summary['paired_sd']:.3f}, so {n} seeds detect {mde:.3f} and a 0.05 difference needs "
-        f"{summary['seeds_for_target']}",
+        *_temperature_quotes(summary, dose, paired, step1),
         f"{arms['none']['collapse']['k']} of {n} runs of none collapsed and {arms['none']['ended_low']['k']} ended low "
         f"(the reference {arms['ref_fp32']['collapse']['k']} and {arms['ref_fp32']['ended_low']['k']})",
         f"The monitor flagged {arms['none']['monitor_flagged']['k']} of {n} runs of none",
-        f"none's gradient norm is {min(step1):.3f} to {max(step1):.3f} of the reference's over the {n} seeds "
-        f"(median {np.median(step1):.3f})",
         f"the mean gradient norm over the runs is {arms['none']['grad_norm_mean']:.3f} against the reference's "
         f"{arms['ref_fp32']['grad_norm_mean']:.3f}",
         f"token TIS {_quoted(tis['vs_none']['final_reward'])} against none and "
@@ -1688,13 +1700,7 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     mde = summary["minimal_detectable_effect"]
     reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
     quoted = [
-        f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
-        f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
-        f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
-        f"The paired SD is {summary['paired_sd']:.3f}, so {n} seeds detect {mde:.3f} and a 0.05 difference needs "
-        f"{summary['seeds_for_target']}",
-        f"none's gradient norm is {min(step1):.3f} to {max(step1):.3f} of the reference's over the {n} seeds "
-        f"(median {np.median(step1):.3f})",
+        *_temperature_quotes(summary, dose, paired, step1),
         f"token TIS {_quoted(tis)} against none ({_quoted(paired('token_tis', 'ref_fp32'))} against the reference; "
         f"greedy reward {_quoted(paired('token_tis', 'none', 'greedy_reward'))})",
         f"token MIS {_quoted(tmis)} against none ({_quoted(paired('token_mis', 'ref_fp32'))} against the reference; "
