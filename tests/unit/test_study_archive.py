@@ -1726,6 +1726,7 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     assert (f"at T 1.5 (K3 {arms['none']['k3_mean'][0]:.3f}, {n} seeds) none - reference {_quoted(none_ref)}, where "
             f"token TIS cost {_quoted(tis)} and token MIS {_quoted(tmis)} against none (masking {masked:.0%}") in reason
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    assert (f"at 1.5 ({n} seeds) none was level too ({_quoted(none_ref)}, detectable effect {mde:.3f}) and the "
+    assert (f"at 1.5 ({n} seeds, the same VM, day and threads) none was level too ({_quoted(none_ref)}, "
+            f"detectable effect {mde:.3f}) and the "
             f"weights cost reward: token TIS "
             f"{_quoted(tis)}, token MIS {_quoted(tmis)} against none") in readme
