@@ -1566,7 +1566,8 @@ def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive()
 
 def _temperature_run(sweep: str, temperature: float) -> tuple:
     """A rollout-only temperature dose's committed archive and report (docs/study/SWEEP): 60 seeds
-    of none, the reference, token TIS and token MIS, checked; returns the summary, its dose, the
+    of none, the reference, token TIS and token MIS, checked, and none - reference recomputed as the
+    report quotes it and not excluding 0; returns the summary, its dose, the
     runs, a paired-difference function over the final or the greedy reward, none's step-1 gradient
     norm over the reference's per seed (at equal weights the uncorrected gradient is T times the
     reference's on the first response token: each within 0.01 of T) and the share of loss tokens
@@ -1593,6 +1594,8 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
             a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in range(n)} for x in (arm, other))
         return paired_differences(a, b, confidence=study["confidence"], resamples=study["bootstrap"])
 
+    none_ref = dose["none_vs_reference"]
+    assert _quoted(none_ref) == _quoted(paired("none", "ref_fp32")) and not none_ref["excludes_zero"]
     step1 = [runs[setting, "none", s][0][0]["grad_norm"] / runs[setting, "ref_fp32", s][0][0]["grad_norm"]
              for s in range(n)]
     assert all(abs(r - temperature) < 0.01 for r in step1)
@@ -1633,7 +1636,6 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     arms = dose["arms"]
     n = arms["none"]["n"]
     none_ref = dose["none_vs_reference"]
-    assert _quoted(none_ref) == _quoted(paired("none", "ref_fp32")) and not none_ref["excludes_zero"]
     tis, tmis = arms["token_tis"], arms["token_mis"]
     mde = summary["minimal_detectable_effect"]
     tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
@@ -1681,22 +1683,16 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     import numpy as np
 
     from megatron_mis.analysis.recommend import recommend
-    from megatron_mis.testbed.study.stats import paired_differences
 
     summary, dose, runs, paired, step1, masked = _temperature_run("sweep-temperature-t1.5", 1.5)
     arms = dose["arms"]
     n = arms["none"]["n"]
     none_ref = dose["none_vs_reference"]
-    assert _quoted(none_ref) == _quoted(paired("none", "ref_fp32")) and not none_ref["excludes_zero"]
     tis, tmis = paired("token_tis", "none"), paired("token_mis", "none")
     mis_tis = paired("token_mis", "token_tis")
     assert tis["excludes_zero"] and tmis["excludes_zero"] and mis_tis["excludes_zero"] and mis_tis["high"] < 0
     assert _quoted(tis) == _quoted(arms["token_tis"]["vs_none"]["final_reward"])
-    k1 = _summary("sweep-staleness-k1", ".")
-    k1_final = _committed_finals("sweep-staleness-k1", k1)
-    k1_mis_tis = paired_differences({s: k1_final["token_mis", s] for s in range(120)},
-                                    {s: k1_final["token_tis", s] for s in range(120)},
-                                    confidence=k1["study"]["confidence"], resamples=k1["study"]["bootstrap"])
+    k1_mis_tis = _k1_paired(_summary("sweep-staleness-k1", "."), "token_mis", "token_tis", 120)
     mde = summary["minimal_detectable_effect"]
     reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
     quoted = [
@@ -1727,6 +1723,5 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
             f"token TIS cost {_quoted(tis)} and token MIS {_quoted(tmis)} against none (masking {masked:.0%}") in reason
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"at 1.5 ({n} seeds, the same VM, day and threads) none was level too ({_quoted(none_ref)}, "
-            f"detectable effect {mde:.3f}) and the "
-            f"weights cost reward: token TIS "
-            f"{_quoted(tis)}, token MIS {_quoted(tmis)} against none") in readme
+            f"detectable effect {mde:.3f}) and the weights cost reward: token TIS {_quoted(tis)}, token MIS "
+            f"{_quoted(tmis)} against none") in readme
