@@ -212,6 +212,8 @@ _REPORTS = [
     ("sweep-temperature-t0.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # and of 1.5, in a later session on the same VM
     ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
+    # and of 1.25, a session after that on the same VM
+    ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -1604,14 +1606,24 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
     return summary, dose, runs, paired, step1, masked
 
 
-def _temperature_quotes(summary: dict, dose: dict, paired, step1: list) -> list[str]:
-    """The sentences both temperature sections quote alike: none - reference (final and greedy
-    reward, K3), the paired SD and detectable effect, and the step-1 gradient-norm ratio."""
+def _temperature_quotes(summary: dict, dose: dict, paired, step1: list, masked: float) -> list[str]:
+    """What every temperature section quotes alike: none - reference (final and greedy reward, K3),
+    the paired SD and detectable effect, the step-1 gradient-norm ratio, and the dose's row of the
+    table that puts the three doses side by side (none - reference, token TIS and token MIS against
+    none, token MIS - token TIS, the share token MIS masked, the runs that reached 0.5 and that
+    ended low per arm)."""
     import numpy as np
 
     arms, none_ref = dose["arms"], dose["none_vs_reference"]
     n, mde = arms["none"]["n"], summary["minimal_detectable_effect"]
+    order = ("none", "ref_fp32", "token_tis", "token_mis")
+    row = [dose["setting"].removeprefix("temperature-t"), _e(arms["none"]["k3_mean"][0], 1), _quoted(none_ref),
+           *(_quoted(paired(a, b)) for a, b in (("token_tis", "none"), ("token_mis", "none"),
+                                               ("token_mis", "token_tis"))),
+           f"{masked:.1%}", " / ".join(str(arms[a]["steps_to_threshold"]["reached"]) for a in order),
+           " / ".join(str(arms[a]["ended_low"]["k"]) for a in order)]
     return [
+        "| " + " | ".join(row) + " |",
         f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
         f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
         f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
@@ -1641,7 +1653,7 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
     assert tis_greedy["excludes_zero"] and tis_greedy["low"] < 0.005  # the one interval that excludes 0, barely
     quoted = [
-        *_temperature_quotes(summary, dose, paired, step1),
+        *_temperature_quotes(summary, dose, paired, step1, masked),
         f"{arms['none']['collapse']['k']} of {n} runs of none collapsed and {arms['none']['ended_low']['k']} ended low "
         f"(the reference {arms['ref_fp32']['collapse']['k']} and {arms['ref_fp32']['ended_low']['k']})",
         f"The monitor flagged {arms['none']['monitor_flagged']['k']} of {n} runs of none",
@@ -1696,7 +1708,7 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     mde = summary["minimal_detectable_effect"]
     reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
     quoted = [
-        *_temperature_quotes(summary, dose, paired, step1),
+        *_temperature_quotes(summary, dose, paired, step1, masked),
         f"token TIS {_quoted(tis)} against none ({_quoted(paired('token_tis', 'ref_fp32'))} against the reference; "
         f"greedy reward {_quoted(paired('token_tis', 'none', 'greedy_reward'))})",
         f"token MIS {_quoted(tmis)} against none ({_quoted(paired('token_mis', 'ref_fp32'))} against the reference; "
@@ -1711,7 +1723,7 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
         f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
         f"at one step of lag token MIS - token TIS is {_quoted(k1_mis_tis)} (120 seeds)",
         f"{_quoted(none_ref)} at 1.5, {n} seeds; MDE {mde:.3f})",
-        f"at 1.5 both cost reward (token TIS {_quoted(tis)}, token MIS {_quoted(tmis)} against none, {n} seeds)",
+        f"{_quoted(tis)} at 1.5 against none, {n} seeds each) and token MIS at 1.5 ({_quoted(tmis)})",
     ]
     _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
     rec = recommend(arms["none"]["k3_mean"][0], 3, share_ratio_above=0.298)
@@ -1725,3 +1737,67 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     assert (f"at 1.5 ({n} seeds, the same VM, day and threads) none was level too ({_quoted(none_ref)}, "
             f"detectable effect {mde:.3f}) and the weights cost reward: token TIS {_quoted(tis)}, token MIS "
             f"{_quoted(tmis)} against none") in readme
+
+
+def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
+    """docs/study.md on a rollout-only temperature of 1.25 at 60 seeds
+    (docs/study/sweep-temperature-t1.25): none level with the reference, token TIS measurably
+    behind none but not the reference, token MIS not resolved either way, the tokens token MIS
+    masked, the smallest and largest token TIS weights against T = 1.5's, the step-1 gradient-norm
+    ratio (T), its row of the three doses' table; the summary sentences that quote 1.25 and 1.5
+    together; and analyze's advice at the K3 and two-sided share its dump gave, all recomputed
+    from the archives."""
+    import numpy as np
+
+    from megatron_mis.analysis.recommend import recommend
+
+    sweep = "sweep-temperature-t1.25"
+    summary, dose, runs, paired, step1, masked = _temperature_run(sweep, 1.25)
+    arms = dose["arms"]
+    n = arms["none"]["n"]
+    none_ref = dose["none_vs_reference"]
+    tis, tmis, mis_tis = paired("token_tis", "none"), paired("token_mis", "none"), paired("token_mis", "token_tis")
+    tis_ref = paired("token_tis", "ref_fp32")
+    assert tis["excludes_zero"] and tis["high"] < 0 and not tis_ref["excludes_zero"]
+    assert not tmis["excludes_zero"] and not mis_tis["excludes_zero"]
+    assert _quoted(tis) == _quoted(arms["token_tis"]["vs_none"]["final_reward"])
+    reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
+    collapses = sum(a["collapse"]["k"] for a in arms.values())
+    _, dose15, runs15, paired15, _, masked15 = _temperature_run("sweep-temperature-t1.5", 1.5)
+
+    def weights(setting: str, arm_runs: dict) -> tuple:
+        """Over token TIS's runs: the mean of a step's smallest weight, the largest ratio seen, and
+        the range of the per-run mean weight."""
+        tis_runs = [arm_runs[setting, "token_tis", s][0] for s in range(n)]
+        smallest = np.mean([np.mean([r["is_weight_min"] for r in recs]) for recs in tis_runs])
+        largest = max(r["mis_ratio_max"] for recs in tis_runs for r in recs)
+        means = [np.mean([r["is_weight_mean"] for r in recs]) for recs in tis_runs]
+        return smallest, largest, min(means), max(means)
+
+    w, w15 = weights(dose["setting"], runs), weights(dose15["setting"], runs15)
+    tis15 = paired15("token_tis", "none")
+    quoted = [
+        *_temperature_quotes(summary, dose, paired, step1, masked),
+        f"token TIS {_quoted(tis)} against none ({_quoted(tis_ref)} against the reference; greedy reward "
+        f"{_quoted(paired('token_tis', 'none', 'greedy_reward'))}): a cost of the same size as at T = 1.5 "
+        f"({tis15['mean']:+.3f})",
+        f"Token MIS is not resolved here: {_quoted(tmis)} against none, masking {masked:.1%} of the loss tokens "
+        f"({masked15:.1%} at T = 1.5), and token MIS - token TIS {_quoted(mis_tis)}",
+        f"{reached['none']} of {n} runs of none reached a 10-step mean reward of 0.5, {reached['ref_fp32']} of the "
+        f"reference's, {reached['token_tis']} of token TIS's and {reached['token_mis']} of token MIS's",
+        f"the smallest token TIS weight of a step averaged {w[0]:.2f} ({w15[0]:.2f} at T = 1.5), the largest ratio "
+        f"{w[1]:.2f} ({w15[1]:.2f}), and the weight's mean per run {w[2]:.3f}-{w[3]:.3f}",
+        f"({len(runs)} runs, {_archive_bytes(sweep) / 1e6:.1f} MB)",
+        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
+        f"{_quoted(none_ref)} at 1.25, {n} seeds; MDE {summary['minimal_detectable_effect']:.3f}",
+        f"above 1 token TIS costs reward ({_quoted(tis)} at 1.25, {_quoted(tis15)} at 1.5 against none, {n} seeds "
+        "each) and token MIS at 1.5",
+        f"at T = 1.25 and 1.5 token TIS cost {-tis['mean']:.3f} and {-tis15['mean']:.3f}",
+    ]
+    assert collapses == 0  # "no run of any arm collapsed"
+    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    # seed 0's dump: mean K3 0.024, 20.7% of the tokens at a ratio of 1.12 or more (docs/study.md)
+    rec = recommend(0.0238, 3, share_ratio_above=0.207)
+    assert rec.regime == "config-bug" and rec.correction == "token_tis"
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert f"at 1.25 ({n} seeds) none was level as well ({_quoted(none_ref)}) and token TIS cost {_quoted(tis)}" in readme
