@@ -1566,14 +1566,16 @@ def test_the_one_step_lag_token_and_sequence_mis_figures_come_from_the_archive()
     assert f"token MIS {_quoted(t_none)} and, over {m} seeds, sequence MIS {_quoted(s_none)}, those three" in readme
 
 
+@functools.cache
 def _temperature_run(sweep: str, temperature: float) -> tuple:
     """A rollout-only temperature dose's committed archive and report (docs/study/SWEEP): 60 seeds
     of none, the reference, token TIS and token MIS, checked, and none - reference recomputed as the
-    report quotes it and not excluding 0; returns the summary, its dose, the
-    runs, a paired-difference function over the final or the greedy reward, none's step-1 gradient
-    norm over the reference's per seed (at equal weights the uncorrected gradient is T times the
-    reference's on the first response token: each within 0.01 of T) and the share of loss tokens
-    token MIS masked, all recomputed from the archive."""
+    report quotes it and not excluding 0; returns the summary, its dose, the runs, a paired-difference
+    function over the final or the greedy reward (each pair bootstrapped once), none's step-1
+    gradient norm over the reference's per seed (at equal weights the uncorrected gradient is T
+    times the reference's on the first response token: each within 0.01 of T) and the share of
+    loss tokens token MIS masked, all recomputed from the archive once per dose (the T = 1.25 test
+    reads T = 1.5's too)."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import paired_differences
@@ -1589,6 +1591,7 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
     study = summary["study"]
     final = _committed_finals(sweep, summary)
 
+    @functools.cache
     def paired(arm: str, other: str, key: str = "final_reward") -> dict:
         if key == "final_reward":
             a, b = ({s: final[x, s] for s in range(n)} for x in (arm, other))
@@ -1606,9 +1609,10 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
     return summary, dose, runs, paired, step1, masked
 
 
-def _temperature_quotes(summary: dict, dose: dict, paired, step1: list, masked: float) -> list[str]:
-    """What every temperature section quotes alike: none - reference (final and greedy reward, K3),
-    the paired SD and detectable effect, the step-1 gradient-norm ratio, and the dose's row of the
+def _temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: list, masked: float) -> list[str]:
+    """What every temperature section quotes alike (the arguments are :func:`_temperature_run`'s
+    result): none - reference (final and greedy reward, K3), the paired SD and detectable effect,
+    the step-1 gradient-norm ratio, the archive's size and the time per run, and the dose's row of the
     table that puts the three doses side by side (none - reference, token TIS and token MIS against
     none, token MIS - token TIS, the share token MIS masked, the runs that reached 0.5 and that
     ended low per arm)."""
@@ -1631,6 +1635,9 @@ def _temperature_quotes(summary: dict, dose: dict, paired, step1: list, masked: 
         f"{summary['seeds_for_target']}",
         f"none's gradient norm is {min(step1):.3f} to {max(step1):.3f} of the reference's over the {n} seeds "
         f"(median {np.median(step1):.3f})",
+        f"`docs/study/sweep-{dose['setting']}/runs` ({len(runs)} runs, "
+        f"{_archive_bytes('sweep-' + dose['setting']) / 1e6:.1f} MB)",
+        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
     ]
 
 
@@ -1641,8 +1648,6 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     needs, collapses, runs that ended low, K3, the monitor's flags, the tokens token MIS masked, and
     none's step-1 gradient norm over the reference's (the temperature: at equal weights the
     uncorrected gradient is T times the reference's), recomputed from the archive."""
-    import numpy as np
-
     sweep = "sweep-temperature-t0.5"
     summary, dose, runs, paired, step1, masked = _temperature_run(sweep, 0.5)
     arms = dose["arms"]
@@ -1653,7 +1658,7 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
     assert tis_greedy["excludes_zero"] and tis_greedy["low"] < 0.005  # the one interval that excludes 0, barely
     quoted = [
-        *_temperature_quotes(summary, dose, paired, step1, masked),
+        *_temperature_quotes(summary, dose, runs, paired, step1, masked),
         f"{arms['none']['collapse']['k']} of {n} runs of none collapsed and {arms['none']['ended_low']['k']} ended low "
         f"(the reference {arms['ref_fp32']['collapse']['k']} and {arms['ref_fp32']['ended_low']['k']})",
         f"The monitor flagged {arms['none']['monitor_flagged']['k']} of {n} runs of none",
@@ -1666,8 +1671,6 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
         f"{_quoted(tmis['vs_reference']['final_reward'])} against the reference, masking {masked:.1%} of the loss "
         f"tokens, {tmis['collapse']['k']} of its {n} runs collapsed and {tmis['ended_low']['k']} ended low",
         f"token MIS - token TIS {_quoted(paired('token_mis', 'token_tis'))}",
-        f"({len(runs)} runs, {_archive_bytes(sweep) / 1e6:.1f} MB)",
-        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
         f"(+{none_ref['mean']:.3f} [{none_ref['low']:+.3f}, {none_ref['high']:+.3f}] at 0.5, {n} seeds; MDE {mde:.3f};",
         f"at 0.5 no correction differs from none (token TIS {_quoted(tis['vs_none']['final_reward'])}, token MIS "
         f"{_quoted(tmis['vs_none']['final_reward'])}, {n} seeds)",
@@ -1692,8 +1695,6 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     measurably behind none (final reward), token MIS behind token TIS, the tokens token MIS masked,
     the step-1 gradient-norm ratio (T), recomputed from the archive; and token MIS - token TIS at
     one step of lag (docs/study/sweep-staleness-k1), which analyze's config-bug advice quotes."""
-    import numpy as np
-
     from megatron_mis.analysis.recommend import recommend
 
     summary, dose, runs, paired, step1, masked = _temperature_run("sweep-temperature-t1.5", 1.5)
@@ -1708,7 +1709,7 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     mde = summary["minimal_detectable_effect"]
     reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
     quoted = [
-        *_temperature_quotes(summary, dose, paired, step1, masked),
+        *_temperature_quotes(summary, dose, runs, paired, step1, masked),
         f"token TIS {_quoted(tis)} against none ({_quoted(paired('token_tis', 'ref_fp32'))} against the reference; "
         f"greedy reward {_quoted(paired('token_tis', 'none', 'greedy_reward'))})",
         f"token MIS {_quoted(tmis)} against none ({_quoted(paired('token_mis', 'ref_fp32'))} against the reference; "
@@ -1719,8 +1720,6 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
         f"reference's, {reached['token_tis']} of token TIS's and {reached['token_mis']} of token MIS's",
         f"{arms['token_mis']['collapse']['k']} of token MIS's runs collapsed and {arms['token_mis']['ended_low']['k']} "
         f"ended low (none {arms['none']['collapse']['k']} and {arms['none']['ended_low']['k']})",
-        f"({len(runs)} runs, {_archive_bytes('sweep-temperature-t1.5') / 1e6:.1f} MB)",
-        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
         f"at one step of lag token MIS - token TIS is {_quoted(k1_mis_tis)} (120 seeds)",
         f"{_quoted(none_ref)} at 1.5, {n} seeds; MDE {mde:.3f})",
         f"{_quoted(tis)} at 1.5 against none, {n} seeds each) and token MIS at 1.5 ({_quoted(tmis)})",
@@ -1777,7 +1776,7 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
     w, w15 = weights(dose["setting"], runs), weights(dose15["setting"], runs15)
     tis15 = paired15("token_tis", "none")
     quoted = [
-        *_temperature_quotes(summary, dose, paired, step1, masked),
+        *_temperature_quotes(summary, dose, runs, paired, step1, masked),
         f"token TIS {_quoted(tis)} against none ({_quoted(tis_ref)} against the reference; greedy reward "
         f"{_quoted(paired('token_tis', 'none', 'greedy_reward'))}): a cost of the same size as at T = 1.5 "
         f"({tis15['mean']:+.3f})",
@@ -1787,8 +1786,6 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
         f"reference's, {reached['token_tis']} of token TIS's and {reached['token_mis']} of token MIS's",
         f"the smallest token TIS weight of a step averaged {w[0]:.2f} ({w15[0]:.2f} at T = 1.5), the largest ratio "
         f"{w[1]:.2f} ({w15[1]:.2f}), and the weight's mean per run {w[2]:.3f}-{w[3]:.3f}",
-        f"({len(runs)} runs, {_archive_bytes(sweep) / 1e6:.1f} MB)",
-        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
         f"{_quoted(none_ref)} at 1.25, {n} seeds; MDE {summary['minimal_detectable_effect']:.3f}",
         f"above 1 token TIS costs reward ({_quoted(tis)} at 1.25, {_quoted(tis15)} at 1.5 against none, {n} seeds "
         "each) and token MIS at 1.5",
