@@ -10,7 +10,7 @@ from typing import Literal
 
 from megatron_mis.config.base import ConfigBase, doc
 
-__all__ = ["DemoConfig", "QUICK", "available_cpus"]
+__all__ = ["BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "DemoConfig", "QUICK", "available_cpus"]
 
 #: The short mode (``--quick``): a few small steps, for tests and a first look; explicit flags win.
 QUICK: dict[str, object] = {
@@ -22,6 +22,19 @@ QUICK: dict[str, object] = {
 }
 
 _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
+
+#: Token TIS with its weight bounded on one side only: study diagnostics that take a weight apart
+#: (which half of it moves the outcome), not presets a user would run. ``{name: MISConfig fields}``;
+#: with r_t = pi_old / pi_rollout, ``token_tis_floor1`` weighs clamp(r_t, 1, 2): the tokens the
+#: trainer finds less likely than the rollout did keep weight 1 and only the others are raised;
+#: ``token_tis_cap1`` weighs min(r_t, 1): the less likely tokens are discounted as by token TIS
+#: and none is raised.
+DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
+    "token_tis_floor1": {"tis_mode": "clip", "tis_lower_bound": 1.0, "tis_upper_bound": 2.0},
+    "token_tis_cap1": {"tis_mode": "truncate", "tis_upper_bound": 1.0},
+}
+#: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
+BUILTIN_CORRECTIONS: tuple[str, ...] = ("none", "bypass_ppo", "decoupled_ppo", *DIAGNOSTIC_TIS)
 
 
 def available_cpus() -> int:
@@ -49,7 +62,8 @@ class DemoConfig(ConfigBase):
         "engine; none trains with plain PPO against the recomputed pi_old (no IS weight, nothing "
         "rejected) while the engine still measures the mismatch; bypass_ppo: PPO with pi_rollout as "
         "pi_old (its clip bounds pi_theta / pi_rollout); decoupled_ppo: 3-policy PPO with the unbounded "
-        "token weight pi_old / pi_rollout.",
+        "token weight pi_old / pi_rollout; token_tis_floor1 / token_tis_cap1 (study diagnostics): decoupled "
+        "PPO with the token weight clamped to [1, 2] (no token discounted) / truncated at 1 (none raised).",
     )
     compare: bool = doc(
         False,
@@ -350,7 +364,7 @@ class DemoConfig(ConfigBase):
         return out
 
     def _correction_problems(self) -> list[str]:
-        if self.correction in ("none", "bypass_ppo", "decoupled_ppo"):  # train.BUILTIN_CORRECTIONS
+        if self.correction in BUILTIN_CORRECTIONS:
             return []
         from megatron_mis.config.base import ConfigError
         from megatron_mis.config.mis import MISConfig

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from megatron_mis.testbed.demo.config import DemoConfig
+from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, DemoConfig
 
 __all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank", "summarize"]
 
@@ -60,8 +60,6 @@ class ArmSpec:
     mis: Any
 
 
-#: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
-BUILTIN_CORRECTIONS = ("none", "bypass_ppo", "decoupled_ppo")
 #: The "no bound" of ``decoupled_ppo``: larger than any weight exp(clamped log-ratio) reaches here.
 UNBOUNDED_WEIGHT = 1.0e6
 
@@ -69,8 +67,9 @@ UNBOUNDED_WEIGHT = 1.0e6
 def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
     """The loss and MIS configs of ``correction``: ``none`` (PPO against the recomputed pi_old, no
     weight), ``bypass_ppo`` (PPO with pi_rollout as pi_old, no weight), ``decoupled_ppo`` (3-policy
-    PPO, unbounded token weight pi_old / pi_rollout), or a preset / mis.yaml (decoupled PPO with
-    the preset's weights and rejections)."""
+    PPO, unbounded token weight pi_old / pi_rollout), a one-sided token TIS of
+    :data:`DIAGNOSTIC_TIS` (decoupled PPO), or a preset / mis.yaml (decoupled PPO with the preset's
+    weights and rejections)."""
     from megatron_mis.config.loss import LossConfig
     from megatron_mis.config.mis import MISConfig
     from megatron_mis.presets import preset_path
@@ -90,6 +89,9 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
     if correction == "decoupled_ppo":  # 3-policy PPO with the raw weight pi_old / pi_rollout (no bound)
         mis = MISConfig(use_tis=True, use_rs=False, tis_level="token", tis_mode="truncate", tis_upper_bound=UNBOUNDED_WEIGHT)
         return ArmSpec("decoupled_ppo", correction, LossConfig(policy_loss="decoupled_ppo", **common), mis)
+    if correction in DIAGNOSTIC_TIS:
+        mis = MISConfig(use_tis=True, use_rs=False, tis_level="token", **DIAGNOSTIC_TIS[correction])
+        return ArmSpec(correction, correction, LossConfig(policy_loss="decoupled_ppo", **common), mis)
     path = preset_path(correction)
     label = path.stem
     return ArmSpec(label, correction, LossConfig(policy_loss="decoupled_ppo", **common), MISConfig.from_yaml(path))

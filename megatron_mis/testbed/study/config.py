@@ -392,6 +392,10 @@ ARMS: dict[str, Arm] = {
         _arm("token_tis", "decoupled PPO, token IS weight truncated at 2", correction="token_tis"),
         _arm("token_tis_normalized", "decoupled PPO, token IS weight truncated at 2, self-normalised to mean 1 over "
              "the micro-batch's loss tokens", correction="token_tis_normalized"),
+        _arm("token_tis_floor1", "diagnostic: decoupled PPO, token IS weight clamped to [1, 2] (token TIS without "
+             "its discount of the tokens the trainer finds less likely)", correction="token_tis_floor1"),
+        _arm("token_tis_cap1", "diagnostic: decoupled PPO, token IS weight truncated at 1 (token TIS's discount, "
+             "no token raised)", correction="token_tis_cap1"),
         _arm("token_mis", "decoupled PPO, token IS weight masked outside [0.5, 5] (MIS: out of the loss mask)", correction="token_mis"),
         _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
         _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
@@ -419,8 +423,10 @@ ARMS: dict[str, Arm] = {
 #: The arms of a dense setting (the routing-replay arms need an MoE model).
 #: token_tis_normalized (added 2026-11-29 for the truncation sweeps) is left out so that a setting's default
 #: arms stay the ones its archived report ran.
+#: The one-sided token TIS diagnostics (added 2026-12-01 for the temperature sweep) likewise.
 DEFAULT_ARMS: tuple[str, ...] = tuple(
-    a for a in ARMS if not ARMS[a].overrides.get("routing_replay") and a != "token_tis_normalized"
+    a for a in ARMS
+    if not ARMS[a].overrides.get("routing_replay") and a not in ("token_tis_normalized", "token_tis_floor1", "token_tis_cap1")
 )
 
 #: ``--quick``: a smoke run (explicit flags win).
