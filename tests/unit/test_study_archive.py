@@ -270,6 +270,33 @@ def _prose(path: Path) -> str:
     return " ".join(path.read_text().split())
 
 
+@functools.cache
+def _sections(path: Path) -> tuple[tuple[str, str], ...]:
+    """``(heading, prose)`` of every Markdown section of a document: from its heading to the next
+    heading of its level or above (so a section holds its subsections), as :func:`_prose` writes
+    it; a line starting with ``#`` inside a fenced code block is code, not a heading."""
+    lines = path.read_text().splitlines()
+    headings, fenced = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#+ ", line):
+            headings.append((i, len(line) - len(line.lstrip("#"))))
+    out = []
+    for j, (i, level) in enumerate(headings):
+        end = next((k for k, lv in headings[j + 1:] if lv <= level), len(lines))
+        out.append((lines[i], " ".join(" ".join(lines[i:end]).split())))
+    return tuple(out)
+
+
+def _section(part: str, path: Path = _STUDY_DOCS.parent / "study.md") -> str:
+    """The prose of the one section of ``path`` (docs/study.md) whose heading contains ``part``, so
+    a figure quoted for one run is looked for where that run is reported, not anywhere."""
+    found = [prose for heading, prose in _sections(path) if part in heading]
+    assert len(found) == 1, (part, [h for h, _ in _sections(path) if part in h])
+    return found[0]
+
+
 def _assert_quoted(quoted: list[str], text: str, context: object = None) -> None:
     """Every string of ``quoted`` is in ``text``; a failure lists those that are not (with
     ``context`` when given)."""
@@ -1609,13 +1636,31 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
     return summary, dose, runs, paired, step1, masked
 
 
-def _temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: list, masked: float) -> list[str]:
-    """What every temperature section quotes alike (the arguments are :func:`_temperature_run`'s
-    result): none - reference (final and greedy reward, K3), the paired SD and detectable effect,
-    the step-1 gradient-norm ratio, the archive's size and the time per run, and the dose's row of the
-    table that puts the three doses side by side (none - reference, token TIS and token MIS against
-    none, token MIS - token TIS, the share token MIS masked, the runs that reached 0.5 and that
-    ended low per arm)."""
+def _temperature_section(dose: dict) -> str:
+    """The prose of the docs/study.md section that reports a temperature dose's 60-seed runs."""
+    return _section(f"(`temperature` {dose['setting'].removeprefix('temperature-')}, ")
+
+
+def _assert_temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: list, masked: float,
+                               local: list[str], answers: list[str]) -> None:
+    """What every temperature section quotes alike (the first six arguments are
+    :func:`_temperature_run`'s result): none - reference (final and greedy reward, K3), the paired SD
+    and detectable effect, the step-1 gradient-norm ratio, the archive's size and the time per run,
+    each in the dose's own section with the section's ``local`` quotes (the sections share
+    sentences of this shape, so a figure found in another dose's section must not pass); the dose's
+    row in the table that puts the three doses side by side (none - reference, token TIS and token
+    MIS against none, token MIS - token TIS, the share token MIS masked, the runs that reached 0.5
+    and that ended low per arm); and the ``answers`` quotes in the section with the answers table and
+    its summary."""
+    local_quotes, row = _temperature_quotes(summary, dose, runs, paired, step1, masked)
+    _assert_quoted([*local_quotes, *local], _temperature_section(dose), dose["setting"])
+    _assert_quoted([row], _section("the three doses side by side"), dose["setting"])
+    _assert_quoted(answers, _section("The answers so far, per mechanism"), dose["setting"])
+
+
+def _temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: list,
+                        masked: float) -> tuple[list[str], str]:
+    """:func:`_assert_temperature_quotes`' shared figures: the section's sentences and the table row."""
     import numpy as np
 
     arms, none_ref = dose["arms"], dose["none_vs_reference"]
@@ -1627,7 +1672,6 @@ def _temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: li
            f"{masked:.1%}", " / ".join(str(arms[a]["steps_to_threshold"]["reached"]) for a in order),
            " / ".join(str(arms[a]["ended_low"]["k"]) for a in order)]
     return [
-        "| " + " | ".join(row) + " |",
         f"none - reference is {_quoted(none_ref)} (final reward {arms['none']['final_reward'][0]:.3f} against "
         f"{arms['ref_fp32']['final_reward'][0]:.3f}; greedy reward after training "
         f"{_quoted(paired('none', 'ref_fp32', 'greedy_reward'))}) at a mean K3 of {_e(arms['none']['k3_mean'][0], 1)}",
@@ -1638,7 +1682,7 @@ def _temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: li
         f"`docs/study/sweep-{dose['setting']}/runs` ({len(runs)} runs, "
         f"{_archive_bytes('sweep-' + dose['setting']) / 1e6:.1f} MB)",
         f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
-    ]
+    ], "| " + " | ".join(row) + " |"
 
 
 def test_the_rollout_only_temperature_figures_come_from_the_archive():
@@ -1657,8 +1701,7 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     mde = summary["minimal_detectable_effect"]
     tis_greedy = paired("token_tis", "ref_fp32", "greedy_reward")
     assert tis_greedy["excludes_zero"] and tis_greedy["low"] < 0.005  # the one interval that excludes 0, barely
-    quoted = [
-        *_temperature_quotes(summary, dose, runs, paired, step1, masked),
+    local = [
         f"{arms['none']['collapse']['k']} of {n} runs of none collapsed and {arms['none']['ended_low']['k']} ended low "
         f"(the reference {arms['ref_fp32']['collapse']['k']} and {arms['ref_fp32']['ended_low']['k']})",
         f"The monitor flagged {arms['none']['monitor_flagged']['k']} of {n} runs of none",
@@ -1671,11 +1714,13 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
         f"{_quoted(tmis['vs_reference']['final_reward'])} against the reference, masking {masked:.1%} of the loss "
         f"tokens, {tmis['collapse']['k']} of its {n} runs collapsed and {tmis['ended_low']['k']} ended low",
         f"token MIS - token TIS {_quoted(paired('token_mis', 'token_tis'))}",
+    ]
+    answers = [
         f"(+{none_ref['mean']:.3f} [{none_ref['low']:+.3f}, {none_ref['high']:+.3f}] at 0.5, {n} seeds; MDE {mde:.3f};",
         f"at 0.5 no correction differs from none (token TIS {_quoted(tis['vs_none']['final_reward'])}, token MIS "
         f"{_quoted(tmis['vs_none']['final_reward'])}, {n} seeds)",
     ]
-    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    _assert_temperature_quotes(summary, dose, runs, paired, step1, masked, local, answers)
     from megatron_mis.analysis.recommend import recommend
 
     # analyze's advice for a two-sided K3 this large quotes the same figures
@@ -1708,8 +1753,7 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
     k1_mis_tis = _k1_paired(_summary("sweep-staleness-k1", "."), "token_mis", "token_tis", 120)
     mde = summary["minimal_detectable_effect"]
     reached = {a: arms[a]["steps_to_threshold"]["reached"] for a in arms}
-    quoted = [
-        *_temperature_quotes(summary, dose, runs, paired, step1, masked),
+    local = [
         f"token TIS {_quoted(tis)} against none ({_quoted(paired('token_tis', 'ref_fp32'))} against the reference; "
         f"greedy reward {_quoted(paired('token_tis', 'none', 'greedy_reward'))})",
         f"token MIS {_quoted(tmis)} against none ({_quoted(paired('token_mis', 'ref_fp32'))} against the reference; "
@@ -1721,10 +1765,12 @@ def test_the_rollout_temperature_above_1_figures_come_from_the_archive():
         f"{arms['token_mis']['collapse']['k']} of token MIS's runs collapsed and {arms['token_mis']['ended_low']['k']} "
         f"ended low (none {arms['none']['collapse']['k']} and {arms['none']['ended_low']['k']})",
         f"at one step of lag token MIS - token TIS is {_quoted(k1_mis_tis)} (120 seeds)",
+    ]
+    answers = [
         f"{_quoted(none_ref)} at 1.5, {n} seeds; MDE {mde:.3f})",
         f"{_quoted(tis)} at 1.5 against none, {n} seeds each) and token MIS at 1.5 ({_quoted(tmis)})",
     ]
-    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    _assert_temperature_quotes(summary, dose, runs, paired, step1, masked, local, answers)
     rec = recommend(arms["none"]["k3_mean"][0], 3, share_ratio_above=0.298)
     reason = " ".join(rec.reason.split())
     assert rec.regime == "config-bug" and rec.correction == "token_tis" and "sweep-temperature-t1.5" in rec.basis
@@ -1775,8 +1821,7 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
 
     w, w15 = weights(dose["setting"], runs), weights(dose15["setting"], runs15)
     tis15 = paired15("token_tis", "none")
-    quoted = [
-        *_temperature_quotes(summary, dose, runs, paired, step1, masked),
+    local = [
         f"token TIS {_quoted(tis)} against none ({_quoted(tis_ref)} against the reference; greedy reward "
         f"{_quoted(paired('token_tis', 'none', 'greedy_reward'))}): a cost of the same size as at T = 1.5 "
         f"({tis15['mean']:+.3f})",
@@ -1786,13 +1831,15 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
         f"reference's, {reached['token_tis']} of token TIS's and {reached['token_mis']} of token MIS's",
         f"the smallest token TIS weight of a step averaged {w[0]:.2f} ({w15[0]:.2f} at T = 1.5), the largest ratio "
         f"{w[1]:.2f} ({w15[1]:.2f}), and the weight's mean per run {w[2]:.3f}-{w[3]:.3f}",
+    ]
+    assert collapses == 0  # "no run of any arm collapsed"
+    answers = [
         f"{_quoted(none_ref)} at 1.25, {n} seeds; MDE {summary['minimal_detectable_effect']:.3f}",
         f"above 1 token TIS costs reward ({_quoted(tis)} at 1.25, {_quoted(tis15)} at 1.5 against none, {n} seeds "
         "each) and token MIS at 1.5",
         f"at T = 1.25 and 1.5 token TIS cost {-tis['mean']:.3f} and {-tis15['mean']:.3f}",
     ]
-    assert collapses == 0  # "no run of any arm collapsed"
-    _assert_quoted(quoted, _prose(_STUDY_DOCS.parent / "study.md"))
+    _assert_temperature_quotes(summary, dose, runs, paired, step1, masked, local, answers)
     # seed 0's dump: mean K3 0.024, 20.7% of the tokens at a ratio of 1.12 or more (docs/study.md)
     rec = recommend(0.0238, 3, share_ratio_above=0.207)
     assert rec.regime == "config-bug" and rec.correction == "token_tis"
