@@ -323,6 +323,36 @@ def test_the_monitor_flags_a_correction_that_rejects_every_token(pool1):
     assert none["rejected_token_fraction"] == 0.0 and none["grad_norm"] > 0.0
     assert not [m for m in none["monitor_warnings"] if "rejected" in m or "no such metric" in m], none["monitor_warnings"]
 
+def _temperature_step(correction: str):
+    """One demo step at a rollout-only temperature of 1.5 (fp32 rollouts) under ``correction``."""
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(steps=1, correction=correction, temperature=1.5, trainer_temperature=1.0, seed=2, **_SMALL)
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec(correction, cfg))
+        record = trainer.step(1)
+        trainer.close()
+    return record
+
+
+def test_the_token_tis_diagnostics_weigh_the_step_as_they_say(pool1):
+    """On the same first step (same weights, same rollout): the floor's weights are token TIS's
+    raised to 1 (its smallest 1, its largest token TIS's), the cap's token TIS's cut at 1 (its
+    smallest token TIS's, its largest 1), and the shuffled arm's are token TIS's weights (the same
+    mean, smallest and largest: a permutation within each micro-batch) on other tokens, so its
+    gradient differs."""
+    tis, floor, cap, shuffled = (pool1.run(_temperature_step, c)[0] for c in
+                                 ("token_tis", "token_tis_floor1", "token_tis_cap1", "token_tis_shuffled"))
+    assert tis["is_weight_min"] < 1 < tis["is_weight_max"]  # a two-sided weight to take apart
+    assert floor["is_weight_min"] == pytest.approx(1.0) and floor["is_weight_max"] == pytest.approx(tis["is_weight_max"])
+    assert cap["is_weight_max"] == pytest.approx(1.0) and cap["is_weight_min"] == pytest.approx(tis["is_weight_min"])
+    assert floor["is_weight_mean"] > tis["is_weight_mean"] > cap["is_weight_mean"]
+    for key in ("is_weight_mean", "is_weight_min", "is_weight_max", "mis_k3_kl"):
+        assert shuffled[key] == pytest.approx(tis[key], rel=1e-5), key
+    assert shuffled["reward_mean"] == tis["reward_mean"] and shuffled["logprob_abs_diff_max"] == tis["logprob_abs_diff_max"]
+    assert abs(shuffled["grad_norm"] - tis["grad_norm"]) > 1e-3 * tis["grad_norm"]
+
+
 def test_trainer_truncation_is_validated():
     from megatron_mis.config.base import ConfigError
 

@@ -1,6 +1,7 @@
-"""The one-sided token TIS diagnostics of the testbed (``token_tis_floor1``, ``token_tis_cap1``):
-each keeps one half of token TIS's weight, so a study can tell which half moves the outcome
-(docs/study.md, "Which half of the token TIS weight costs reward at T = 1.5").
+"""The token TIS diagnostics of the testbed: ``token_tis_floor1`` and ``token_tis_cap1`` each keep
+one half of token TIS's weight, and ``token_tis_shuffled`` keeps all of it on other tokens, so a
+study can tell what of the weight moves the outcome (docs/study.md, "What of the token TIS weight
+costs reward at T = 1.5").
 
 Hand-derived: with ratios r = pi_old / pi_rollout of 0.25, 0.8, 1, 1.3 and 3, token TIS weighs
 min(r, 2) = 0.25, 0.8, 1, 1.3, 2; the floor weighs clamp(r, 1, 2) = 1, 1, 1, 1.3, 2 (no token
@@ -16,13 +17,14 @@ import torch
 
 from megatron_mis.config.base import ConfigError
 from megatron_mis.core.engine import compute_mis
-from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, DemoConfig
-from megatron_mis.testbed.demo.train import arm_spec
+from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, SHUFFLED_TIS, DemoConfig
+from megatron_mis.testbed.demo.train import arm_spec, shuffle_log_ratios
 from megatron_mis.testbed.study.config import ARMS, DEFAULT_ARMS, SWEEPS, StudyConfig, run_config
 
 _RATIOS = [0.25, 0.8, 1.0, 1.3, 3.0]
 _EXPECTED = {
     "token_tis": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_shuffled": [0.25, 0.8, 1.0, 1.3, 2.0],  # the engine's weights; the trainer shuffles the inputs
     "token_tis_floor1": [1.0, 1.0, 1.0, 1.3, 2.0],
     "token_tis_cap1": [0.25, 0.8, 1.0, 1.0, 1.0],
 }
@@ -59,6 +61,28 @@ def test_a_diagnostic_trains_with_decoupled_ppo_at_the_trainer_s_temperature(cor
     assert spec.loss.rollout_temperature == 1.0 and spec.loss.entropy_coef == 0.01
     assert spec.mis.tis_level == "token"
     assert correction in BUILTIN_CORRECTIONS
+    assert spec.shuffle_log_ratios == (correction in SHUFFLED_TIS)
+    assert not arm_spec("token_tis", cfg).shuffle_log_ratios
+
+
+def test_shuffled_log_ratios_are_a_permutation_over_the_loss_tokens_only():
+    """Hand-derived: log-ratios old - rollout of 0.1, 0.2, 0.3, 0.4, 0.5 with the middle token out of
+    the loss mask; the four loss tokens' log-ratios come back in the generator's order, the masked
+    token's unchanged, and the old log-probs are untouched (the result is a rollout log-prob)."""
+    old = torch.tensor([-1.0, -2.0, -3.0, -0.5, -1.5])
+    d = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])
+    out = shuffle_log_ratios(old, old - d, mask, torch.Generator().manual_seed(0))
+    perm = torch.randperm(4, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 1, 3, 4])
+    expected = d.clone()
+    expected[pos] = d[pos[perm]]
+    assert not torch.equal(perm, torch.arange(4))  # this seed moves them
+    torch.testing.assert_close(old - out, expected)
+    assert float(old[2] - out[2]) == pytest.approx(0.3)
+    assert sorted((old - out)[pos].tolist()) == pytest.approx(sorted(d[pos].tolist()))
+    # the same generator state, the same permutation: every TP / CP rank of a micro-batch agrees
+    torch.testing.assert_close(out, shuffle_log_ratios(old, old - d, mask, torch.Generator().manual_seed(0)))
 
 
 def test_the_demo_and_the_study_accept_the_diagnostics_and_name_them_in_errors():

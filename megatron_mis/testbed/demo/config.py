@@ -10,7 +10,7 @@ from typing import Literal
 
 from megatron_mis.config.base import ConfigBase, doc
 
-__all__ = ["BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "DemoConfig", "QUICK", "available_cpus"]
+__all__ = ["BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "SHUFFLED_TIS", "DemoConfig", "QUICK", "available_cpus"]
 
 #: The short mode (``--quick``): a few small steps, for tests and a first look; explicit flags win.
 QUICK: dict[str, object] = {
@@ -28,11 +28,16 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 #: with r_t = pi_old / pi_rollout, ``token_tis_floor1`` weighs clamp(r_t, 1, 2): the tokens the
 #: trainer finds less likely than the rollout did keep weight 1 and only the others are raised;
 #: ``token_tis_cap1`` weighs min(r_t, 1): the less likely tokens are discounted as by token TIS
-#: and none is raised.
+#: and none is raised; ``token_tis_shuffled`` weighs min(r_t, 2) as token TIS does, but with the
+#: log-ratios log r_t permuted at random among each micro-batch's loss tokens
+#: (:data:`SHUFFLED_TIS`): the same weights, no longer tied to the tokens they were measured on.
 DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
     "token_tis_floor1": {"tis_mode": "clip", "tis_lower_bound": 1.0, "tis_upper_bound": 2.0},
     "token_tis_cap1": {"tis_mode": "truncate", "tis_upper_bound": 1.0},
+    "token_tis_shuffled": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
 }
+#: The diagnostics whose log-ratios are shuffled among a micro-batch's loss tokens.
+SHUFFLED_TIS: tuple[str, ...] = ("token_tis_shuffled",)
 #: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
 BUILTIN_CORRECTIONS: tuple[str, ...] = ("none", "bypass_ppo", "decoupled_ppo", *DIAGNOSTIC_TIS)
 
@@ -62,8 +67,9 @@ class DemoConfig(ConfigBase):
         "engine; none trains with plain PPO against the recomputed pi_old (no IS weight, nothing "
         "rejected) while the engine still measures the mismatch; bypass_ppo: PPO with pi_rollout as "
         "pi_old (its clip bounds pi_theta / pi_rollout); decoupled_ppo: 3-policy PPO with the unbounded "
-        "token weight pi_old / pi_rollout; token_tis_floor1 / token_tis_cap1 (study diagnostics): decoupled "
-        "PPO with the token weight clamped to [1, 2] (no token discounted) / truncated at 1 (none raised).",
+        "token weight pi_old / pi_rollout; token_tis_floor1 / token_tis_cap1 / token_tis_shuffled (study "
+        "diagnostics): decoupled PPO with the token weight clamped to [1, 2] (no token discounted) / truncated "
+        "at 1 (none raised) / token TIS's weights shuffled among each micro-batch's loss tokens.",
     )
     compare: bool = doc(
         False,

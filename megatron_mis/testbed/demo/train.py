@@ -33,15 +33,16 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, DemoConfig
+from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, SHUFFLED_TIS, DemoConfig
 
-__all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank", "summarize"]
+__all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank",
+           "shuffle_log_ratios", "summarize"]
 
 
 # ----------------------------------------------------------------------------------- arms
@@ -58,6 +59,9 @@ class ArmSpec:
     correction: str
     loss: Any
     mis: Any
+    #: permute the log-ratios log(pi_old / pi_rollout) among each micro-batch's loss tokens before
+    #: the engine weighs them (:func:`shuffle_log_ratios`; the diagnostics of ``SHUFFLED_TIS``)
+    shuffle_log_ratios: bool = False
 
 
 #: The "no bound" of ``decoupled_ppo``: larger than any weight exp(clamped log-ratio) reaches here.
@@ -91,7 +95,8 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
         return ArmSpec("decoupled_ppo", correction, LossConfig(policy_loss="decoupled_ppo", **common), mis)
     if correction in DIAGNOSTIC_TIS:
         mis = MISConfig(use_tis=True, use_rs=False, tis_level="token", **DIAGNOSTIC_TIS[correction])
-        return ArmSpec(correction, correction, LossConfig(policy_loss="decoupled_ppo", **common), mis)
+        return ArmSpec(correction, correction, LossConfig(policy_loss="decoupled_ppo", **common), mis,
+                       shuffle_log_ratios=correction in SHUFFLED_TIS)
     path = preset_path(correction)
     label = path.stem
     return ArmSpec(label, correction, LossConfig(policy_loss="decoupled_ppo", **common), MISConfig.from_yaml(path))
@@ -147,6 +152,27 @@ def _per_sequence(micro_batches: list[Any]) -> list[tuple[torch.Tensor, torch.Te
         sizes = mb.response_lengths.tolist()
         out += zip(*(torch.split(t, sizes) for t in (mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask)))
     return out
+
+
+def shuffle_log_ratios(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor,
+                       generator: torch.Generator) -> torch.Tensor:
+    """Rollout log-probs whose log-ratios to ``old_log_probs`` are the loss tokens' log-ratios in a
+    random order (``generator``'s permutation): ``old - result`` is ``old - rollout`` permuted among
+    the tokens with ``loss_mask > 0``, the others unchanged. The engine then computes the same
+    weights, each on another token.
+
+    Args:
+        old_log_probs, rollout_log_probs, loss_mask: ``[T]`` one micro-batch's response tokens.
+
+    Returns:
+        ``[T]`` float32 rollout log-probs.
+    """
+    old, rollout = old_log_probs.float(), rollout_log_probs.float()
+    d = old - rollout
+    pos = (loss_mask > 0).nonzero().squeeze(1)
+    shuffled = d.clone()
+    shuffled[pos] = d[pos[torch.randperm(pos.numel(), generator=generator)]]
+    return old - shuffled
 
 
 def _trainer_device() -> torch.device:
@@ -451,6 +477,13 @@ class GRPOTrainer:
             record.update(self._compare_log_probs(sequences))
             if self.dump_dir is not None:
                 self._dump_log_probs(step, sequences)
+            if self.arm.shuffle_log_ratios:  # a diagnostic: the same weights on other tokens (after the records)
+                micro_batches = [
+                    replace(mb, rollout_log_probs=shuffle_log_ratios(
+                        mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+                        torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 100_003 + idx[0])))
+                    for mb, idx in zip(micro_batches, self._micro_batch_indices())
+                ]
             if cfg.true_on_policy and not record["logprob_bitwise_equal"]:
                 raise RuntimeError(
                     f"step {step}: true on-policy rollout log-probs differ from the trainer's recompute "

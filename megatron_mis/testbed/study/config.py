@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_mis.config.base import ConfigBase, doc
-from megatron_mis.testbed.demo.config import DemoConfig, available_cpus
+from megatron_mis.testbed.demo.config import DIAGNOSTIC_TIS, DemoConfig, available_cpus
 
 __all__ = ["ARMS", "DEFAULT_ARMS", "OUTCOMES", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig",
            "arm_overrides_of_extra", "run_config"]
@@ -396,6 +396,9 @@ ARMS: dict[str, Arm] = {
              "its discount of the tokens the trainer finds less likely)", correction="token_tis_floor1"),
         _arm("token_tis_cap1", "diagnostic: decoupled PPO, token IS weight truncated at 1 (token TIS's discount, "
              "no token raised)", correction="token_tis_cap1"),
+        _arm("token_tis_shuffled", "diagnostic: decoupled PPO, token IS weight truncated at 2 with the log-ratios "
+             "shuffled among each micro-batch's loss tokens (token TIS's weights, on other tokens)",
+             correction="token_tis_shuffled"),
         _arm("token_mis", "decoupled PPO, token IS weight masked outside [0.5, 5] (MIS: out of the loss mask)", correction="token_mis"),
         _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
         _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
@@ -423,10 +426,10 @@ ARMS: dict[str, Arm] = {
 #: The arms of a dense setting (the routing-replay arms need an MoE model).
 #: token_tis_normalized (added 2026-11-29 for the truncation sweeps) is left out so that a setting's default
 #: arms stay the ones its archived report ran.
-#: The one-sided token TIS diagnostics (added 2026-12-01 for the temperature sweep) likewise.
+#: The token TIS diagnostics (DIAGNOSTIC_TIS: added 2026-12-01 for the temperature sweep) likewise.
 DEFAULT_ARMS: tuple[str, ...] = tuple(
     a for a in ARMS
-    if not ARMS[a].overrides.get("routing_replay") and a not in ("token_tis_normalized", "token_tis_floor1", "token_tis_cap1")
+    if not ARMS[a].overrides.get("routing_replay") and a != "token_tis_normalized" and a not in DIAGNOSTIC_TIS
 )
 
 #: ``--quick``: a smoke run (explicit flags win).
