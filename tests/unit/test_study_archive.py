@@ -211,7 +211,10 @@ _REPORTS = [
     # a rollout-only temperature of 0.5 at 60 seeds (150 steps, the fourth VM): its own archive
     ("sweep-temperature-t0.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # and of 1.5, in a later session on the same VM
-    ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
+    ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60),
+                                     # and the three token TIS diagnostics, a day later on a Zen 1 VM
+                                     "token_tis_floor1": range(60), "token_tis_cap1": range(60),
+                                     "token_tis_shuffled": range(60)}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -259,6 +262,14 @@ def _archive_runs(sweep: str) -> dict:
         assert run_setting == lines[0]["setting"] and arm == lines[0]["arm"], rel
         runs[run_setting, arm, lines[0]["seed"]] = ([x for x in lines if x["type"] == "step"], lines[-1])
     return runs
+
+
+@functools.cache
+def _archive_headers(sweep: str) -> dict:
+    """``{(setting, arm, seed): the run's header record}`` of docs/study/SWEEP/runs (its
+    configuration and the machine it was made on)."""
+    return {(h["setting"], h["arm"], h["seed"]): h
+            for h in (json.loads(text.partition("\n")[0]) for text in read_archive(_STUDY_DOCS / sweep / "runs").values())}
 
 
 def _summary(sweep: str, report: str) -> dict:
@@ -1613,7 +1624,9 @@ def _temperature_run(sweep: str, temperature: float) -> tuple:
     assert setting == f"temperature-t{temperature:g}"
     arms = dose["arms"]
     n = arms["none"]["n"]
-    assert n == 60 and all(arms[a]["n"] == n for a in arms) and len(arms) == 4
+    core = {"none", "ref_fp32", "token_tis", "token_mis"}
+    assert n == 60 and all(arms[a]["n"] == n for a in arms) and core <= set(arms)
+    assert set(arms) == core or temperature == 1.5  # T = 1.5 also ran the token TIS diagnostics
     runs = _archive_runs(sweep)
     study = summary["study"]
     final = _committed_finals(sweep, summary)
@@ -1681,7 +1694,7 @@ def _temperature_quotes(summary: dict, dose: dict, runs: dict, paired, step1: li
         f"(median {np.median(step1):.3f})",
         f"`docs/study/sweep-{dose['setting']}/runs` ({len(runs)} runs, "
         f"{_archive_bytes('sweep-' + dose['setting']) / 1e6:.1f} MB)",
-        f"about {np.mean([a['wall_s'] for a in arms.values()]):.0f} s per run",
+        f"about {np.mean([arms[a]['wall_s'] for a in order]):.0f} s per run",
     ], "| " + " | ".join(row) + " |"
 
 
@@ -1846,3 +1859,91 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"at 1.25 ({n} seeds, the same VM and threads, a session later) none was level as well "
             f"({_quoted(none_ref)}) and token TIS cost {_quoted(tis)}") in readme
+
+
+#: The token TIS diagnostics run at T = 1.5 (docs/study.md, "What of the token TIS weight costs reward").
+_DIAGNOSTICS = ("token_tis_floor1", "token_tis_cap1", "token_tis_shuffled")
+
+
+def _weight_extremes(setting: str, runs: dict, arm: str, n: int) -> tuple[float, float, float, float]:
+    """Over ``arm``'s runs: the mean of a step's smallest and of its largest weight, and the range of
+    the per-run mean weight."""
+    import numpy as np
+
+    recs = [runs[setting, arm, s][0] for s in range(n)]
+    means = [np.mean([r["is_weight_mean"] for r in rs]) for rs in recs]
+    return (float(np.mean([np.mean([r["is_weight_min"] for r in rs]) for rs in recs])),
+            float(np.mean([np.mean([r["is_weight_max"] for r in rs]) for rs in recs])), min(means), max(means))
+
+
+def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
+    """docs/study.md and the README on the three token TIS diagnostics at a rollout temperature of
+    1.5 (60 seeds each, beside the committed arms in docs/study/sweep-temperature-t1.5): each arm's
+    row of the section's table (its weights' mean smallest and largest value and per-run mean, its
+    difference to none, token TIS and the reference in final reward and to none in greedy reward,
+    the runs that reached 0.5 and that ended low), the differences between the diagnostics, and
+    that none of the three is resolved against none or against token TIS, recomputed from the
+    archive; the runs were made on a Zen 1 VM, the other arms on a Zen 3 one."""
+    import numpy as np
+
+    summary, dose, runs, paired, _, _ = _temperature_run("sweep-temperature-t1.5", 1.5)
+    arms, setting = dose["arms"], dose["setting"]
+    n = arms["none"]["n"]
+    assert set(_DIAGNOSTICS) <= set(arms)
+    headers = _archive_headers("sweep-temperature-t1.5")
+    machines = {a: {headers[setting, a, s]["machine"]["cpu_family_model"] for s in range(n)} for a in arms}
+    assert all(machines[a] == {"23/1"} for a in _DIAGNOSTICS), machines  # the Zen 1 VM
+    assert all(machines[a] == {"25/1"} for a in set(arms) - set(_DIAGNOSTICS)), machines  # the Zen 3 VM
+    formulas = {"token_tis": "min(r, 2)", "token_tis_floor1": "clamp(r, 1, 2)", "token_tis_cap1": "min(r, 1)",
+                "token_tis_shuffled": "min(r, 2), shuffled"}
+    rows, costs = [], {}
+    for arm, formula in formulas.items():
+        lo, hi, m_lo, m_hi = _weight_extremes(setting, runs, arm, n)
+        costs[arm] = paired(arm, "none")
+        rows.append("| " + " | ".join([
+            f"`{arm}`", formula, f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}", _quoted(costs[arm]),
+            "-" if arm == "token_tis" else _quoted(paired(arm, "token_tis")), _quoted(paired(arm, "ref_fp32")),
+            _quoted(paired(arm, "none", "greedy_reward")), str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["ended_low"]["k"])]) + " |")
+    for arm in _DIAGNOSTICS:  # "none of the three is resolved against none or token TIS" on the final reward
+        assert not costs[arm]["excludes_zero"] and not paired(arm, "token_tis")["excludes_zero"], arm
+        assert 0.5 < costs[arm]["mean"] / costs["token_tis"]["mean"] < 0.8, arm  # "about two thirds"
+    assert costs["token_tis"]["excludes_zero"] and paired("token_tis_shuffled", "none", "greedy_reward")["excludes_zero"]
+    pairs = [("token_tis_floor1", "token_tis_cap1"), ("token_tis_shuffled", "token_tis_floor1"),
+             ("token_tis_shuffled", "token_tis_cap1")]
+    assert not any(paired(a, b)["excludes_zero"] for a, b in pairs)
+    steps = {a: arms[a]["vs_reference"]["steps_to_threshold"] for a in _DIAGNOSTICS}
+    collapsed = {a: arms[a]["collapse"]["k"] for a in ("token_tis", *_DIAGNOSTICS)}
+    assert collapsed == {"token_tis": 0, "token_tis_floor1": 0, "token_tis_cap1": 0, "token_tis_shuffled": 1}
+    lo = {a: _weight_extremes(setting, runs, a, n) for a in ("token_tis", "token_tis_floor1", "token_tis_cap1")}
+    diag = _DIAGNOSTICS
+    quoted = [
+        *rows,
+        *(f"{a} - {b} {_quoted(paired(a, b))}" for a, b in pairs),
+        f"(none: {arms['none']['steps_to_threshold']['reached']} of {n} runs reached a 10-step mean reward of 0.5, "
+        f"{arms['none']['ended_low']['k']} ended low)",
+        f"each ends about two thirds of token TIS's cost behind none ({max(costs[a]['mean'] for a in diag):+.3f} to "
+        f"{min(costs[a]['mean'] for a in diag):+.3f}), level with token TIS "
+        f"({min(paired(a, 'token_tis')['mean'] for a in diag):+.3f} to {max(paired(a, 'token_tis')['mean'] for a in diag):+.3f})",
+        f"on the greedy reward the shuffled weights are ({_quoted(paired('token_tis_shuffled', 'none', 'greedy_reward'))})",
+        f"(+{steps['token_tis_cap1']['mean']:.0f} [{steps['token_tis_cap1']['low']:+.0f}, "
+        f"{steps['token_tis_cap1']['high']:+.0f}] and +{steps['token_tis_shuffled']['mean']:.0f} "
+        f"[{steps['token_tis_shuffled']['low']:+.0f}, {steps['token_tis_shuffled']['high']:+.0f}] steps over the "
+        f"{steps['token_tis_cap1']['n']} seeds where both did; the floor +{steps['token_tis_floor1']['mean']:.0f} "
+        f"[{steps['token_tis_floor1']['low']:+.0f}, {steps['token_tis_floor1']['high']:+.0f}])",
+        f"the floor's weights vary least (1 to {lo['token_tis_floor1'][1]:.2f} against {lo['token_tis'][0]:.2f} to "
+        f"{lo['token_tis'][1]:.2f})",
+        f"mean weights ({lo['token_tis_floor1'][2]:.2f}-{lo['token_tis_floor1'][3]:.2f} and "
+        f"{lo['token_tis_cap1'][2]:.2f}-{lo['token_tis_cap1'][3]:.2f} per run)",
+        f"about {np.mean([arms[a]['wall_s'] for a in _DIAGNOSTICS]):.0f} s per run, "
+        f"{sum(arms[a]['n'] * arms[a]['wall_s'] for a in _DIAGNOSTICS) / 3600:.1f} CPU-hours",
+        f"token TIS's cost there ({costs['token_tis']['mean']:+.3f} against none)",
+    ]
+    assert steps["token_tis_cap1"]["n"] == steps["token_tis_shuffled"]["n"]
+    _assert_quoted(quoted, _section("What of the token TIS weight costs reward at T = 1.5"))
+    # the T = 1.5 section's account, and the README, say it was tested and is not supported
+    assert "tested a day later, it is not supported" in _temperature_section(dose)
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"token TIS without that discount, the discount alone and token TIS's weights shuffled onto random "
+            f"tokens each cost about two thirds as much ({max(costs[a]['mean'] for a in diag):+.3f} to "
+            f"{min(costs[a]['mean'] for a in diag):+.3f} against none, {n} seeds") in readme
