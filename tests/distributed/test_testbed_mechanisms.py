@@ -297,12 +297,11 @@ def test_trainer_truncation_removes_the_support_mismatch(pool1):
 
 
 
-def _top_k_step(correction: str):
-    """One demo step with top-k 3 and processed rollout log-probs (fp32 rollouts) under
-    ``correction``: the step's record."""
+def _one_step(correction: str, **fields):
+    """One demo step (fp32 rollouts, the DemoConfig ``fields``) under ``correction``: its record."""
     from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
 
-    cfg = DemoConfig(steps=1, correction=correction, top_k=3, rollout_logprobs="processed", seed=5, **_SMALL)
+    cfg = DemoConfig(steps=1, correction=correction, **fields, **_SMALL)
     with torch.random.fork_rng(devices=[]), megatron_state(cfg):
         trainer = GRPOTrainer(cfg, arm_spec(correction, cfg))
         record = trainer.step(1)
@@ -315,24 +314,14 @@ def test_the_monitor_flags_a_correction_that_rejects_every_token(pool1):
     token MIS ([0.5, 5]) masks every loss token (the study's long-tail top-k 64 runs trained
     nothing), and the testbed's monitor, fed the rejected-token fraction, flags it on the first
     step; without a weight nothing is rejected and no watched metric is missing."""
-    ((mis,),) = [pool1.run(_top_k_step, "token_mis")]
-    ((none,),) = [pool1.run(_top_k_step, "none")]
+    top_k = dict(top_k=3, rollout_logprobs="processed", seed=5)
+    ((mis,),) = [pool1.run(_one_step, "token_mis", **top_k)]
+    ((none,),) = [pool1.run(_one_step, "none", **top_k)]
     assert mis["rejected_token_fraction"] == 1.0 and mis["grad_norm"] == 0.0 and mis["mis_ratio_max"] < 0.5
     assert [m for m in mis["monitor_warnings"] if m.startswith("mis_rejected_token_fraction=1 at step 1 exceeds its "
                                                               "bound 0.5: the correction removes most")]
     assert none["rejected_token_fraction"] == 0.0 and none["grad_norm"] > 0.0
     assert not [m for m in none["monitor_warnings"] if "rejected" in m or "no such metric" in m], none["monitor_warnings"]
-
-def _temperature_step(correction: str):
-    """One demo step at a rollout-only temperature of 1.5 (fp32 rollouts) under ``correction``."""
-    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
-
-    cfg = DemoConfig(steps=1, correction=correction, temperature=1.5, trainer_temperature=1.0, seed=2, **_SMALL)
-    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
-        trainer = GRPOTrainer(cfg, arm_spec(correction, cfg))
-        record = trainer.step(1)
-        trainer.close()
-    return record
 
 
 def test_the_token_tis_diagnostics_weigh_the_step_as_they_say(pool1):
@@ -341,15 +330,17 @@ def test_the_token_tis_diagnostics_weigh_the_step_as_they_say(pool1):
     smallest token TIS's, its largest 1), and the shuffled arm's are token TIS's weights (the same
     mean, smallest and largest: a permutation within each micro-batch) on other tokens, so its
     gradient differs."""
-    tis, floor, cap, shuffled = (pool1.run(_temperature_step, c)[0] for c in
-                                 ("token_tis", "token_tis_floor1", "token_tis_cap1", "token_tis_shuffled"))
+    tis, floor, cap, shuffled = (pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
+                                 for c in ("token_tis", "token_tis_floor1", "token_tis_cap1", "token_tis_shuffled"))
     assert tis["is_weight_min"] < 1 < tis["is_weight_max"]  # a two-sided weight to take apart
-    assert floor["is_weight_min"] == pytest.approx(1.0) and floor["is_weight_max"] == pytest.approx(tis["is_weight_max"])
+    assert floor["is_weight_min"] == pytest.approx(1.0)
+    assert floor["is_weight_max"] == pytest.approx(tis["is_weight_max"])
     assert cap["is_weight_max"] == pytest.approx(1.0) and cap["is_weight_min"] == pytest.approx(tis["is_weight_min"])
     assert floor["is_weight_mean"] > tis["is_weight_mean"] > cap["is_weight_mean"]
     for key in ("is_weight_mean", "is_weight_min", "is_weight_max", "mis_k3_kl"):
         assert shuffled[key] == pytest.approx(tis[key], rel=1e-5), key
-    assert shuffled["reward_mean"] == tis["reward_mean"] and shuffled["logprob_abs_diff_max"] == tis["logprob_abs_diff_max"]
+    assert shuffled["reward_mean"] == tis["reward_mean"]
+    assert shuffled["logprob_abs_diff_max"] == tis["logprob_abs_diff_max"]  # the records see the true pairs
     assert abs(shuffled["grad_norm"] - tis["grad_norm"]) > 1e-3 * tis["grad_norm"]
 
 

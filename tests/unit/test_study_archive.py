@@ -268,8 +268,8 @@ def _archive_runs(sweep: str) -> dict:
 def _archive_headers(sweep: str) -> dict:
     """``{(setting, arm, seed): the run's header record}`` of docs/study/SWEEP/runs (its
     configuration and the machine it was made on)."""
-    return {(h["setting"], h["arm"], h["seed"]): h
-            for h in (json.loads(text.partition("\n")[0]) for text in read_archive(_STUDY_DOCS / sweep / "runs").values())}
+    texts = read_archive(_STUDY_DOCS / sweep / "runs").values()
+    return {(h["setting"], h["arm"], h["seed"]): h for h in (json.loads(t.partition("\n")[0]) for t in texts)}
 
 
 def _summary(sweep: str, report: str) -> dict:
@@ -1908,7 +1908,8 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     for arm in _DIAGNOSTICS:  # "none of the three is resolved against none or token TIS" on the final reward
         assert not costs[arm]["excludes_zero"] and not paired(arm, "token_tis")["excludes_zero"], arm
         assert 0.5 < costs[arm]["mean"] / costs["token_tis"]["mean"] < 0.8, arm  # "about two thirds"
-    assert costs["token_tis"]["excludes_zero"] and paired("token_tis_shuffled", "none", "greedy_reward")["excludes_zero"]
+    shuffled_greedy = paired("token_tis_shuffled", "none", "greedy_reward")
+    assert costs["token_tis"]["excludes_zero"] and shuffled_greedy["excludes_zero"]
     pairs = [("token_tis_floor1", "token_tis_cap1"), ("token_tis_shuffled", "token_tis_floor1"),
              ("token_tis_shuffled", "token_tis_cap1")]
     assert not any(paired(a, b)["excludes_zero"] for a, b in pairs)
@@ -1924,8 +1925,9 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
         f"{arms['none']['ended_low']['k']} ended low)",
         f"each ends about two thirds of token TIS's cost behind none ({max(costs[a]['mean'] for a in diag):+.3f} to "
         f"{min(costs[a]['mean'] for a in diag):+.3f}), level with token TIS "
-        f"({min(paired(a, 'token_tis')['mean'] for a in diag):+.3f} to {max(paired(a, 'token_tis')['mean'] for a in diag):+.3f})",
-        f"on the greedy reward the shuffled weights are ({_quoted(paired('token_tis_shuffled', 'none', 'greedy_reward'))})",
+        f"({min(paired(a, 'token_tis')['mean'] for a in diag):+.3f} to "
+        f"{max(paired(a, 'token_tis')['mean'] for a in diag):+.3f})",
+        f"on the greedy reward the shuffled weights are ({_quoted(shuffled_greedy)})",
         f"(+{steps['token_tis_cap1']['mean']:.0f} [{steps['token_tis_cap1']['low']:+.0f}, "
         f"{steps['token_tis_cap1']['high']:+.0f}] and +{steps['token_tis_shuffled']['mean']:.0f} "
         f"[{steps['token_tis_shuffled']['low']:+.0f}, {steps['token_tis_shuffled']['high']:+.0f}] steps over the "

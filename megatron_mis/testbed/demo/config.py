@@ -23,8 +23,9 @@ QUICK: dict[str, object] = {
 
 _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 
-#: Token TIS with its weight bounded on one side only: study diagnostics that take a weight apart
-#: (which half of it moves the outcome), not presets a user would run. ``{name: MISConfig fields}``;
+#: Token TIS taken apart: study diagnostics that tell what of its weight moves the outcome (docs/study.md,
+#: "What of the token TIS weight costs reward at T = 1.5"), not presets a user would run. ``{name:
+#: MISConfig fields}``;
 #: with r_t = pi_old / pi_rollout, ``token_tis_floor1`` weighs clamp(r_t, 1, 2): the tokens the
 #: trainer finds less likely than the rollout did keep weight 1 and only the others are raised;
 #: ``token_tis_cap1`` weighs min(r_t, 1): the less likely tokens are discounted as by token TIS

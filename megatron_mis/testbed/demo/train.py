@@ -60,7 +60,9 @@ class ArmSpec:
     loss: Any
     mis: Any
     #: permute the log-ratios log(pi_old / pi_rollout) among each micro-batch's loss tokens before
-    #: the engine weighs them (:func:`shuffle_log_ratios`; the diagnostics of ``SHUFFLED_TIS``)
+    #: the engine weighs them (:func:`shuffle_log_ratios`; the diagnostics of ``SHUFFLED_TIS``). The
+    #: step's log-prob comparison and dump see the true pairs; the engine's mismatch metrics see the
+    #: shuffled ones (their token means unchanged, their per-sequence ones not)
     shuffle_log_ratios: bool = False
 
 
@@ -71,7 +73,7 @@ UNBOUNDED_WEIGHT = 1.0e6
 def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
     """The loss and MIS configs of ``correction``: ``none`` (PPO against the recomputed pi_old, no
     weight), ``bypass_ppo`` (PPO with pi_rollout as pi_old, no weight), ``decoupled_ppo`` (3-policy
-    PPO, unbounded token weight pi_old / pi_rollout), a one-sided token TIS of
+    PPO, unbounded token weight pi_old / pi_rollout), a token TIS diagnostic of
     :data:`DIAGNOSTIC_TIS` (decoupled PPO), or a preset / mis.yaml (decoupled PPO with the preset's
     weights and rejections)."""
     from megatron_mis.config.loss import LossConfig
@@ -481,7 +483,7 @@ class GRPOTrainer:
                 micro_batches = [
                     replace(mb, rollout_log_probs=shuffle_log_ratios(
                         mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
-                        torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) * 100_003 + idx[0])))
+                        torch.Generator().manual_seed(((cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)))
                     for mb, idx in zip(micro_batches, self._micro_batch_indices())
                 ]
             if cfg.true_on_policy and not record["logprob_bitwise_equal"]:
