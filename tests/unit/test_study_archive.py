@@ -1857,7 +1857,7 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
     rec = recommend(0.0238, 3, share_ratio_above=0.207)
     assert rec.regime == "config-bug" and rec.correction == "token_tis"
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    assert (f"at 1.25 ({n} seeds, the same VM and threads, a session later) none was level as well "
+    assert (f"at 1.25 ({n} seeds, the same Zen 3 VM and threads, a session later) none was level as well "
             f"({_quoted(none_ref)}) and token TIS cost {_quoted(tis)}") in readme
 
 
