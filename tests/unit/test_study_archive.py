@@ -251,25 +251,31 @@ def _archive_finals(sweep: str, setting: str, steps: int, last_k: int, threshold
 
 
 @functools.cache
-def _archive_runs(sweep: str) -> dict:
-    """``{(setting, arm, seed): (step records, end record)}`` of every run in docs/study/SWEEP/runs,
-    each checked complete and filed under its own setting and arm; read once per sweep."""
-    runs = {}
+def _archive_records(sweep: str) -> dict:
+    """``{(setting, arm, seed): every record of the run}`` in docs/study/SWEEP/runs, each run checked
+    complete (a header first, an end record last) and filed under its own setting and arm; read and
+    parsed once per sweep."""
+    records = {}
     for rel, text in read_archive(_STUDY_DOCS / sweep / "runs").items():
         lines = [json.loads(x) for x in text.splitlines()]
         assert lines[0]["type"] == "run" and lines[-1]["type"] == "end", rel
         run_setting, arm, _ = rel.split("/")
         assert run_setting == lines[0]["setting"] and arm == lines[0]["arm"], rel
-        runs[run_setting, arm, lines[0]["seed"]] = ([x for x in lines if x["type"] == "step"], lines[-1])
-    return runs
+        records[run_setting, arm, lines[0]["seed"]] = lines
+    return records
 
 
 @functools.cache
+def _archive_runs(sweep: str) -> dict:
+    """``{(setting, arm, seed): (step records, end record)}`` of every run in docs/study/SWEEP/runs."""
+    return {key: ([x for x in lines if x["type"] == "step"], lines[-1])
+            for key, lines in _archive_records(sweep).items()}
+
+
 def _archive_headers(sweep: str) -> dict:
     """``{(setting, arm, seed): the run's header record}`` of docs/study/SWEEP/runs (its
     configuration and the machine it was made on)."""
-    texts = read_archive(_STUDY_DOCS / sweep / "runs").values()
-    return {(h["setting"], h["arm"], h["seed"]): h for h in (json.loads(t.partition("\n")[0]) for t in texts)}
+    return {key: lines[0] for key, lines in _archive_records(sweep).items()}
 
 
 def _summary(sweep: str, report: str) -> dict:
@@ -1896,9 +1902,10 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     assert all(machines[a] == {"25/1"} for a in set(arms) - set(_DIAGNOSTICS)), machines  # the Zen 3 VM
     formulas = {"token_tis": "min(r, 2)", "token_tis_floor1": "clamp(r, 1, 2)", "token_tis_cap1": "min(r, 1)",
                 "token_tis_shuffled": "min(r, 2), shuffled"}
+    extremes = {arm: _weight_extremes(setting, runs, arm, n) for arm in formulas}
     rows, costs = [], {}
     for arm, formula in formulas.items():
-        lo, hi, m_lo, m_hi = _weight_extremes(setting, runs, arm, n)
+        lo, hi, m_lo, m_hi = extremes[arm]
         costs[arm] = paired(arm, "none")
         rows.append("| " + " | ".join([
             f"`{arm}`", formula, f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}", _quoted(costs[arm]),
@@ -1916,27 +1923,26 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     steps = {a: arms[a]["vs_reference"]["steps_to_threshold"] for a in _DIAGNOSTICS}
     collapsed = {a: arms[a]["collapse"]["k"] for a in ("token_tis", *_DIAGNOSTICS)}
     assert collapsed == {"token_tis": 0, "token_tis_floor1": 0, "token_tis_cap1": 0, "token_tis_shuffled": 1}
-    lo = {a: _weight_extremes(setting, runs, a, n) for a in ("token_tis", "token_tis_floor1", "token_tis_cap1")}
-    diag = _DIAGNOSTICS
+    cost_means = [costs[a]["mean"] for a in _DIAGNOSTICS]
     quoted = [
         *rows,
         *(f"{a} - {b} {_quoted(paired(a, b))}" for a, b in pairs),
         f"(none: {arms['none']['steps_to_threshold']['reached']} of {n} runs reached a 10-step mean reward of 0.5, "
         f"{arms['none']['ended_low']['k']} ended low)",
-        f"each ends about two thirds of token TIS's cost behind none ({max(costs[a]['mean'] for a in diag):+.3f} to "
-        f"{min(costs[a]['mean'] for a in diag):+.3f}), level with token TIS "
-        f"({min(paired(a, 'token_tis')['mean'] for a in diag):+.3f} to "
-        f"{max(paired(a, 'token_tis')['mean'] for a in diag):+.3f})",
+        f"each ends about two thirds of token TIS's cost behind none ({max(cost_means):+.3f} to "
+        f"{min(cost_means):+.3f}), level with token TIS "
+        f"({min(paired(a, 'token_tis')['mean'] for a in _DIAGNOSTICS):+.3f} to "
+        f"{max(paired(a, 'token_tis')['mean'] for a in _DIAGNOSTICS):+.3f})",
         f"on the greedy reward the shuffled weights are ({_quoted(shuffled_greedy)})",
         f"(+{steps['token_tis_cap1']['mean']:.0f} [{steps['token_tis_cap1']['low']:+.0f}, "
         f"{steps['token_tis_cap1']['high']:+.0f}] and +{steps['token_tis_shuffled']['mean']:.0f} "
         f"[{steps['token_tis_shuffled']['low']:+.0f}, {steps['token_tis_shuffled']['high']:+.0f}] steps over the "
         f"{steps['token_tis_cap1']['n']} seeds where both did; the floor +{steps['token_tis_floor1']['mean']:.0f} "
         f"[{steps['token_tis_floor1']['low']:+.0f}, {steps['token_tis_floor1']['high']:+.0f}])",
-        f"the floor's weights vary least (1 to {lo['token_tis_floor1'][1]:.2f} against {lo['token_tis'][0]:.2f} to "
-        f"{lo['token_tis'][1]:.2f})",
-        f"mean weights ({lo['token_tis_floor1'][2]:.2f}-{lo['token_tis_floor1'][3]:.2f} and "
-        f"{lo['token_tis_cap1'][2]:.2f}-{lo['token_tis_cap1'][3]:.2f} per run)",
+        f"the floor's weights vary least (1 to {extremes['token_tis_floor1'][1]:.2f} against "
+        f"{extremes['token_tis'][0]:.2f} to {extremes['token_tis'][1]:.2f})",
+        f"mean weights ({extremes['token_tis_floor1'][2]:.2f}-{extremes['token_tis_floor1'][3]:.2f} and "
+        f"{extremes['token_tis_cap1'][2]:.2f}-{extremes['token_tis_cap1'][3]:.2f} per run)",
         f"about {np.mean([arms[a]['wall_s'] for a in _DIAGNOSTICS]):.0f} s per run, "
         f"{sum(arms[a]['n'] * arms[a]['wall_s'] for a in _DIAGNOSTICS) / 3600:.1f} CPU-hours",
         f"token TIS's cost there ({costs['token_tis']['mean']:+.3f} against none)",
@@ -1947,5 +1953,5 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     assert "tested a day later, it is not supported" in _temperature_section(dose)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"token TIS without that discount, the discount alone and token TIS's weights shuffled onto random "
-            f"tokens each cost about two thirds as much ({max(costs[a]['mean'] for a in diag):+.3f} to "
-            f"{min(costs[a]['mean'] for a in diag):+.3f} against none, {n} seeds") in readme
+            f"tokens each cost about two thirds as much ({max(cost_means):+.3f} to {min(cost_means):+.3f} against "
+            f"none, {n} seeds") in readme
