@@ -344,6 +344,23 @@ def test_the_token_tis_diagnostics_weigh_the_step_as_they_say(pool1):
     assert abs(shuffled["grad_norm"] - tis["grad_norm"]) > 1e-3 * tis["grad_norm"]
 
 
+def test_the_group_diagnostics_rewrite_token_tis_s_weights_per_group(pool1):
+    """On the same first step: the group-mean arm's weights have token TIS's mean (every group has
+    the same number of loss tokens) and a narrower range; the balanced arm only scales first-token
+    weights down, so its largest weight is at most token TIS's and its mean below it. Both reach the
+    gradient; the records (reward, log-prob comparison) see the true pairs."""
+    tis, mean, balanced = (pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
+                           for c in ("token_tis", "token_tis_group_mean", "token_tis_balanced"))
+    assert mean["is_weight_mean"] == pytest.approx(tis["is_weight_mean"], rel=1e-6)
+    assert tis["is_weight_min"] < mean["is_weight_min"] <= mean["is_weight_max"] < tis["is_weight_max"]
+    assert balanced["is_weight_max"] <= tis["is_weight_max"] * (1 + 1e-6)
+    assert balanced["is_weight_mean"] < tis["is_weight_mean"] * (1 - 1e-4)
+    for arm in (mean, balanced):
+        assert arm["reward_mean"] == tis["reward_mean"]
+        assert arm["logprob_abs_diff_max"] == tis["logprob_abs_diff_max"]
+        assert abs(arm["grad_norm"] - tis["grad_norm"]) > 1e-3 * tis["grad_norm"]
+
+
 def test_trainer_truncation_is_validated():
     from megatron_mis.config.base import ConfigError
 

@@ -1,7 +1,9 @@
 """The token TIS diagnostics of the testbed: ``token_tis_floor1`` and ``token_tis_cap1`` each keep
-one half of token TIS's weight, and ``token_tis_shuffled`` keeps all of it on other tokens, so a
-study can tell what of the weight moves the outcome (docs/study.md, "What of the token TIS weight
-costs reward at T = 1.5").
+one half of token TIS's weight, ``token_tis_shuffled`` keeps all of it on other tokens,
+``token_tis_group_mean`` keeps only its variation between GRPO groups and ``token_tis_balanced``
+restores the advantages' zero sum on each group's shared first-token context, so a study can tell
+what of the weight moves the outcome (docs/study.md, "What of the token TIS weight costs reward at
+T = 1.5").
 
 Hand-derived: with ratios r = pi_old / pi_rollout of 0.25, 0.8, 1, 1.3 and 3, token TIS weighs
 min(r, 2) = 0.25, 0.8, 1, 1.3, 2; the floor weighs clamp(r, 1, 2) = 1, 1, 1, 1.3, 2 (no token
@@ -17,14 +19,23 @@ import torch
 
 from megatron_mis.config.base import ConfigError
 from megatron_mis.core.engine import compute_mis
-from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, SHUFFLED_TIS, DemoConfig
-from megatron_mis.testbed.demo.train import arm_spec, shuffle_log_ratios
+from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, REWRITTEN_TIS, DemoConfig
+from megatron_mis.testbed.demo.train import (
+    arm_spec,
+    balanced_first_token_weights,
+    group_mean_weights,
+    rollout_log_probs_for_weights,
+    shuffle_log_ratios,
+)
 from megatron_mis.testbed.study.config import ARMS, DEFAULT_ARMS, SWEEPS, StudyConfig, run_config
 
 _RATIOS = [0.25, 0.8, 1.0, 1.3, 3.0]
 _EXPECTED = {
     "token_tis": [0.25, 0.8, 1.0, 1.3, 2.0],
-    "token_tis_shuffled": [0.25, 0.8, 1.0, 1.3, 2.0],  # the engine's weights; the trainer shuffles the inputs
+    # the engine's weights; the trainer rewrites the inputs of these
+    "token_tis_shuffled": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_group_mean": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_balanced": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_floor1": [1.0, 1.0, 1.0, 1.3, 2.0],
     "token_tis_cap1": [0.25, 0.8, 1.0, 1.0, 1.0],
 }
@@ -61,8 +72,8 @@ def test_a_diagnostic_trains_with_decoupled_ppo_at_the_trainer_s_temperature(cor
     assert spec.loss.rollout_temperature == 1.0 and spec.loss.entropy_coef == 0.01
     assert spec.mis.tis_level == "token"
     assert correction in BUILTIN_CORRECTIONS
-    assert spec.shuffle_log_ratios == (correction in SHUFFLED_TIS)
-    assert not arm_spec("token_tis", cfg).shuffle_log_ratios
+    assert spec.rewrite == REWRITTEN_TIS.get(correction)
+    assert arm_spec("token_tis", cfg).rewrite is None
 
 
 def test_shuffled_log_ratios_are_a_permutation_over_the_loss_tokens_only():
@@ -95,3 +106,84 @@ def test_the_demo_and_the_study_accept_the_diagnostics_and_name_them_in_errors()
     assert "token_tis_floor1" not in SWEEPS["temperature"].arms
     with pytest.raises(ConfigError, match="correction='token_tis_floor2'.*unknown preset"):
         DemoConfig(correction="token_tis_floor2")
+
+
+def test_group_mean_weights_average_each_group_s_loss_tokens_hand_derived():
+    """Groups of 2: sequences of 2, 1, 1 and 2 tokens, the second token out of the loss mask. Group 0
+    (tokens 0-2) has loss tokens of weight 0.5 and 1.0: both become 0.75, the masked token keeps 1.5;
+    group 1 (tokens 3-5) weighs 2.0, 0.2, 0.4: each becomes 2.6 / 3."""
+    w = torch.tensor([0.5, 1.5, 1.0, 2.0, 0.2, 0.4])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    out = group_mean_weights(w, mask, torch.tensor([2, 1, 1, 2]), 2)
+    torch.testing.assert_close(out, torch.tensor([0.75, 1.5, 0.75, 2.6 / 3, 2.6 / 3, 2.6 / 3]))
+    with pytest.raises(ValueError, match="3 sequences do not split into whole GRPO groups of group_size=2"):
+        group_mean_weights(w[:4], mask[:4], torch.tensor([2, 1, 1]), 2)
+
+
+def _first_token_sums(w, adv, lengths, group_size):
+    first = torch.cumsum(lengths, 0) - lengths
+    return (w[first] * adv[first] / lengths).view(-1, group_size).sum(1)
+
+
+def test_balanced_weights_scale_down_the_heavier_side_of_each_group_s_first_tokens_hand_derived():
+    """Groups of 4, responses of 2 tokens (second tokens weigh 1.3), advantages summing to 0:
+
+    - group 0: A = (1.5, 0.5, -1, -1), first-token weights (1, 1, 0.5, 1); the shares w A / 2 are
+      (0.75, 0.25, -0.25, -0.5): the positive side weighs 1 against 0.75 and is scaled by 3/4, so the
+      first weights become (0.75, 0.75, 0.5, 1);
+    - group 1: A = (1, 1, -1, -1), first weights (0.5, 0.5, 1, 2): shares (0.25, 0.25, -0.5, -1), the
+      negative side (1.5) is scaled by 1/3 to (1/3, 2/3);
+    - group 2: every advantage 0 (a group whose samples all scored the same): nothing to balance.
+    """
+    lengths = torch.full((12,), 2)
+    adv_seq = torch.tensor([1.5, 0.5, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0, 0.0, 0.0])
+    first = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.5, 0.5, 1.0, 2.0, 0.3, 1.7, 1.0, 0.9])
+    w = torch.stack([first, torch.full((12,), 1.3)], 1).reshape(-1)
+    adv = torch.repeat_interleave(adv_seq, lengths)
+    out = balanced_first_token_weights(w, torch.ones(24), lengths, adv, 4)
+    expected_first = torch.tensor([0.75, 0.75, 0.5, 1.0, 0.5, 0.5, 1 / 3, 2 / 3, 0.3, 1.7, 1.0, 0.9])
+    torch.testing.assert_close(out.view(12, 2)[:, 0], expected_first)
+    torch.testing.assert_close(out.view(12, 2)[:, 1], torch.full((12,), 1.3))  # later tokens untouched
+    torch.testing.assert_close(_first_token_sums(out, adv, lengths, 4), torch.zeros(3))
+    assert _first_token_sums(w, adv, lengths, 4)[:2].abs().min() > 0.2  # token TIS's were not 0
+
+
+def test_balanced_weights_count_each_sequence_s_loss_tokens_and_skip_a_masked_first_token():
+    """The loss takes each sequence's token mean, so a first token's share is w A / n. Group 0:
+    sequences of 1 and 3 tokens, A = (+1, -1), first weights 1: shares 1 and -1/3, the positive side
+    is scaled by 1/3. Group 1: the first sequence's first token is out of the loss mask: its share
+    is 0, only the negative side carries weight and nothing is scaled (no weight rises)."""
+    lengths = torch.tensor([1, 3, 2, 2])
+    adv = torch.repeat_interleave(torch.tensor([1.0, -1.0, 1.0, -1.0]), lengths)
+    w = torch.ones(8)
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    out = balanced_first_token_weights(w, mask, lengths, adv, 2)
+    torch.testing.assert_close(out, torch.tensor([1 / 3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="4 sequences do not split into whole GRPO groups of group_size=3"):
+        balanced_first_token_weights(w, mask, lengths, adv, 3)
+
+
+def test_rewritten_rollout_log_probs_make_the_engine_compute_the_given_weights():
+    """old - log(w) on the loss tokens, the recorded log-prob elsewhere; token TIS's engine then
+    weighs each loss token by w (all below its bound of 2). A weight of 0 has no log-ratio."""
+    old = torch.tensor([-1.0, -2.5, -0.3, -4.0, -1.2])
+    rollout = torch.tensor([-1.1, -2.0, -0.2, -3.0, -1.0])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])
+    w = torch.tensor([0.2, 1.9, 5.0, 1.0, 0.75])
+    out = rollout_log_probs_for_weights(old, rollout, mask, w)
+    assert float(out[2]) == pytest.approx(-0.2)
+    torch.testing.assert_close(torch.exp(old - out)[mask > 0], w[mask > 0])
+    res = compute_mis(old, out, mask, [0, 2, 5], arm_spec("token_tis_balanced", DemoConfig()).mis)
+    torch.testing.assert_close(res.weights[mask > 0], w[mask > 0], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="weight must be > 0.*smallest 0"):
+        rollout_log_probs_for_weights(old, rollout, mask, torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]))
+
+
+def test_the_group_diagnostics_need_whole_groups_in_every_micro_batch():
+    for name in ("token_tis_group_mean", "token_tis_balanced"):
+        with pytest.raises(ConfigError, match=f"correction='{name}' rewrites each GRPO group's weights.*"
+                                              "micro_batch_size=8 must be a multiple of samples_per_prompt=3"):
+            DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)
+        assert DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=4, micro_batch_size=8).correction == name
+    assert DemoConfig(correction="token_tis_shuffled", prompts_per_step=8, samples_per_prompt=3,
+                      micro_batch_size=8).correction == "token_tis_shuffled"  # a micro-batch permutation: any split

@@ -10,7 +10,7 @@ from typing import Literal
 
 from megatron_mis.config.base import ConfigBase, doc
 
-__all__ = ["BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "SHUFFLED_TIS", "DemoConfig", "QUICK", "available_cpus"]
+__all__ = ["BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "REWRITTEN_TIS", "DemoConfig", "QUICK", "available_cpus"]
 
 #: The short mode (``--quick``): a few small steps, for tests and a first look; explicit flags win.
 QUICK: dict[str, object] = {
@@ -29,16 +29,29 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 #: with r_t = pi_old / pi_rollout, ``token_tis_floor1`` weighs clamp(r_t, 1, 2): the tokens the
 #: trainer finds less likely than the rollout did keep weight 1 and only the others are raised;
 #: ``token_tis_cap1`` weighs min(r_t, 1): the less likely tokens are discounted as by token TIS
-#: and none is raised; ``token_tis_shuffled`` weighs min(r_t, 2) as token TIS does, but with the
-#: log-ratios log r_t permuted at random among each micro-batch's loss tokens
-#: (:data:`SHUFFLED_TIS`): the same weights, no longer tied to the tokens they were measured on.
+#: and none is raised. The others weigh min(r_t, 2) as token TIS does and then rewrite the weights
+#: (:data:`REWRITTEN_TIS`): ``token_tis_shuffled`` permutes the log-ratios log r_t at random among
+#: each micro-batch's loss tokens (the same weights, no longer tied to the tokens they were measured
+#: on); ``token_tis_group_mean`` gives every loss token of a GRPO group the group's mean weight (the
+#: weights' variation within a group removed, that between groups kept); ``token_tis_balanced``
+#: scales down the first-token weights of one side of each group (the samples above or below its
+#: mean reward, whichever weighs more) until sum_i w_i A_i over the group's first tokens, which share
+#: the prompt as their context, is 0 as it is unweighted.
 DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
     "token_tis_floor1": {"tis_mode": "clip", "tis_lower_bound": 1.0, "tis_upper_bound": 2.0},
     "token_tis_cap1": {"tis_mode": "truncate", "tis_upper_bound": 1.0},
     "token_tis_shuffled": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_group_mean": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_balanced": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
 }
-#: The diagnostics whose log-ratios are shuffled among a micro-batch's loss tokens.
-SHUFFLED_TIS: tuple[str, ...] = ("token_tis_shuffled",)
+#: The diagnostics whose weights the trainer rewrites before the loss, and how (``{name: rewrite}``):
+#: ``shuffle`` permutes a micro-batch's log-ratios; ``group_mean`` and ``balance_first_token`` act
+#: on each GRPO group's weights and need whole groups in every micro-batch.
+REWRITTEN_TIS: dict[str, str] = {
+    "token_tis_shuffled": "shuffle",
+    "token_tis_group_mean": "group_mean",
+    "token_tis_balanced": "balance_first_token",
+}
 #: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
 BUILTIN_CORRECTIONS: tuple[str, ...] = ("none", "bypass_ppo", "decoupled_ppo", *DIAGNOSTIC_TIS)
 
@@ -68,9 +81,11 @@ class DemoConfig(ConfigBase):
         "engine; none trains with plain PPO against the recomputed pi_old (no IS weight, nothing "
         "rejected) while the engine still measures the mismatch; bypass_ppo: PPO with pi_rollout as "
         "pi_old (its clip bounds pi_theta / pi_rollout); decoupled_ppo: 3-policy PPO with the unbounded "
-        "token weight pi_old / pi_rollout; token_tis_floor1 / token_tis_cap1 / token_tis_shuffled (study "
-        "diagnostics): decoupled PPO with the token weight clamped to [1, 2] (no token discounted) / truncated "
-        "at 1 (none raised) / token TIS's weights shuffled among each micro-batch's loss tokens.",
+        "token weight pi_old / pi_rollout; token_tis_floor1 / token_tis_cap1 / token_tis_shuffled / "
+        "token_tis_group_mean / token_tis_balanced (study diagnostics): decoupled PPO with the token weight clamped "
+        "to [1, 2] (no token discounted) / truncated at 1 (none raised) / token TIS's weights shuffled among each "
+        "micro-batch's loss tokens / averaged over each GRPO group's loss tokens / with each group's first-token "
+        "weights scaled on one side so that sum_i w_i A_i over them is 0.",
     )
     compare: bool = doc(
         False,
@@ -371,6 +386,12 @@ class DemoConfig(ConfigBase):
         return out
 
     def _correction_problems(self) -> list[str]:
+        if REWRITTEN_TIS.get(self.correction) in ("group_mean", "balance_first_token"):
+            if self.samples_per_prompt >= 1 and self.micro_batch_size % self.samples_per_prompt:
+                return [f"correction={self.correction!r} rewrites each GRPO group's weights and needs whole groups in "
+                        f"every micro-batch: micro_batch_size={self.micro_batch_size} must be a multiple of "
+                        f"samples_per_prompt={self.samples_per_prompt}"]
+            return []
         if self.correction in BUILTIN_CORRECTIONS:
             return []
         from megatron_mis.config.base import ConfigError

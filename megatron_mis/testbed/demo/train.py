@@ -39,10 +39,11 @@ from typing import Any
 
 import torch
 
-from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, SHUFFLED_TIS, DemoConfig
+from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, REWRITTEN_TIS, DemoConfig
 
-__all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "megatron_state", "run_rank",
-           "shuffle_log_ratios", "summarize"]
+__all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "balanced_first_token_weights",
+           "group_mean_weights", "megatron_state", "rollout_log_probs_for_weights", "run_rank", "shuffle_log_ratios",
+           "summarize"]
 
 
 # ----------------------------------------------------------------------------------- arms
@@ -59,11 +60,14 @@ class ArmSpec:
     correction: str
     loss: Any
     mis: Any
-    #: permute the log-ratios log(pi_old / pi_rollout) among each micro-batch's loss tokens before
-    #: the engine weighs them (:func:`shuffle_log_ratios`; the diagnostics of ``SHUFFLED_TIS``). The
-    #: step's log-prob comparison and dump see the true pairs; the engine's mismatch metrics see the
-    #: shuffled ones (their token means unchanged, their per-sequence ones not)
-    shuffle_log_ratios: bool = False
+    #: how the trainer rewrites the rollout log-probs before the engine weighs them, so that the
+    #: engine computes other weights (the diagnostics of ``REWRITTEN_TIS``): ``shuffle`` permutes the
+    #: log-ratios log(pi_old / pi_rollout) among each micro-batch's loss tokens
+    #: (:func:`shuffle_log_ratios`), ``group_mean`` and ``balance_first_token`` give the engine
+    #: token TIS's weights rewritten per GRPO group (:func:`group_mean_weights`,
+    #: :func:`balanced_first_token_weights`); ``None``: no rewrite. The step's log-prob comparison
+    #: and dump see the true pairs; the engine's mismatch metrics see the rewritten ones
+    rewrite: str | None = None
 
 
 #: The "no bound" of ``decoupled_ppo``: larger than any weight exp(clamped log-ratio) reaches here.
@@ -98,7 +102,7 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
     if correction in DIAGNOSTIC_TIS:
         mis = MISConfig(use_tis=True, use_rs=False, tis_level="token", **DIAGNOSTIC_TIS[correction])
         return ArmSpec(correction, correction, LossConfig(policy_loss="decoupled_ppo", **common), mis,
-                       shuffle_log_ratios=correction in SHUFFLED_TIS)
+                       rewrite=REWRITTEN_TIS.get(correction))
     path = preset_path(correction)
     label = path.stem
     return ArmSpec(label, correction, LossConfig(policy_loss="decoupled_ppo", **common), MISConfig.from_yaml(path))
@@ -175,6 +179,110 @@ def shuffle_log_ratios(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     shuffled = d.clone()
     shuffled[pos] = d[pos[torch.randperm(pos.numel(), generator=generator)]]
     return old - shuffled
+
+
+def _group_ids(response_lengths: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[T]`` the GRPO group of each packed response token (sequences ``g * group_size`` to
+    ``(g + 1) * group_size - 1`` form group ``g``)."""
+    num_seqs = response_lengths.numel()
+    if group_size < 1 or num_seqs % group_size:
+        raise ValueError(f"{num_seqs} sequences do not split into whole GRPO groups of group_size={group_size}")
+    return torch.repeat_interleave(torch.arange(num_seqs) // group_size, response_lengths.long())
+
+
+def group_mean_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor,
+                       group_size: int) -> torch.Tensor:
+    """Every loss token's weight replaced by the mean weight of its GRPO group's loss tokens: the
+    weights' variation within a group removed, their variation between groups kept. Per group the
+    weighted policy gradient is then the unweighted one times the group's mean weight.
+
+    Args:
+        weights: ``[T]`` token weights of one micro-batch's packed responses.
+        loss_mask: ``[T]``; a value > 0 marks a loss token.
+        response_lengths: ``[S]`` the responses' lengths, whole groups in order (``S`` a multiple of
+            ``group_size``).
+        group_size: samples per prompt.
+
+    Returns:
+        ``[T]`` float32; tokens outside the loss mask keep their weight.
+
+    Raises:
+        ValueError: if the sequences do not split into whole groups.
+    """
+    gid = _group_ids(response_lengths, group_size)
+    w = weights.float()
+    m = (loss_mask > 0).float()
+    groups = response_lengths.numel() // group_size
+    total = torch.zeros(groups).index_add_(0, gid, w * m)
+    count = torch.zeros(groups).index_add_(0, gid, m)
+    mean = total / count.clamp(min=1.0)
+    return torch.where(m > 0, mean[gid], w)
+
+
+def balanced_first_token_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor,
+                                 advantages: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Token weights whose sum_i w_i A_i over each GRPO group's first response tokens is 0.
+
+    A group's first tokens share one context (the prompt), and there the unweighted gradient's
+    softmax terms cancel because the advantages sum to 0 (with the loss's per-sequence token mean,
+    where the group's sequences have equal loss-token counts). Each first token's share of the loss is
+    q_i = w_i A_i / n_i (``n_i`` its sequence's loss tokens). The heavier side of the group (the
+    samples with q_i > 0 or those with q_i < 0, whichever sums to more in magnitude) has its first-token
+    weights scaled down by one factor until both sides weigh the same; no weight rises, every other
+    token keeps its weight. A group with a side that weighs nothing is left as it is.
+
+    Args:
+        weights: ``[T]`` token weights of one micro-batch's packed responses.
+        loss_mask: ``[T]``; a value > 0 marks a loss token.
+        response_lengths: ``[S]`` the responses' lengths, whole groups in order.
+        advantages: ``[T]`` each token's (its sequence's) advantage.
+        group_size: samples per prompt.
+
+    Returns:
+        ``[T]`` float32.
+
+    Raises:
+        ValueError: if the sequences do not split into whole groups.
+    """
+    _group_ids(response_lengths, group_size)  # validates the grouping
+    lengths = response_lengths.long()
+    w = weights.float().clone()
+    m = (loss_mask > 0).float()
+    seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    n = torch.zeros(lengths.numel()).index_add_(0, seq, m)
+    first = torch.cumsum(lengths, 0) - lengths  # each response's first token (empty ones are skipped)
+    has = (lengths > 0) & (n > 0)
+    at = first.clamp(max=max(w.numel() - 1, 0))
+    q = torch.where(has, w[at] * m[at] * advantages.float()[at] / n.clamp(min=1.0), torch.zeros(()))
+    q = q.view(-1, group_size)
+    pos, neg = q.clamp(min=0).sum(1), (-q).clamp(min=0).sum(1)
+    ok = (pos > 0) & (neg > 0)
+    scale_pos = torch.where(ok & (pos > neg), neg / pos.clamp(min=1e-30), torch.ones(()))
+    scale_neg = torch.where(ok & (neg > pos), pos / neg.clamp(min=1e-30), torch.ones(()))
+    scale = torch.where(q > 0, scale_pos[:, None], torch.where(q < 0, scale_neg[:, None], torch.ones(()))).reshape(-1)
+    w[at[has]] = w[at[has]] * scale[has]
+    return w
+
+
+def rollout_log_probs_for_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                                  loss_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rollout log-probs from which the engine's token weight exp(old - rollout) is ``weights``:
+    ``old - log(weights)`` on the loss tokens, the recorded rollout log-prob elsewhere.
+
+    Args:
+        old_log_probs, rollout_log_probs, loss_mask, weights: ``[T]``; the loss tokens' weights > 0.
+
+    Returns:
+        ``[T]`` float32 rollout log-probs.
+
+    Raises:
+        ValueError: if a loss token's weight is not > 0 (its log would not be finite).
+    """
+    m = loss_mask > 0
+    w = weights.float()
+    if not bool(torch.all((w > 0) | ~m)):
+        raise ValueError(f"every loss token's weight must be > 0 to be written as a log-ratio (smallest {float(w[m].min())})")
+    return torch.where(m, old_log_probs.float() - torch.log(w.clamp(min=1e-30)), rollout_log_probs.float())
 
 
 def _trainer_device() -> torch.device:
@@ -409,6 +517,27 @@ class GRPOTrainer:
                                      "loss_mask": mask.tolist(), "rollout_id": step - 1}) + "\n")
         os.replace(tmp, path)
 
+    def _rewrite_log_ratios(self, mb: Any, idx: list[int], step: int) -> Any:
+        """``mb`` (pi_old recomputed) with rollout log-probs from which the engine computes the
+        weights of the arm's diagnostic (:attr:`ArmSpec.rewrite`); ``idx``: its global sequence
+        indices. Deterministic, so every TP / CP rank of the micro-batch writes the same."""
+        if self.arm.rewrite == "shuffle":
+            g = torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)
+            return replace(mb, rollout_log_probs=shuffle_log_ratios(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, g))
+        from megatron_mis.core.engine import compute_mis
+
+        cu = torch.nn.functional.pad(torch.cumsum(mb.response_lengths, 0), (1, 0))
+        w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
+        group = self.cfg.samples_per_prompt
+        if self.arm.rewrite == "group_mean":
+            w = group_mean_weights(w, mb.loss_mask, mb.response_lengths, group)
+        elif self.arm.rewrite == "balance_first_token":
+            w = balanced_first_token_weights(w, mb.loss_mask, mb.response_lengths, mb.advantages, group)
+        else:
+            raise ValueError(f"rewrite={self.arm.rewrite!r}: expected one of shuffle, group_mean, balance_first_token")
+        return replace(mb, rollout_log_probs=rollout_log_probs_for_weights(mb.old_log_probs, mb.rollout_log_probs,
+                                                                            mb.loss_mask, w))
+
     def step(self, step: int) -> dict[str, Any]:
         """Run RL step ``step`` (numbered from 1) on this rank; returns the step's record (complete
         on the reporting rank)."""
@@ -479,13 +608,9 @@ class GRPOTrainer:
             record.update(self._compare_log_probs(sequences))
             if self.dump_dir is not None:
                 self._dump_log_probs(step, sequences)
-            if self.arm.shuffle_log_ratios:  # a diagnostic: the same weights on other tokens (after the records)
-                micro_batches = [
-                    replace(mb, rollout_log_probs=shuffle_log_ratios(
-                        mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
-                        torch.Generator().manual_seed(((cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)))
-                    for mb, idx in zip(micro_batches, self._micro_batch_indices())
-                ]
+            if self.arm.rewrite is not None:  # a diagnostic: other weights through the same engine (after the records)
+                micro_batches = [self._rewrite_log_ratios(mb, idx, step)
+                                 for mb, idx in zip(micro_batches, self._micro_batch_indices())]
             if cfg.true_on_policy and not record["logprob_bitwise_equal"]:
                 raise RuntimeError(
                     f"step {step}: true on-policy rollout log-probs differ from the trainer's recompute "
