@@ -180,7 +180,10 @@ def test_sweep_smoke_runs_resumes_and_reports(tmp_path, capsys):
     report = (tmp_path / "sweep-temperature" / "report.md").read_text()
     assert "| 1.5 | none | 2 |" in report and "Minimal detectable effect" in report
     assert "runs whose 2-step mean reward reached 0.5, and the mean of their first such step" in report
-    assert f"Runs made on: {header['machine']['cpu']} [{isa}], Python {platform.python_version()}, torch {torch.__version__} (8 runs)" in report
+    family, _, model = header["machine"].get("cpu_family_model", "").partition("/")
+    kind = f" (family {family} model {model})" if model else ""
+    assert (f"Runs made on: {header['machine']['cpu']}{kind} [{isa}], Python {platform.python_version()}, "
+            f"torch {torch.__version__} (8 runs)") in report
     assert (tmp_path / "sweep-temperature" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # run again: every run is reused, also one written before the demo had its output-only
     # dump_log_probs field (the committed archives' runs), whose header lacks the key

@@ -269,8 +269,11 @@ def test_machine_label_names_the_isa_where_the_run_recorded_it():
 
     old = {"cpu": "AMD EPYC", "python": "3.11.7", "torch": "2.13.0+cpu"}  # a run made before the ISA was recorded
     assert machine_label({"header": {"machine": old}}) == "AMD EPYC, Python 3.11.7, torch 2.13.0+cpu"
-    new = {**old, "cpu_capability": "AVX512", "cpu_family_model": "25/17"}
-    assert machine_label({"header": {"machine": new}}) == "AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu"
+    isa = {**old, "cpu_capability": "AVX512"}  # a run made before the family and model were recorded
+    assert machine_label({"header": {"machine": isa}}) == "AMD EPYC [AVX512], Python 3.11.7, torch 2.13.0+cpu"
+    new = {**isa, "cpu_family_model": "25/17"}
+    assert machine_label({"header": {"machine": new}}) == ("AMD EPYC (family 25 model 17) [AVX512], Python 3.11.7, "
+                                                            "torch 2.13.0+cpu")
     assert machine_label({"header": {}}) == "not recorded"
 
 

@@ -153,13 +153,17 @@ def run_machine() -> dict[str, Any]:
 
 
 def machine_label(run: dict[str, Any]) -> str:
-    """``"CPU [ISA], Python x, torch y"`` of a loaded run (``"not recorded"`` for runs made before
-    the header held it; ``[ISA]`` only where the header records it)."""
+    """``"CPU (family F model M) [ISA], Python x, torch y"`` of a loaded run (``"not recorded"``
+    for runs made before the header held it; the family and model, and ``[ISA]``, only where the
+    header records them: two CPUs of one model name, e.g. two AMD EPYC generations, can follow
+    different trajectories from the same seed)."""
     m = run["header"].get("machine")
     if not m:
         return "not recorded"
+    family, _, model = str(m.get("cpu_family_model", "")).partition("/")
+    kind = f" (family {family} model {model})" if family and model else ""
     isa = f" [{m['cpu_capability']}]" if m.get("cpu_capability") else ""
-    return f"{m.get('cpu', '?')}{isa}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}"
+    return f"{m.get('cpu', '?')}{kind}{isa}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}"
 
 
 def _jsonable(value: Any) -> Any:
