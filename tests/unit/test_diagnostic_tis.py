@@ -184,6 +184,7 @@ def test_the_group_diagnostics_need_whole_groups_in_every_micro_batch():
         with pytest.raises(ConfigError, match=f"correction='{name}' rewrites each GRPO group's weights.*"
                                               "micro_batch_size=8 must be a multiple of samples_per_prompt=3"):
             DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)
-        assert DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=4, micro_batch_size=8).correction == name
+        whole = DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=4, micro_batch_size=8)
+        assert whole.correction == name
     assert DemoConfig(correction="token_tis_shuffled", prompts_per_step=8, samples_per_prompt=3,
                       micro_batch_size=8).correction == "token_tis_shuffled"  # a micro-batch permutation: any split

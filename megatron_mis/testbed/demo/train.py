@@ -281,7 +281,8 @@ def rollout_log_probs_for_weights(old_log_probs: torch.Tensor, rollout_log_probs
     m = loss_mask > 0
     w = weights.float()
     if not bool(torch.all((w > 0) | ~m)):
-        raise ValueError(f"every loss token's weight must be > 0 to be written as a log-ratio (smallest {float(w[m].min())})")
+        raise ValueError(f"every loss token's weight must be > 0 to be written as a log-ratio "
+                         f"(smallest {float(w[m].min())})")
     return torch.where(m, old_log_probs.float() - torch.log(w.clamp(min=1e-30)), rollout_log_probs.float())
 
 
@@ -523,7 +524,8 @@ class GRPOTrainer:
         indices. Deterministic, so every TP / CP rank of the micro-batch writes the same."""
         if self.arm.rewrite == "shuffle":
             g = torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)
-            return replace(mb, rollout_log_probs=shuffle_log_ratios(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, g))
+            shuffled = shuffle_log_ratios(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, g)
+            return replace(mb, rollout_log_probs=shuffled)
         from megatron_mis.core.engine import compute_mis
 
         cu = torch.nn.functional.pad(torch.cumsum(mb.response_lengths, 0), (1, 0))
