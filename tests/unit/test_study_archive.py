@@ -214,7 +214,11 @@ _REPORTS = [
     ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60),
                                      # and the three token TIS diagnostics, a day later on a Zen 1 VM
                                      "token_tis_floor1": range(60), "token_tis_cap1": range(60),
-                                     "token_tis_shuffled": range(60)}),
+                                     "token_tis_shuffled": range(60),
+                                     # and the two of the zero-sum account, a session later on the same VM
+                                     "token_tis_group_mean": range(60), "token_tis_balanced": range(60)}),
+    # and 40 more seeds of none and token TIS, the same session and VM: a 100-seed report without a reference
+    ("sweep-temperature-t1.5", "seeds-100", {"none": range(100), "token_tis": range(100)}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -335,17 +339,24 @@ def _quoted(d: dict, fmt: str = "{:+.3f}") -> str:
 def test_the_committed_archive_reads_and_gives_its_report_s_numbers(sweep, report, arms):
     """docs/study/SWEEP/runs (the committed run archives): every run is complete, and the
     per-seed arm - reference differences of every arm a report (REPORT/summary.json) quotes,
-    recomputed from the archive, are the ones it quotes, so a format change that broke committed
-    archives, or an archive that drifted from its report, fails here."""
+    recomputed from the archive, are the ones it quotes (arm - none in a report that ran no
+    reference), so a format change that broke committed archives, or an archive that drifted from
+    its report, fails here."""
     summary = _summary(sweep, report)
     final = _committed_finals(sweep, summary)
     (dose,) = summary["doses"]
-    assert sorted(dose["arms"]) == sorted([*arms, "ref_fp32"])
+    reference = "ref_fp32" if "ref_fp32" in dose["arms"] else "none"
+    assert sorted(dose["arms"]) == sorted({*arms, reference})
     for name, seeds in arms.items():
-        diffs = {str(seed): final[name, seed] - final["ref_fp32", seed] for seed in seeds}
-        quoted = dose["arms"][name]["vs_reference"]["final_reward"]["diffs"]
+        if name == reference:
+            continue
+        diffs = {str(seed): final[name, seed] - final[reference, seed] for seed in seeds}
+        quoted = dose["arms"][name]["vs_reference" if reference == "ref_fp32" else "vs_none"]["final_reward"]["diffs"]
         assert diffs == pytest.approx(quoted, abs=1e-12) and len(quoted) == len(seeds), name
-    assert dose["none_vs_reference"]["diffs"] == dose["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
+    if reference == "ref_fp32":
+        assert dose["none_vs_reference"]["diffs"] == dose["arms"]["none"]["vs_reference"]["final_reward"]["diffs"]
+    else:  # no reference: no none - reference
+        assert dose["none_vs_reference"] is None and list(dose["arms"]["none"]["seeds"]) == list(arms["none"])
 
 
 #: the committed sweep summaries the current report writer reads (those with an ``outcome``; older
@@ -369,11 +380,16 @@ def test_the_current_sweep_reports_are_their_summaries_markdown():
 
 @pytest.mark.parametrize("sweep", sorted({sweep for sweep, _, _ in _REPORTS}))
 def test_every_committed_run_is_in_a_report(sweep):
-    """A run added to a committed archive without a report that quotes it fails here."""
+    """A run added to a committed archive without a report that quotes it fails here (a report
+    quotes its reference's runs on its seeds where it ran one)."""
     reports = [(report, arms) for s, report, arms in _REPORTS if s == sweep]
     final = _committed_finals(sweep, _summary(sweep, reports[0][0]))
-    quoted = {(arm, seed) for _, arms in reports for arm, seeds in arms.items() for seed in seeds}
-    quoted |= {("ref_fp32", seed) for arm, seed in quoted}
+    quoted = set()
+    for report, arms in reports:
+        runs = {(arm, seed) for arm, seeds in arms.items() for seed in seeds}
+        if "ref_fp32" in _summary(sweep, report)["doses"][0]["arms"]:
+            runs |= {("ref_fp32", seed) for _, seed in runs}
+        quoted |= runs
     assert set(final) == quoted
 
 
@@ -1869,6 +1885,8 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
 
 #: The token TIS diagnostics run at T = 1.5 (docs/study.md, "What of the token TIS weight costs reward").
 _DIAGNOSTICS = ("token_tis_floor1", "token_tis_cap1", "token_tis_shuffled")
+#: the two diagnostics of the zero-sum account, run a session after the three
+_GROUP_DIAGNOSTICS = ("token_tis_group_mean", "token_tis_balanced")
 
 
 def _weight_extremes(setting: str, runs: dict, arm: str, n: int) -> tuple[float, float, float, float]:
@@ -1898,8 +1916,8 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     assert set(_DIAGNOSTICS) <= set(arms)
     headers = _archive_headers("sweep-temperature-t1.5")
     machines = {a: {headers[setting, a, s]["machine"]["cpu_family_model"] for s in range(n)} for a in arms}
-    assert all(machines[a] == {"23/1"} for a in _DIAGNOSTICS), machines  # the Zen 1 VM
-    assert all(machines[a] == {"25/1"} for a in set(arms) - set(_DIAGNOSTICS)), machines  # the Zen 3 VM
+    assert all(machines[a] == {"23/1"} for a in _DIAGNOSTICS + _GROUP_DIAGNOSTICS), machines  # the Zen 1 VM
+    assert all(machines[a] == {"25/1"} for a in set(arms) - set(_DIAGNOSTICS + _GROUP_DIAGNOSTICS)), machines  # Zen 3
     formulas = {"token_tis": "min(r, 2)", "token_tis_floor1": "clamp(r, 1, 2)", "token_tis_cap1": "min(r, 1)",
                 "token_tis_shuffled": "min(r, 2), shuffled"}
     extremes = {arm: _weight_extremes(setting, runs, arm, n) for arm in formulas}
@@ -1955,3 +1973,145 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     assert (f"token TIS without that discount, the discount alone and token TIS's weights shuffled onto random "
             f"tokens each cost about two thirds as much ({max(cost_means):+.3f} to {min(cost_means):+.3f} against "
             f"none, {n} seeds") in readme
+
+
+def _zero_sum_quotes() -> list[str]:
+    """The figures of docs/study.md's "The zero-sum account tested" section, recomputed from the
+    T = 1.5 archive (:func:`test_the_zero_sum_diagnostics_at_1_5_come_from_the_archive`)."""
+    import numpy as np
+
+    summary, dose, runs, paired, _, _ = _temperature_run("sweep-temperature-t1.5", 1.5)
+    arms, setting = dose["arms"], dose["setting"]
+    n = arms["none"]["n"]
+    assert all(arms[a]["n"] == n for a in _GROUP_DIAGNOSTICS)
+    formulas = {"token_tis": "min(r, 2)", "token_tis_group_mean": "min(r, 2), its group's mean",
+                "token_tis_balanced": "min(r, 2), first tokens balanced"}
+    extremes = {arm: _weight_extremes(setting, runs, arm, n) for arm in formulas}
+    rows = []
+    for arm, formula in formulas.items():
+        lo, hi, m_lo, m_hi = extremes[arm]
+        rows.append("| " + " | ".join([
+            f"`{arm}`", formula, f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}", _quoted(paired(arm, "none")),
+            "-" if arm == "token_tis" else _quoted(paired(arm, "token_tis")), _quoted(paired(arm, "ref_fp32")),
+            _quoted(paired(arm, "none", "greedy_reward")), str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["ended_low"]["k"])]) + " |")
+    gm, bal = "token_tis_group_mean", "token_tis_balanced"
+    five = (*_DIAGNOSTICS, *_GROUP_DIAGNOSTICS)
+    # the group mean alone is resolved against none; nothing is against token TIS or between the five
+    assert [a for a in five if paired(a, "none")["excludes_zero"]] == [gm]
+    assert not any(paired(a, "token_tis")["excludes_zero"] for a in _GROUP_DIAGNOSTICS)
+    between = [paired(a, b) for a in _GROUP_DIAGNOSTICS for b in _DIAGNOSTICS] + [paired(gm, bal)]
+    assert not any(d["excludes_zero"] for d in between)
+    spread = max(abs(d["mean"]) for d in between)
+    steps = arms[gm]["vs_reference"]["steps_to_threshold"]
+    assert steps["excludes_zero"]
+    grads = {a: arms[a]["grad_norm_mean"] for a in ("none", "token_tis", *five)}
+    costs = [paired(a, "none")["mean"] for a in five]
+    lo, hi = extremes[gm][:2]
+    per_token = [_weight_extremes(setting, runs, a, n) for a in five if a != gm]
+    first = {a: [next(i + 1 for i, (x, y) in enumerate(zip(runs[setting, a, s][0], runs[setting, "none", s][0]))
+                      if x["reward_mean"] != y["reward_mean"]) for s in range(n)] for a in five}
+    assert min(min(f) for f in first.values()) == 2  # every arm shares step 1 (its rollout) with none
+    flagged = arms[gm]["monitor_flagged"]["k"]
+    assert flagged < n == arms["none"]["monitor_flagged"]["k"]
+    return [
+        *rows,
+        f"Weights constant within each group cost {_quoted(paired(gm, 'none'))} against none",
+        f"reached 0.5 later than the reference (+{steps['mean']:.0f} [{steps['low']:+.0f}, {steps['high']:+.0f}] "
+        f"steps over the {steps['n']} seeds where both did)",
+        f"The balanced arm cost {_quoted(paired(bal, 'none'))}, not resolved",
+        f"Against token TIS they are {_quoted(paired(gm, 'token_tis'))} and {_quoted(paired(bal, 'token_tis'))}, "
+        f"against each other {_quoted(paired(gm, bal))}, against the three diagnostics above within "
+        f"+-{spread:.3f} (none resolved)",
+        f"their weights range from {min(e[0] for e in per_token):.2f} to {max(e[1] for e in per_token):.2f} per "
+        f"token or from {lo:.2f} to {hi:.2f} per group",
+        f"their mean gradient norms run from {min(grads[a] for a in five):.2f} to {max(grads[a] for a in five):.2f} "
+        f"(none {grads['none']:.2f}, token TIS {grads['token_tis']:.2f})",
+        f"each ends {-max(costs):.3f} to {-min(costs):.3f} behind none at {n} seeds",
+        f"a group weight within {max(1 - lo, hi - 1):.0%} of 1 included",
+        f"between steps 2 and {max(max(f) for f in first.values())} (median {np.median(first[gm]):.0f} for the group "
+        f"mean)",
+        f"the group mean's K3 is {_e(arms[gm]['k3_mean'][0], 1)} (none's {_e(arms['none']['k3_mean'][0], 1)}), and the "
+        f"monitor flagged {flagged} of its {n} runs on it",
+        f"about {np.mean([arms[a]['wall_s'] for a in _GROUP_DIAGNOSTICS]):.0f} s per run "
+        f"(the VM ran slower than in the session before), "
+        f"{sum(arms[a]['n'] * arms[a]['wall_s'] for a in _GROUP_DIAGNOSTICS) / 3600:.1f} CPU-hours",
+    ]
+
+
+def test_the_zero_sum_diagnostics_at_1_5_come_from_the_archive():
+    """docs/study.md on the two diagnostics of the zero-sum account at a rollout temperature of 1.5
+    (60 seeds each, the Zen 1 VM, beside the other arms in docs/study/sweep-temperature-t1.5): each
+    arm's row (weights' extremes and per-run mean, final reward against none, token TIS and the
+    reference, greedy reward against none, runs that reached 0.5 and ended low), which differences
+    are resolved, the group mean's take-off delay, what the five diagnostics share (their gradient
+    norms, their costs, the step their batch reward first leaves none's), the K3 the engine reports
+    for the rewritten pairs and the time the runs took, all recomputed from the archive."""
+    _assert_quoted(_zero_sum_quotes(), _section("The zero-sum account tested"))
+    assert "tested in the next section and not supported" in _section("What of the token TIS weight costs reward")
+
+
+def _fresh_seed_quotes() -> list[str]:
+    """The figures of docs/study.md's section on token TIS against none at T = 1.5 over 100 seeds
+    (docs/study/sweep-temperature-t1.5/seeds-100: seeds 60-99 of none and token TIS added to the
+    archive's 60), recomputed from the archive: the 100-seed report's difference, the 40 new seeds'
+    own and each block's mean final reward per arm."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    summary = _summary("sweep-temperature-t1.5", "seeds-100")
+    (dose,) = summary["doses"]
+    arms, study = dose["arms"], summary["study"]
+    assert sorted(arms) == ["none", "token_tis"] and all(arms[a]["n"] == 100 for a in arms)
+    final = _committed_finals("sweep-temperature-t1.5", summary)
+    runs = _archive_runs("sweep-temperature-t1.5")
+    headers = _archive_headers("sweep-temperature-t1.5")
+    setting = dose["setting"]
+    assert {headers[setting, a, s]["machine"]["cpu_family_model"] for a in arms for s in range(60, 100)} == {"23/1"}
+
+    def paired(seeds: range, key: str = "final_reward") -> dict:
+        if key == "final_reward":
+            a, b = ({s: final[x, s] for s in seeds} for x in ("token_tis", "none"))
+        else:
+            a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in seeds} for x in ("token_tis", "none"))
+        return paired_differences(a, b, confidence=study["confidence"], resamples=study["bootstrap"])
+
+    whole, fresh, first = paired(range(100)), paired(range(60, 100)), paired(range(60))
+    assert _quoted(whole) == _quoted(arms["token_tis"]["vs_none"]["final_reward"])
+    assert _quoted(first) == _quoted(_summary("sweep-temperature-t1.5", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]
+                                      ["final_reward"])
+    assert whole["excludes_zero"] and fresh["excludes_zero"]
+    mean = {(a, lo): float(np.mean([final[a, s] for s in range(lo, lo + (60 if lo == 0 else 40))]))
+            for a in arms for lo in (0, 60)}
+    wall = [runs[setting, a, s][1]["wall_s"] for a in arms for s in range(60, 100)]
+    return [
+        f"and token TIS {-first['mean']:.3f} behind, all against the same 60 runs of none",
+        f"token TIS - none is {_quoted(fresh)} over the 40 new seeds alone",
+        f"{_quoted(whole)} over all 100 (greedy reward {_quoted(paired(range(100), 'greedy_reward'))})",
+        f"none's mean final reward was {mean['none', 0]:.3f} on seeds 0-59 and {mean['none', 60]:.3f} on seeds "
+        f"60-99, token TIS's {mean['token_tis', 0]:.3f} and {mean['token_tis', 60]:.3f}",
+        f"{arms['none']['steps_to_threshold']['reached']} of 100 runs of none and "
+        f"{arms['token_tis']['steps_to_threshold']['reached']} of token TIS's reached 0.5, and "
+        f"{arms['none']['collapse']['k']} and {arms['token_tis']['collapse']['k']} collapsed",
+        f"about {np.mean(wall):.0f} s per run, {sum(wall) / 3600:.1f} CPU-hours",
+    ]
+
+
+def test_the_token_tis_cost_at_1_5_on_100_seeds_comes_from_the_archive():
+    """docs/study.md and the README on token TIS against none at a rollout temperature of 1.5 over
+    100 seeds (the 60 of the archive's report and 40 new ones, the Zen 1 VM): the new seeds' own
+    difference, the 100-seed one and each block's means, recomputed from the archive."""
+    quotes = _fresh_seed_quotes()
+    _assert_quoted(quotes, _section("Token TIS against none at T = 1.5 on 40 more seeds"))
+    paired = _temperature_run("sweep-temperature-t1.5", 1.5)[3]
+    fresh = quotes[1].removeprefix("token TIS - none is ").removesuffix(" over the 40 new seeds alone")
+    whole = quotes[2].split(" over all 100")[0]
+    gm, bal = (_quoted(paired(a, "none")) for a in _GROUP_DIAGNOSTICS)
+    _assert_quoted([f"token TIS's cost held on 40 new seeds, {whole} over 100",
+                    f"or made constant within each GRPO group; token TIS's own cost held over 100 seeds, {whole})"],
+                   _section("The answers so far, per mechanism"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"a weight constant within each group cost {gm} and one that restores the sum on the group's shared first "
+            f"token {bal} (60 seeds each; \"The zero-sum account tested\"), while token TIS's own cost held on 40 new "
+            f"seeds ({fresh} on them, {whole} over 100)") in readme
