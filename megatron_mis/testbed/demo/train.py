@@ -181,13 +181,13 @@ def shuffle_log_ratios(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     return old - shuffled
 
 
-def _group_ids(response_lengths: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[T]`` the GRPO group of each packed response token (sequences ``g * group_size`` to
-    ``(g + 1) * group_size - 1`` form group ``g``)."""
+def _group_offsets(response_lengths: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[S+1]`` int64 offsets of the packed responses (``response_lengths [S]``), checked to form
+    whole GRPO groups (sequences ``g * group_size`` to ``(g + 1) * group_size - 1`` are group ``g``)."""
     num_seqs = response_lengths.numel()
     if group_size < 1 or num_seqs % group_size:
         raise ValueError(f"{num_seqs} sequences do not split into whole GRPO groups of group_size={group_size}")
-    return torch.repeat_interleave(torch.arange(num_seqs) // group_size, response_lengths.long())
+    return torch.nn.functional.pad(torch.cumsum(response_lengths.long(), 0), (1, 0))
 
 
 def group_mean_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor,
@@ -209,10 +209,14 @@ def group_mean_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_
     Raises:
         ValueError: if the sequences do not split into whole groups.
     """
-    gid = _group_ids(response_lengths, group_size)
+    from megatron_mis.core.segments import sequence_ids
+
+    cu = _group_offsets(response_lengths, group_size)
     w = weights.float()
     m = (loss_mask > 0).float()
+    gid = sequence_ids(cu, w.numel()) // group_size
     groups = response_lengths.numel() // group_size
+    # summed token by token into each group (one index_add): the order the archived runs were made with
     total = torch.zeros(groups).index_add_(0, gid, w * m)
     count = torch.zeros(groups).index_add_(0, gid, m)
     mean = total / count.clamp(min=1.0)
@@ -244,14 +248,14 @@ def balanced_first_token_weights(weights: torch.Tensor, loss_mask: torch.Tensor,
     Raises:
         ValueError: if the sequences do not split into whole groups.
     """
-    _group_ids(response_lengths, group_size)  # validates the grouping
-    lengths = response_lengths.long()
+    from megatron_mis.core.segments import segment_sum
+
+    cu = _group_offsets(response_lengths, group_size)
     w = weights.float().clone()
     m = (loss_mask > 0).float()
-    seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    n = torch.zeros(lengths.numel()).index_add_(0, seq, m)
-    first = torch.cumsum(lengths, 0) - lengths  # each response's first token (empty ones are skipped)
-    has = (lengths > 0) & (n > 0)
+    n = segment_sum(m, cu)
+    first = cu[:-1]  # each response's first token (empty ones are skipped)
+    has = (response_lengths > 0) & (n > 0)
     at = first.clamp(max=max(w.numel() - 1, 0))
     q = torch.where(has, w[at] * m[at] * advantages.float()[at] / n.clamp(min=1.0), torch.zeros(()))
     q = q.view(-1, group_size)
@@ -528,9 +532,9 @@ class GRPOTrainer:
             return replace(mb, rollout_log_probs=shuffled)
         from megatron_mis.core.engine import compute_mis
 
-        cu = torch.nn.functional.pad(torch.cumsum(mb.response_lengths, 0), (1, 0))
-        w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
         group = self.cfg.samples_per_prompt
+        cu = _group_offsets(mb.response_lengths, group)
+        w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
         if self.arm.rewrite == "group_mean":
             w = group_mean_weights(w, mb.loss_mask, mb.response_lengths, group)
         elif self.arm.rewrite == "balance_first_token":
