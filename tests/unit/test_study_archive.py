@@ -1900,6 +1900,19 @@ def _weight_extremes(setting: str, runs: dict, arm: str, n: int) -> tuple[float,
             float(np.mean([np.mean([r["is_weight_max"] for r in rs]) for rs in recs])), min(means), max(means))
 
 
+def _diagnostic_row(arm: str, formula: str, extremes: tuple, arms: dict, paired) -> str:
+    """A row of the T = 1.5 diagnostics' tables: the arm, its weight, its weights' mean smallest and
+    largest value (``extremes``: :func:`_weight_extremes`) and per-run mean, its final reward against
+    none, token TIS and the reference, its greedy reward against none, and the runs that reached 0.5
+    and that ended low."""
+    lo, hi, m_lo, m_hi = extremes
+    return "| " + " | ".join([
+        f"`{arm}`", formula, f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}", _quoted(paired(arm, "none")),
+        "-" if arm == "token_tis" else _quoted(paired(arm, "token_tis")), _quoted(paired(arm, "ref_fp32")),
+        _quoted(paired(arm, "none", "greedy_reward")), str(arms[arm]["steps_to_threshold"]["reached"]),
+        str(arms[arm]["ended_low"]["k"])]) + " |"
+
+
 def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     """docs/study.md and the README on the three token TIS diagnostics at a rollout temperature of
     1.5 (60 seeds each, beside the committed arms in docs/study/sweep-temperature-t1.5): each arm's
@@ -1921,15 +1934,8 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     formulas = {"token_tis": "min(r, 2)", "token_tis_floor1": "clamp(r, 1, 2)", "token_tis_cap1": "min(r, 1)",
                 "token_tis_shuffled": "min(r, 2), shuffled"}
     extremes = {arm: _weight_extremes(setting, runs, arm, n) for arm in formulas}
-    rows, costs = [], {}
-    for arm, formula in formulas.items():
-        lo, hi, m_lo, m_hi = extremes[arm]
-        costs[arm] = paired(arm, "none")
-        rows.append("| " + " | ".join([
-            f"`{arm}`", formula, f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}", _quoted(costs[arm]),
-            "-" if arm == "token_tis" else _quoted(paired(arm, "token_tis")), _quoted(paired(arm, "ref_fp32")),
-            _quoted(paired(arm, "none", "greedy_reward")), str(arms[arm]["steps_to_threshold"]["reached"]),
-            str(arms[arm]["ended_low"]["k"])]) + " |")
+    rows = [_diagnostic_row(arm, formula, extremes[arm], arms, paired) for arm, formula in formulas.items()]
+    costs = {arm: paired(arm, "none") for arm in formulas}
     for arm in _DIAGNOSTICS:  # "none of the three is resolved against none or token TIS" on the final reward
         assert not costs[arm]["excludes_zero"] and not paired(arm, "token_tis")["excludes_zero"], arm
         assert 0.5 < costs[arm]["mean"] / costs["token_tis"]["mean"] < 0.8, arm  # "about two thirds"
@@ -1987,14 +1993,7 @@ def _zero_sum_quotes() -> list[str]:
     formulas = {"token_tis": "min(r, 2)", "token_tis_group_mean": "min(r, 2), its group's mean",
                 "token_tis_balanced": "min(r, 2), first tokens balanced"}
     extremes = {arm: _weight_extremes(setting, runs, arm, n) for arm in formulas}
-    rows = []
-    for arm, formula in formulas.items():
-        lo, hi, m_lo, m_hi = extremes[arm]
-        rows.append("| " + " | ".join([
-            f"`{arm}`", formula, f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}", _quoted(paired(arm, "none")),
-            "-" if arm == "token_tis" else _quoted(paired(arm, "token_tis")), _quoted(paired(arm, "ref_fp32")),
-            _quoted(paired(arm, "none", "greedy_reward")), str(arms[arm]["steps_to_threshold"]["reached"]),
-            str(arms[arm]["ended_low"]["k"])]) + " |")
+    rows = [_diagnostic_row(arm, formula, extremes[arm], arms, paired) for arm, formula in formulas.items()]
     gm, bal = "token_tis_group_mean", "token_tis_balanced"
     five = (*_DIAGNOSTICS, *_GROUP_DIAGNOSTICS)
     # the group mean alone is resolved against none; nothing is against token TIS or between the five
@@ -2051,11 +2050,12 @@ def test_the_zero_sum_diagnostics_at_1_5_come_from_the_archive():
     assert "tested in the next section and not supported" in _section("What of the token TIS weight costs reward")
 
 
-def _fresh_seed_quotes() -> list[str]:
+def _fresh_seed_quotes() -> tuple[list[str], str, str]:
     """The figures of docs/study.md's section on token TIS against none at T = 1.5 over 100 seeds
     (docs/study/sweep-temperature-t1.5/seeds-100: seeds 60-99 of none and token TIS added to the
     archive's 60), recomputed from the archive: the 100-seed report's difference, the 40 new seeds'
-    own and each block's mean final reward per arm."""
+    own and each block's mean final reward per arm; with the new seeds' and the 100 seeds' token TIS
+    - none as quoted."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import paired_differences
@@ -2082,8 +2082,8 @@ def _fresh_seed_quotes() -> list[str]:
     assert _quoted(first) == _quoted(_summary("sweep-temperature-t1.5", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]
                                       ["final_reward"])
     assert whole["excludes_zero"] and fresh["excludes_zero"]
-    mean = {(a, lo): float(np.mean([final[a, s] for s in range(lo, lo + (60 if lo == 0 else 40))]))
-            for a in arms for lo in (0, 60)}
+    blocks = {0: range(60), 60: range(60, 100)}
+    mean = {(a, lo): float(np.mean([final[a, s] for s in seeds])) for a in arms for lo, seeds in blocks.items()}
     wall = [runs[setting, a, s][1]["wall_s"] for a in arms for s in range(60, 100)]
     return [
         f"and token TIS {-first['mean']:.3f} behind, all against the same 60 runs of none",
@@ -2095,18 +2095,16 @@ def _fresh_seed_quotes() -> list[str]:
         f"{arms['token_tis']['steps_to_threshold']['reached']} of token TIS's reached 0.5, and "
         f"{arms['none']['collapse']['k']} and {arms['token_tis']['collapse']['k']} collapsed",
         f"about {np.mean(wall):.0f} s per run, {sum(wall) / 3600:.1f} CPU-hours",
-    ]
+    ], _quoted(fresh), _quoted(whole)
 
 
 def test_the_token_tis_cost_at_1_5_on_100_seeds_comes_from_the_archive():
     """docs/study.md and the README on token TIS against none at a rollout temperature of 1.5 over
     100 seeds (the 60 of the archive's report and 40 new ones, the Zen 1 VM): the new seeds' own
     difference, the 100-seed one and each block's means, recomputed from the archive."""
-    quotes = _fresh_seed_quotes()
+    quotes, fresh, whole = _fresh_seed_quotes()
     _assert_quoted(quotes, _section("Token TIS against none at T = 1.5 on 40 more seeds"))
     paired = _temperature_run("sweep-temperature-t1.5", 1.5)[3]
-    fresh = quotes[1].removeprefix("token TIS - none is ").removesuffix(" over the 40 new seeds alone")
-    whole = quotes[2].split(" over all 100")[0]
     gm, bal = (_quoted(paired(a, "none")) for a in _GROUP_DIAGNOSTICS)
     _assert_quoted([f"token TIS's cost held on 40 new seeds, {whole} over 100",
                     f"or made constant within each GRPO group; token TIS's own cost held over 100 seeds, {whole})"],
