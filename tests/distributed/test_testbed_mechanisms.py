@@ -347,18 +347,52 @@ def test_the_token_tis_diagnostics_weigh_the_step_as_they_say(pool1):
 def test_the_group_diagnostics_rewrite_token_tis_s_weights_per_group(pool1):
     """On the same first step: the group-mean arm's weights have token TIS's mean (every group has
     the same number of loss tokens) and a narrower range; the balanced arm only scales first-token
-    weights down, so its largest weight is at most token TIS's and its mean below it. Both reach the
-    gradient; the records (reward, log-prob comparison) see the true pairs."""
-    tis, mean, balanced = (pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
-                           for c in ("token_tis", "token_tis_group_mean", "token_tis_balanced"))
+    weights down, so its largest weight is at most token TIS's and its mean below it. The placebo
+    swaps the group means of each micro-batch's two groups: the group mean's weights (the same
+    mean, smallest and largest) on the other group, so its gradient differs from the group mean's.
+    All reach the gradient; the records (reward, log-prob comparison) see the true pairs."""
+    tis, mean, permuted, balanced = (
+        pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
+        for c in ("token_tis", "token_tis_group_mean", "token_tis_group_permuted", "token_tis_balanced"))
     assert mean["is_weight_mean"] == pytest.approx(tis["is_weight_mean"], rel=1e-6)
     assert tis["is_weight_min"] < mean["is_weight_min"] <= mean["is_weight_max"] < tis["is_weight_max"]
+    for key in ("is_weight_mean", "is_weight_min", "is_weight_max"):
+        assert permuted[key] == pytest.approx(mean[key], rel=1e-6), key
+    assert abs(permuted["grad_norm"] - mean["grad_norm"]) > 1e-3 * mean["grad_norm"]
     assert balanced["is_weight_max"] <= tis["is_weight_max"] * (1 + 1e-6)
     assert balanced["is_weight_mean"] < tis["is_weight_mean"] * (1 - 1e-4)
-    for arm in (mean, balanced):
+    for arm in (mean, permuted, balanced):
         assert arm["reward_mean"] == tis["reward_mean"]
         assert arm["logprob_abs_diff_max"] == tis["logprob_abs_diff_max"]
         assert abs(arm["grad_norm"] - tis["grad_norm"]) > 1e-3 * tis["grad_norm"]
+
+
+def _steps(correction: str, steps: int, **fields):
+    """``steps`` demo steps (fp32 rollouts, the DemoConfig ``fields``) under ``correction``: their records."""
+    from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
+
+    cfg = DemoConfig(steps=steps, correction=correction, **fields, **_SMALL)
+    with torch.random.fork_rng(devices=[]), megatron_state(cfg):
+        trainer = GRPOTrainer(cfg, arm_spec(correction, cfg))
+        records = [trainer.step(k) for k in range(1, steps + 1)]
+        trainer.close()
+    return records
+
+
+def test_the_null_diagnostic_trains_exactly_as_none(pool1):
+    """The null arm trains through decoupled PPO and the MIS engine, as every diagnostic does, with
+    each weight rewritten to exactly 1: its rollouts, losses and gradients equal none's bit for bit
+    on every step (the second step's rollout samples from the first update's weights), so the
+    diagnostics differ from none by their weights alone. Only the engine's mismatch metrics, of the
+    rewritten pairs, differ (K3 0)."""
+    fields = dict(temperature=1.5, trainer_temperature=1.0, seed=4)
+    (none,), (unit,) = (pool1.run(_steps, c, 3, **fields) for c in ("none", "token_tis_unit"))
+    for a, b in zip(none, unit):
+        for key in ("reward_mean", "loss", "pg_loss", "entropy", "grad_norm", "response_length_mean",
+                    "logprob_abs_diff_max", "is_weight_mean", "is_weight_min", "is_weight_max"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert b["mis_k3_kl"] == 0.0 < a["mis_k3_kl"]
+    assert none[0]["grad_norm"] > 0 and none[1]["reward_mean"] != none[2]["reward_mean"]
 
 
 def test_trainer_truncation_is_validated():

@@ -1,7 +1,9 @@
 """The token TIS diagnostics of the testbed: ``token_tis_floor1`` and ``token_tis_cap1`` each keep
 one half of token TIS's weight, ``token_tis_shuffled`` keeps all of it on other tokens,
-``token_tis_group_mean`` keeps only its variation between GRPO groups and ``token_tis_balanced``
-restores the advantages' zero sum on each group's shared first-token context, so a study can tell
+``token_tis_group_mean`` keeps only its variation between GRPO groups, ``token_tis_group_permuted``
+gives each group another group's mean (a placebo: the same weights, independent of the group's
+samples), ``token_tis_balanced`` restores the advantages' zero sum on each group's shared
+first-token context and ``token_tis_unit`` weighs every token 1 (the null arm), so a study can tell
 what of the weight moves the outcome (docs/study.md, "What of the token TIS weight costs reward at
 T = 1.5").
 
@@ -24,6 +26,8 @@ from megatron_mis.testbed.demo.train import (
     arm_spec,
     balanced_first_token_weights,
     group_mean_weights,
+    permuted_group_mean_weights,
+    random_derangement,
     rollout_log_probs_for_weights,
     shuffle_log_ratios,
 )
@@ -35,6 +39,8 @@ _EXPECTED = {
     # the engine's weights; the trainer rewrites the inputs of these
     "token_tis_shuffled": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_mean": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_group_permuted": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_unit": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_balanced": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_floor1": [1.0, 1.0, 1.0, 1.3, 2.0],
     "token_tis_cap1": [0.25, 0.8, 1.0, 1.0, 1.0],
@@ -120,6 +126,55 @@ def test_group_mean_weights_average_each_group_s_loss_tokens_hand_derived():
         group_mean_weights(w[:4], mask[:4], torch.tensor([2, 1, 1]), 2)
 
 
+def test_a_derangement_moves_every_element_and_repeats_with_its_generator():
+    for n in (2, 3, 8):
+        seen = set()
+        for seed in range(40):
+            perm = random_derangement(n, torch.Generator().manual_seed(seed))
+            assert sorted(perm) == list(range(n)) and all(p != i for i, p in enumerate(perm))
+            assert perm == random_derangement(n, torch.Generator().manual_seed(seed))
+            seen.add(tuple(perm))
+        # n = 2 has one derangement, n = 3 two; n = 8 has 14,833, and 40 draws repeat rarely
+        assert len(seen) == {2: 1, 3: 2}.get(n, len(seen)) and (n < 8 or len(seen) > 30)
+    with pytest.raises(ValueError, match="n=1: a derangement needs at least 2 elements"):
+        random_derangement(1, torch.Generator())
+
+
+def test_permuted_group_means_give_each_group_another_group_s_mean_hand_derived():
+    """Groups of 2, sequences of 1 token except the second (2 tokens, its second out of the loss mask).
+    Group means: group 0 (weights 0.5, 1.0; 3.0 masked) 0.75, group 1 (2.0, 0.4) 1.2, group 2 (0.6,
+    1.0) 0.8. The generator's derangement of the three groups decides which mean each group takes;
+    the masked token keeps 3.0, and the micro-batch holds the same three means as under the group
+    mean, each on another group."""
+    w = torch.tensor([0.5, 1.0, 3.0, 2.0, 0.4, 0.6, 1.0])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    lengths = torch.tensor([1, 2, 1, 1, 1, 1])
+    means = [0.75, 1.2, 0.8]
+    perm = random_derangement(3, torch.Generator().manual_seed(5))
+    out = permuted_group_mean_weights(w, mask, lengths, 2, torch.Generator().manual_seed(5))
+    gid = [0, 0, 0, 1, 1, 2, 2]
+    expected = torch.tensor([3.0 if i == 2 else means[perm[g]] for i, g in enumerate(gid)])
+    torch.testing.assert_close(out, expected)
+    own = group_mean_weights(w, mask, lengths, 2)
+    assert sorted(set(out[mask > 0].tolist())) == pytest.approx(sorted(set(own[mask > 0].tolist())))
+    assert not torch.isclose(out, own)[mask > 0].any()  # no group keeps its own mean
+
+
+def test_permuted_group_means_skip_a_group_without_loss_tokens_and_need_two_groups_that_have_them():
+    """Group 1's tokens are all out of the loss mask: it has no mean to give or take, so groups 0 and 2
+    swap theirs (the only derangement of two) and group 1's tokens keep their weights."""
+    w = torch.tensor([0.5, 1.5, 2.0, 4.0, 1.0, 1.2])
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    lengths = torch.ones(6, dtype=torch.long)
+    out = permuted_group_mean_weights(w, mask, lengths, 2, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out, torch.tensor([1.1, 1.1, 2.0, 4.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="1 of 3 GRPO groups have loss tokens: the permuted group mean needs "
+                                         "at least 2"):
+        permuted_group_mean_weights(w, torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), lengths, 2, torch.Generator())
+    with pytest.raises(ValueError, match="6 sequences do not split into whole GRPO groups of group_size=4"):
+        permuted_group_mean_weights(w, mask, lengths, 4, torch.Generator())
+
+
 def _first_token_sums(w, adv, lengths, group_size):
     first = torch.cumsum(lengths, 0) - lengths
     return (w[first] * adv[first] / lengths).view(-1, group_size).sum(1)
@@ -175,12 +230,14 @@ def test_rewritten_rollout_log_probs_make_the_engine_compute_the_given_weights()
     torch.testing.assert_close(torch.exp(old - out)[mask > 0], w[mask > 0])
     res = compute_mis(old, out, mask, [0, 2, 5], arm_spec("token_tis_balanced", DemoConfig()).mis)
     torch.testing.assert_close(res.weights[mask > 0], w[mask > 0], rtol=1e-6, atol=0)
+    # the null arm's weights of exactly 1 give back pi_old itself: a log-ratio of exactly 0
+    assert torch.equal(rollout_log_probs_for_weights(old, rollout, mask, torch.ones(5))[mask > 0], old[mask > 0])
     with pytest.raises(ValueError, match="weight must be > 0.*smallest 0"):
         rollout_log_probs_for_weights(old, rollout, mask, torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]))
 
 
 def test_the_group_diagnostics_need_whole_groups_in_every_micro_batch():
-    for name in ("token_tis_group_mean", "token_tis_balanced"):
+    for name in ("token_tis_group_mean", "token_tis_group_permuted", "token_tis_balanced"):
         with pytest.raises(ConfigError, match=f"correction='{name}' rewrites each GRPO group's weights.*"
                                               "micro_batch_size=8 must be a multiple of samples_per_prompt=3"):
             DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)
@@ -188,3 +245,18 @@ def test_the_group_diagnostics_need_whole_groups_in_every_micro_batch():
         assert whole.correction == name
     assert DemoConfig(correction="token_tis_shuffled", prompts_per_step=8, samples_per_prompt=3,
                       micro_batch_size=8).correction == "token_tis_shuffled"  # a micro-batch permutation: any split
+
+
+def test_the_group_placebo_needs_two_groups_in_every_micro_batch():
+    with pytest.raises(ConfigError, match="correction='token_tis_group_permuted' gives each GRPO group another "
+                                          "group's mean weight.*micro_batch_size=4 must be >= 2 x "
+                                          "samples_per_prompt=4"):
+        DemoConfig(correction="token_tis_group_permuted", prompts_per_step=8, samples_per_prompt=4, micro_batch_size=4)
+    # the group mean itself takes one group per micro-batch
+    assert DemoConfig(correction="token_tis_group_mean", prompts_per_step=8, samples_per_prompt=4,
+                      micro_batch_size=4).micro_batch_size == 4
+    # both problems at once: 6 is not a multiple of 4, and fewer than 2 groups fit
+    with pytest.raises(ConfigError) as err:
+        DemoConfig(correction="token_tis_group_permuted", prompts_per_step=6, samples_per_prompt=4,
+                   micro_batch_size=6)
+    assert "must be a multiple of samples_per_prompt=4" in str(err.value) and "must be >= 2 x" in str(err.value)

@@ -33,23 +33,33 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 #: (:data:`REWRITTEN_TIS`): ``token_tis_shuffled`` permutes the log-ratios log r_t at random among
 #: each micro-batch's loss tokens (the same weights, no longer tied to the tokens they were measured
 #: on); ``token_tis_group_mean`` gives every loss token of a GRPO group the group's mean weight (the
-#: weights' variation within a group removed, that between groups kept); ``token_tis_balanced``
+#: weights' variation within a group removed, that between groups kept); ``token_tis_group_permuted``
+#: is its placebo: each group weighted by the mean weight of another group of the micro-batch (the
+#: group means deranged among the groups: the same weights, independent of each group's samples);
+#: ``token_tis_balanced``
 #: scales down the first-token weights of one side of each group (the samples above or below its
 #: mean reward, whichever weighs more) until sum_i w_i A_i over the group's first tokens, which share
-#: the prompt as their context, is 0 as it is unweighted.
+#: the prompt as their context, is 0 as it is unweighted; ``token_tis_unit`` is the null arm: every
+#: weight rewritten to exactly 1, so it trains through decoupled PPO and the engine as the others do,
+#: with none's gradient.
 DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
     "token_tis_floor1": {"tis_mode": "clip", "tis_lower_bound": 1.0, "tis_upper_bound": 2.0},
     "token_tis_cap1": {"tis_mode": "truncate", "tis_upper_bound": 1.0},
     "token_tis_shuffled": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_group_mean": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_group_permuted": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_balanced": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_unit": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
 }
 #: The diagnostics whose weights the trainer rewrites before the loss, and how (``{name: rewrite}``):
-#: ``shuffle`` permutes a micro-batch's log-ratios; ``group_mean`` and ``balance_first_token`` act
-#: on each GRPO group's weights and need whole groups in every micro-batch.
+#: ``shuffle`` permutes a micro-batch's log-ratios; ``group_mean``, ``group_mean_permuted`` and
+#: ``balance_first_token`` act on each GRPO group's weights and need whole groups in every
+#: micro-batch (``group_mean_permuted`` at least two); ``unit`` sets every weight to 1.
 REWRITTEN_TIS: dict[str, str] = {
     "token_tis_shuffled": "shuffle",
     "token_tis_group_mean": "group_mean",
+    "token_tis_group_permuted": "group_mean_permuted",
+    "token_tis_unit": "unit",
     "token_tis_balanced": "balance_first_token",
 }
 #: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
@@ -82,10 +92,12 @@ class DemoConfig(ConfigBase):
         "rejected) while the engine still measures the mismatch; bypass_ppo: PPO with pi_rollout as "
         "pi_old (its clip bounds pi_theta / pi_rollout); decoupled_ppo: 3-policy PPO with the unbounded "
         "token weight pi_old / pi_rollout; token_tis_floor1 / token_tis_cap1 / token_tis_shuffled / "
-        "token_tis_group_mean / token_tis_balanced (study diagnostics): decoupled PPO with the token weight clamped "
-        "to [1, 2] (no token discounted) / truncated at 1 (none raised) / token TIS's weights shuffled among each "
-        "micro-batch's loss tokens / averaged over each GRPO group's loss tokens / with each group's first-token "
-        "weights scaled on one side so that sum_i w_i A_i over them is 0.",
+        "token_tis_group_mean / token_tis_group_permuted / token_tis_balanced (study diagnostics): decoupled PPO "
+        "with the token weight clamped to [1, 2] (no token discounted) / truncated at 1 (none raised) / token TIS's "
+        "weights shuffled among each micro-batch's loss tokens / averaged over each GRPO group's loss tokens / "
+        "averaged over another group's (the group means deranged among the micro-batch's groups) / with each "
+        "group's first-token weights scaled on one side so that sum_i w_i A_i over them is 0; token_tis_unit "
+        "(the null arm): decoupled PPO with every weight rewritten to exactly 1 (none's gradient).",
     )
     compare: bool = doc(
         False,
@@ -386,12 +398,18 @@ class DemoConfig(ConfigBase):
         return out
 
     def _correction_problems(self) -> list[str]:
-        if REWRITTEN_TIS.get(self.correction) in ("group_mean", "balance_first_token"):
+        rewrite = REWRITTEN_TIS.get(self.correction)
+        if rewrite in ("group_mean", "group_mean_permuted", "balance_first_token"):
+            out = []
             if self.samples_per_prompt >= 1 and self.micro_batch_size % self.samples_per_prompt:
-                return [f"correction={self.correction!r} rewrites each GRPO group's weights and needs whole groups in "
-                        f"every micro-batch: micro_batch_size={self.micro_batch_size} must be a multiple of "
-                        f"samples_per_prompt={self.samples_per_prompt}"]
-            return []
+                out.append(f"correction={self.correction!r} rewrites each GRPO group's weights and needs whole groups "
+                           f"in every micro-batch: micro_batch_size={self.micro_batch_size} must be a multiple of "
+                           f"samples_per_prompt={self.samples_per_prompt}")
+            if rewrite == "group_mean_permuted" and self.micro_batch_size < 2 * self.samples_per_prompt:
+                out.append(f"correction={self.correction!r} gives each GRPO group another group's mean weight and "
+                           f"needs at least 2 groups per micro-batch: micro_batch_size={self.micro_batch_size} must be "
+                           f">= 2 x samples_per_prompt={self.samples_per_prompt}")
+            return out
         if self.correction in BUILTIN_CORRECTIONS:
             return []
         from megatron_mis.config.base import ConfigError

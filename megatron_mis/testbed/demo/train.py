@@ -42,8 +42,8 @@ import torch
 from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, REWRITTEN_TIS, DemoConfig
 
 __all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "balanced_first_token_weights",
-           "group_mean_weights", "megatron_state", "rollout_log_probs_for_weights", "run_rank", "shuffle_log_ratios",
-           "summarize"]
+           "group_mean_weights", "megatron_state", "permuted_group_mean_weights", "random_derangement",
+           "rollout_log_probs_for_weights", "run_rank", "shuffle_log_ratios", "summarize"]
 
 
 # ----------------------------------------------------------------------------------- arms
@@ -63,9 +63,11 @@ class ArmSpec:
     #: how the trainer rewrites the rollout log-probs before the engine weighs them, so that the
     #: engine computes other weights (the diagnostics of ``REWRITTEN_TIS``): ``shuffle`` permutes the
     #: log-ratios log(pi_old / pi_rollout) among each micro-batch's loss tokens
-    #: (:func:`shuffle_log_ratios`), ``group_mean`` and ``balance_first_token`` give the engine
-    #: token TIS's weights rewritten per GRPO group (:func:`group_mean_weights`,
-    #: :func:`balanced_first_token_weights`); ``None``: no rewrite. The step's log-prob comparison
+    #: (:func:`shuffle_log_ratios`), ``group_mean``, ``group_mean_permuted`` and
+    #: ``balance_first_token`` give the engine token TIS's weights rewritten per GRPO group
+    #: (:func:`group_mean_weights`, :func:`permuted_group_mean_weights`,
+    #: :func:`balanced_first_token_weights`), ``unit`` gives it weights of exactly 1 (the null
+    #: arm: rollout log-probs set to pi_old); ``None``: no rewrite. The step's log-prob comparison
     #: and dump see the true pairs; the engine's mismatch metrics see the rewritten ones
     rewrite: str | None = None
 
@@ -209,6 +211,14 @@ def group_mean_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_
     Raises:
         ValueError: if the sequences do not split into whole groups.
     """
+    mean, count, gid = _group_means(weights, loss_mask, response_lengths, group_size)
+    return torch.where(loss_mask > 0, mean[gid], weights.float())
+
+
+def _group_means(weights: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor,
+                 group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each GRPO group's mean loss-token weight ``[G]`` (0 where it has no loss token), its loss-token
+    count ``[G]`` and every token's group index ``[T]`` int64 (arguments as in :func:`group_mean_weights`)."""
     from megatron_mis.core.segments import sequence_ids
 
     cu = _group_offsets(response_lengths, group_size)
@@ -219,8 +229,47 @@ def group_mean_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_
     # summed token by token into each group (one index_add): the order the archived runs were made with
     total = torch.zeros(groups).index_add_(0, gid, w * m)
     count = torch.zeros(groups).index_add_(0, gid, m)
-    mean = total / count.clamp(min=1.0)
-    return torch.where(m > 0, mean[gid], w)
+    return total / count.clamp(min=1.0), count, gid
+
+
+def random_derangement(n: int, generator: torch.Generator) -> list[int]:
+    """A uniformly random permutation of ``range(n)`` that moves every element (``n >= 2``): random
+    permutations drawn from ``generator`` until one has no fixed point (about e = 2.7 draws)."""
+    if n < 2:
+        raise ValueError(f"n={n}: a derangement needs at least 2 elements")
+    while True:
+        perm = torch.randperm(n, generator=generator).tolist()
+        if all(p != i for i, p in enumerate(perm)):
+            return perm
+
+
+def permuted_group_mean_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor,
+                                group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """A placebo of :func:`group_mean_weights`: every loss token of a GRPO group weighted by the mean
+    weight of *another* group of the micro-batch. The group means are deranged (a random permutation
+    without fixed points, :func:`random_derangement`) among the groups that have loss tokens, so the
+    micro-batch holds the same group weights as under the group mean, none on the group it was
+    measured on: a weight with the group mean's spread that is independent of the group's samples.
+
+    Args:
+        weights, loss_mask, response_lengths, group_size: as in :func:`group_mean_weights`.
+        generator: draws the derangement.
+
+    Returns:
+        ``[T]`` float32; tokens outside the loss mask keep their weight.
+
+    Raises:
+        ValueError: if the sequences do not split into whole groups, or fewer than 2 groups have loss
+            tokens (there is no other group to take a mean from).
+    """
+    mean, count, gid = _group_means(weights, loss_mask, response_lengths, group_size)
+    live = (count > 0).nonzero().squeeze(1)
+    if live.numel() < 2:
+        raise ValueError(f"{live.numel()} of {count.numel()} GRPO groups have loss tokens: the permuted group "
+                         f"mean needs at least 2")
+    permuted = mean.clone()
+    permuted[live] = mean[live[torch.tensor(random_derangement(live.numel(), generator))]]
+    return torch.where(loss_mask > 0, permuted[gid], weights.float())
 
 
 def balanced_first_token_weights(weights: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor,
@@ -526,8 +575,9 @@ class GRPOTrainer:
         """``mb`` (pi_old recomputed) with rollout log-probs from which the engine computes the
         weights of the arm's diagnostic (:attr:`ArmSpec.rewrite`); ``idx``: its global sequence
         indices. Deterministic, so every TP / CP rank of the micro-batch writes the same."""
+        # one stream per (seed, step, micro-batch); the shuffle's expression made the archived shuffled runs
+        g = torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)
         if self.arm.rewrite == "shuffle":
-            g = torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)
             shuffled = shuffle_log_ratios(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, g)
             return replace(mb, rollout_log_probs=shuffled)
         from megatron_mis.core.engine import compute_mis
@@ -537,10 +587,15 @@ class GRPOTrainer:
         w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
         if self.arm.rewrite == "group_mean":
             w = group_mean_weights(w, mb.loss_mask, mb.response_lengths, group)
+        elif self.arm.rewrite == "group_mean_permuted":
+            w = permuted_group_mean_weights(w, mb.loss_mask, mb.response_lengths, group, g)
         elif self.arm.rewrite == "balance_first_token":
             w = balanced_first_token_weights(w, mb.loss_mask, mb.response_lengths, mb.advantages, group)
+        elif self.arm.rewrite == "unit":
+            w = torch.ones_like(w)
         else:
-            raise ValueError(f"rewrite={self.arm.rewrite!r}: expected one of shuffle, group_mean, balance_first_token")
+            raise ValueError(f"rewrite={self.arm.rewrite!r}: expected one of shuffle, group_mean, group_mean_permuted, "
+                             f"balance_first_token, unit")
         return replace(mb, rollout_log_probs=rollout_log_probs_for_weights(mb.old_log_probs, mb.rollout_log_probs,
                                                                             mb.loss_mask, w))
 

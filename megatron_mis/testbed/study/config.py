@@ -402,9 +402,14 @@ ARMS: dict[str, Arm] = {
         _arm("token_tis_group_mean", "diagnostic: decoupled PPO, every loss token weighted by its GRPO group's mean "
              "token TIS weight (min(r, 2) averaged over the group's loss tokens: no variation within a group)",
              correction="token_tis_group_mean"),
+        _arm("token_tis_group_permuted", "diagnostic (placebo of token_tis_group_mean): every loss token weighted by "
+             "another GRPO group's mean token TIS weight (the group means deranged among the micro-batch's groups)",
+             correction="token_tis_group_permuted"),
         _arm("token_tis_balanced", "diagnostic: token TIS with each GRPO group's first-token weights scaled down on "
              "its heavier side so that sum_i w_i A_i over the first tokens (one shared context) is 0, as unweighted",
              correction="token_tis_balanced"),
+        _arm("token_tis_unit", "diagnostic (null arm): decoupled PPO through the MIS engine with every token weight "
+             "rewritten to exactly 1 (none's gradient by another code path)", correction="token_tis_unit"),
         _arm("token_mis", "decoupled PPO, token IS weight masked outside [0.5, 5] (MIS: out of the loss mask)", correction="token_mis"),
         _arm("sequence_tis", "decoupled PPO, sequence IS weight truncated at 2, batch-normalised", correction="sequence_tis"),
         _arm("sequence_mis", "decoupled PPO, sequence IS weight masked outside [1e-8, 2], batch-normalised", correction="sequence_mis"),
