@@ -216,9 +216,14 @@ _REPORTS = [
                                      "token_tis_floor1": range(60), "token_tis_cap1": range(60),
                                      "token_tis_shuffled": range(60),
                                      # and the two of the zero-sum account, a session later on the same VM
-                                     "token_tis_group_mean": range(60), "token_tis_balanced": range(60)}),
-    # and 40 more seeds of none and token TIS, the same session and VM: a 100-seed report without a reference
-    ("sweep-temperature-t1.5", "seeds-100", {"none": range(100), "token_tis": range(100)}),
+                                     "token_tis_group_mean": range(60), "token_tis_balanced": range(60),
+                                     # and the group mean's placebo, a session later on the same VM
+                                     "token_tis_group_permuted": range(60)}),
+    # and 40 more seeds of none and token TIS, the same session and VM, then of the group mean, its placebo and
+    # the shuffled weights, a session later: a 100-seed report without a reference
+    ("sweep-temperature-t1.5", "seeds-100", {"none": range(100), "token_tis": range(100),
+                                             "token_tis_group_mean": range(100), "token_tis_group_permuted": range(100),
+                                             "token_tis_shuffled": range(100)}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -1887,6 +1892,10 @@ def test_the_rollout_temperature_of_1_25_figures_come_from_the_archive():
 _DIAGNOSTICS = ("token_tis_floor1", "token_tis_cap1", "token_tis_shuffled")
 #: the two diagnostics of the zero-sum account, run a session after the three
 _GROUP_DIAGNOSTICS = ("token_tis_group_mean", "token_tis_balanced")
+#: the group mean's placebo, run a session after them (docs/study.md, "A placebo and a null arm")
+_PLACEBO = "token_tis_group_permuted"
+#: every arm of the T = 1.5 report made on the Zen 1 VM (the others on a Zen 3 one)
+_ZEN1_ARMS = (*_DIAGNOSTICS, *_GROUP_DIAGNOSTICS, _PLACEBO)
 
 
 def _weight_extremes(setting: str, runs: dict, arm: str, n: int) -> tuple[float, float, float, float]:
@@ -1929,8 +1938,8 @@ def test_the_token_tis_diagnostics_at_1_5_come_from_the_archive():
     assert set(_DIAGNOSTICS) <= set(arms)
     headers = _archive_headers("sweep-temperature-t1.5")
     machines = {a: {headers[setting, a, s]["machine"]["cpu_family_model"] for s in range(n)} for a in arms}
-    assert all(machines[a] == {"23/1"} for a in _DIAGNOSTICS + _GROUP_DIAGNOSTICS), machines  # the Zen 1 VM
-    assert all(machines[a] == {"25/1"} for a in set(arms) - set(_DIAGNOSTICS + _GROUP_DIAGNOSTICS)), machines  # Zen 3
+    assert all(machines[a] == {"23/1"} for a in _ZEN1_ARMS), machines  # the Zen 1 VM
+    assert all(machines[a] == {"25/1"} for a in set(arms) - set(_ZEN1_ARMS)), machines  # Zen 3
     formulas = {"token_tis": "min(r, 2)", "token_tis_floor1": "clamp(r, 1, 2)", "token_tis_cap1": "min(r, 1)",
                 "token_tis_shuffled": "min(r, 2), shuffled"}
     extremes = {arm: _weight_extremes(setting, runs, arm, n) for arm in formulas}
@@ -2050,45 +2059,65 @@ def test_the_zero_sum_diagnostics_at_1_5_come_from_the_archive():
     assert "tested in the next section and not supported" in _section("What of the token TIS weight costs reward")
 
 
-def _fresh_seed_quotes() -> tuple[list[str], str, str]:
-    """The figures of docs/study.md's section on token TIS against none at T = 1.5 over 100 seeds
-    (docs/study/sweep-temperature-t1.5/seeds-100: seeds 60-99 of none and token TIS added to the
-    archive's 60), recomputed from the archive: the 100-seed report's difference, the 40 new seeds'
-    own and each block's mean final reward per arm; with the new seeds' and the 100 seeds' token TIS
-    - none as quoted."""
-    import numpy as np
+#: The arms of docs/study/sweep-temperature-t1.5/seeds-100, every one at seeds 0-99: none and token TIS
+#: (seeds 60-99 added 2026-12-01), then the group mean, its placebo and the shuffled weights (2026-12-02).
+_HUNDRED_SEED_ARMS = ("none", "token_tis", "token_tis_group_mean", "token_tis_group_permuted", "token_tis_shuffled")
 
+
+@functools.cache
+def _hundred_seeds() -> tuple:
+    """The 100-seed report at T = 1.5 (docs/study/sweep-temperature-t1.5/seeds-100) and its archive:
+    the dose's arms, every run's final reward, the runs, the setting and a paired-difference function
+    ``paired(arm, other, seeds, key)`` over the final or the greedy reward (each computed once); the
+    report's arms are checked to be :data:`_HUNDRED_SEED_ARMS` at 100 seeds, its vs-none differences
+    to be the recomputed ones, and seeds 60-99 to come from the Zen 1 VM."""
     from megatron_mis.testbed.study.stats import paired_differences
 
     summary = _summary("sweep-temperature-t1.5", "seeds-100")
     (dose,) = summary["doses"]
     arms, study = dose["arms"], summary["study"]
-    assert sorted(arms) == ["none", "token_tis"] and all(arms[a]["n"] == 100 for a in arms)
+    assert sorted(arms) == sorted(_HUNDRED_SEED_ARMS) and all(arms[a]["n"] == 100 for a in arms)
     final = _committed_finals("sweep-temperature-t1.5", summary)
     runs = _archive_runs("sweep-temperature-t1.5")
     headers = _archive_headers("sweep-temperature-t1.5")
     setting = dose["setting"]
     assert {headers[setting, a, s]["machine"]["cpu_family_model"] for a in arms for s in range(60, 100)} == {"23/1"}
 
-    def paired(seeds: range, key: str = "final_reward") -> dict:
+    @functools.cache
+    def paired(arm: str, other: str, seeds: range = range(100), key: str = "final_reward") -> dict:
         if key == "final_reward":
-            a, b = ({s: final[x, s] for s in seeds} for x in ("token_tis", "none"))
+            a, b = ({s: final[x, s] for s in seeds} for x in (arm, other))
         else:
-            a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in seeds} for x in ("token_tis", "none"))
+            a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in seeds} for x in (arm, other))
         return paired_differences(a, b, confidence=study["confidence"], resamples=study["bootstrap"])
 
-    whole, fresh, first = paired(range(100)), paired(range(60, 100)), paired(range(60))
-    assert _quoted(whole) == _quoted(arms["token_tis"]["vs_none"]["final_reward"])
+    for arm in _HUNDRED_SEED_ARMS[1:]:
+        assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
+    return arms, final, runs, setting, paired
+
+
+def _fresh_seed_quotes() -> tuple[list[str], str, str]:
+    """The figures of docs/study.md's section on token TIS against none at T = 1.5 over 100 seeds
+    (seeds 60-99 of none and token TIS added to the archive's 60; :func:`_hundred_seeds`),
+    recomputed from the archive: the 100-seed report's difference, the 40 new seeds' own and each
+    block's mean final reward per arm; with the new seeds' and the 100 seeds' token TIS - none as
+    quoted."""
+    import numpy as np
+
+    arms, final, runs, setting, paired = _hundred_seeds()
+    whole, fresh = paired("token_tis", "none"), paired("token_tis", "none", range(60, 100))
+    first = paired("token_tis", "none", range(60))
     assert _quoted(first) == _quoted(_summary("sweep-temperature-t1.5", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]
                                       ["final_reward"])
     assert whole["excludes_zero"] and fresh["excludes_zero"]
     blocks = {0: range(60), 60: range(60, 100)}
-    mean = {(a, lo): float(np.mean([final[a, s] for s in seeds])) for a in arms for lo, seeds in blocks.items()}
-    wall = [runs[setting, a, s][1]["wall_s"] for a in arms for s in range(60, 100)]
+    mean = {(a, lo): float(np.mean([final[a, s] for s in seeds])) for a in ("none", "token_tis")
+            for lo, seeds in blocks.items()}
+    wall = [runs[setting, a, s][1]["wall_s"] for a in ("none", "token_tis") for s in range(60, 100)]
     return [
         f"and token TIS {-first['mean']:.3f} behind, all against the same 60 runs of none",
         f"token TIS - none is {_quoted(fresh)} over the 40 new seeds alone",
-        f"{_quoted(whole)} over all 100 (greedy reward {_quoted(paired(range(100), 'greedy_reward'))})",
+        f"{_quoted(whole)} over all 100 (greedy reward {_quoted(paired('token_tis', 'none', key='greedy_reward'))})",
         f"none's mean final reward was {mean['none', 0]:.3f} on seeds 0-59 and {mean['none', 60]:.3f} on seeds "
         f"60-99, token TIS's {mean['token_tis', 0]:.3f} and {mean['token_tis', 60]:.3f}",
         f"{arms['none']['steps_to_threshold']['reached']} of 100 runs of none and "
@@ -2107,9 +2136,127 @@ def test_the_token_tis_cost_at_1_5_on_100_seeds_comes_from_the_archive():
     paired = _temperature_run("sweep-temperature-t1.5", 1.5)[3]
     gm, bal = (_quoted(paired(a, "none")) for a in _GROUP_DIAGNOSTICS)
     _assert_quoted([f"token TIS's cost held on 40 new seeds, {whole} over 100",
-                    f"or made constant within each GRPO group; token TIS's own cost held over 100 seeds, {whole})"],
+                    f"or made constant within each GRPO group; token TIS's own cost held over 100 seeds, {whole}, and group "
+                    f"weights independent of the samples"],
                    _section("The answers so far, per mechanism"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"a weight constant within each group cost {gm} and one that restores the sum on the group's shared first "
             f"token {bal} (60 seeds each; \"The zero-sum account tested\"), while token TIS's own cost held on 40 new "
             f"seeds ({fresh} on them, {whole} over 100)") in readme
+
+
+def _hundred_seed_row(arm: str, paired, final: dict, reached: int) -> str:
+    """A row of docs/study.md's 100-seed table at T = 1.5: the arm's final reward - none on seeds
+    0-59, on seeds 60-99 and on all 100, - token TIS over 100, greedy reward - none over 100, its mean
+    final reward on each block and the runs that reached 0.5."""
+    import numpy as np
+
+    blocks = (range(60), range(60, 100))
+    means = " / ".join(f"{np.mean([final[arm, s] for s in seeds]):.3f}" for seeds in blocks)
+    return "| " + " | ".join([
+        f"`{arm}`", *(_quoted(paired(arm, "none", seeds)) for seeds in (*blocks, range(100))),
+        "-" if arm == "token_tis" else _quoted(paired(arm, "token_tis")),
+        _quoted(paired(arm, "none", key="greedy_reward")), means, str(reached)]) + " |"
+
+
+def _placebo_quotes() -> list[str]:
+    """The figures of docs/study.md's "A placebo and a null arm" section, recomputed from the T = 1.5
+    archive: the placebo's row at 60 seeds (:func:`_diagnostic_row`) and its weights beside the group
+    mean's, the 100-seed table (:func:`_hundred_seed_row`) and the differences the prose quotes,
+    which of them are resolved, and the runs' times."""
+    import numpy as np
+
+    _, dose, runs60, paired60, _, _ = _temperature_run("sweep-temperature-t1.5", 1.5)
+    arms60, setting = dose["arms"], dose["setting"]
+    gm, pl, sh = "token_tis_group_mean", _PLACEBO, "token_tis_shuffled"
+    extremes = {a: _weight_extremes(setting, runs60, a, 60) for a in (gm, pl)}
+    row60 = _diagnostic_row(pl, "min(r, 2), another group's mean", extremes[pl], arms60, paired60)
+    arms, final, runs, _, paired = _hundred_seeds()
+    rows = [_hundred_seed_row(a, paired, final, arms[a]["steps_to_threshold"]["reached"])
+            for a in _HUNDRED_SEED_ARMS[1:]]
+    fresh = range(60, 100)
+    # resolved at 100 seeds: every weighted arm against none; the placebo against neither token TIS nor
+    # the group mean; the group mean above token TIS
+    assert all(paired(a, "none")["excludes_zero"] for a in (pl, gm, "token_tis"))
+    assert not paired(pl, "token_tis")["excludes_zero"] and not paired(pl, gm)["excludes_zero"]
+    assert paired(gm, "token_tis")["excludes_zero"] and paired(pl, gm, fresh)["excludes_zero"]
+    assert not paired60(pl, "none")["excludes_zero"] and not paired60(pl, gm)["excludes_zero"]
+    assert not paired(sh, "none")["excludes_zero"] and paired(sh, "token_tis")["excludes_zero"]
+    # "no weight tried ended above none": every weighted arm of both reports, against none
+    assert all(paired60(a, "none")["mean"] < 0 for a in arms60 if a not in ("none", "ref_fp32"))
+    assert all(paired(a, "none")["mean"] < 0 for a in _HUNDRED_SEED_ARMS[1:])
+    # about ten comparisons: with Bonferroni's correction (99.5% intervals) two still exclude 0, two do not
+    strict = {(a, b): _bonferroni(a, b) for a, b in ((pl, "none"), ("token_tis", "none"), (gm, "token_tis"),
+                                                     (sh, "token_tis"))}
+    assert [k for k, d in strict.items() if d["excludes_zero"]] == [(pl, "none"), ("token_tis", "none")]
+    swing = {a: paired(a, "none", range(60))["mean"] - paired(a, "none", fresh)["mean"] for a in (gm, pl, sh)}
+    assert max(swing, key=lambda a: abs(swing[a])) == pl
+    wall60 = [runs60[setting, pl, s][1]["wall_s"] for s in range(60)]
+    wall_fresh = [runs[setting, a, s][1]["wall_s"] for a in (gm, pl) for s in fresh]
+    wall_shuffled = [runs[setting, sh, s][1]["wall_s"] for s in fresh]
+    lo, hi = extremes[pl][:2]
+    return [
+        row60,
+        f"Its weights run from {lo:.2f} to {hi:.2f} per group, the group mean's from {extremes[gm][0]:.2f} to "
+        f"{extremes[gm][1]:.2f}",
+        f"at 60 seeds the placebo cost {_quoted(paired60(pl, 'none'))} against none, not resolved, and "
+        f"{_quoted(paired60(pl, gm))} against the group mean",
+        f"its mean gradient norm was {arms60[pl]['grad_norm_mean']:.2f} (none {arms60['none']['grad_norm_mean']:.2f}, "
+        f"the group mean {arms60[gm]['grad_norm_mean']:.2f})",
+        *rows,
+        f"**The placebo costs reward**: {_quoted(paired(pl, 'none'))} against none over 100 seeds (greedy reward "
+        f"{_quoted(paired(pl, 'none', key='greedy_reward'))})",
+        f"level with token TIS ({_quoted(paired(pl, 'token_tis'))}) and with the group mean "
+        f"({_quoted(paired(pl, gm))})",
+        f"The group mean's cost holds at 100 seeds and is smaller: {_quoted(paired(gm, 'none'))} against none, "
+        f"above token TIS ({_quoted(paired(gm, 'token_tis'))}). The shuffled weights cost "
+        f"{_quoted(paired(sh, 'none'))}, also above token TIS ({_quoted(paired(sh, 'token_tis'))})",
+        f"the placebo against none, {_quoted(strict[pl, 'none'])}",
+        f"token TIS against none, {_quoted(strict['token_tis', 'none'])}",
+        f"The group mean and the shuffled weights against token TIS do not: {_quoted(strict[gm, 'token_tis'])} and "
+        f"{_quoted(strict[sh, 'token_tis'])}",
+        f"about {(paired(gm, 'token_tis')['mean'] + paired(sh, 'token_tis')['mean']) / 2:.3f}. This is resolved per "
+        f"comparison but not after the correction",
+        f"On the new seeds alone the placebo fell {_quoted(paired(pl, gm, fresh))} behind the group mean",
+        f"one arm's difference to none moved by up to {max(abs(v) for v in swing.values()):.3f} (the placebo's)",
+        f"Group weights within about {max(1 - lo, hi - 1):.0%} of 1 that carry nothing",
+        f"a mean-1 factor within {max(1 - lo, hi - 1):.0%} of 1 per group would cost "
+        f"{-paired(gm, 'none')['mean']:.2f}-{-paired(pl, 'none')['mean']:.2f} reward",
+        f"(none's {np.mean([final['none', s] for s in range(60)]):.3f} and "
+        f"{np.mean([final['none', s] for s in fresh]):.3f}) and the runs that reached 0.5 "
+        f"(none's {arms['none']['steps_to_threshold']['reached']})",
+        f"about {np.mean(wall60):.0f} s per run, {sum(wall60) / 3600:.1f} CPU-hours",
+        f"80 runs, about {np.mean(wall_fresh):.0f} s per run, {sum(wall_fresh) / 3600:.1f} CPU-hours",
+        f"40 runs, about {np.mean(wall_shuffled):.0f} s per run, {sum(wall_shuffled) / 3600:.1f} CPU-hours",
+    ]
+
+
+def _bonferroni(arm: str, other: str, comparisons: int = 10) -> dict:
+    """``arm`` - ``other`` over the 100 seeds at T = 1.5 with a Bonferroni-corrected interval for
+    ``comparisons`` comparisons (confidence 1 - 0.05 / comparisons, the report's bootstrap)."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    arms, final, _, _, _ = _hundred_seeds()
+    study = _summary("sweep-temperature-t1.5", "seeds-100")["study"]
+    a, b = ({s: final[x, s] for s in range(100)} for x in (arm, other))
+    return paired_differences(a, b, confidence=1 - (1 - study["confidence"]) / comparisons,
+                              resamples=study["bootstrap"])
+
+
+def test_the_placebo_at_1_5_comes_from_the_archive():
+    """docs/study.md on the group mean's placebo at a rollout temperature of 1.5 (60 seeds beside the
+    other diagnostics in the archive's report, then 100 seeds of it, the group mean and the shuffled
+    weights in the seeds-100 report, the Zen 1 VM): its row, its weights beside the group mean's, the
+    100-seed table, which differences are resolved and the runs' times, recomputed from the archive;
+    and the section above names it as the next test."""
+    _assert_quoted(_placebo_quotes(), _section("A placebo and a null arm"))
+    assert "The next section runs that placebo" in _section("Token TIS against none at T = 1.5 on 40 more seeds")
+    placebo = _quoted(_hundred_seeds()[4](_PLACEBO, "none"))
+    _assert_quoted([f"a placebo, group weights independent of the samples, cost {placebo} over 100: any noise in the "
+                    f"weights costs here)",
+                    f"group weights independent of the samples, a placebo, cost {placebo} over 100 seeds while weights "
+                    f"of exactly 1 repeat none bit for bit)"], _section("The answers so far, per mechanism"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"a placebo, group weights as spread as the group mean's but independent of each group's samples, cost "
+            f"{placebo} over 100 seeds, and the same code path with every weight exactly 1 repeats none bit for bit "
+            f"(2026-12-02; \"A placebo and a null arm\"), so at T = 1.5 any noise in the weights costs reward") in readme
