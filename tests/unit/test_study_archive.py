@@ -2136,8 +2136,8 @@ def test_the_token_tis_cost_at_1_5_on_100_seeds_comes_from_the_archive():
     paired = _temperature_run("sweep-temperature-t1.5", 1.5)[3]
     gm, bal = (_quoted(paired(a, "none")) for a in _GROUP_DIAGNOSTICS)
     _assert_quoted([f"token TIS's cost held on 40 new seeds, {whole} over 100",
-                    f"or made constant within each GRPO group; token TIS's own cost held over 100 seeds, {whole}, and group "
-                    f"weights independent of the samples"],
+                    f"or made constant within each GRPO group; token TIS's own cost held over 100 seeds, {whole}, "
+                    f"and group weights independent of the samples"],
                    _section("The answers so far, per mechanism"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"a weight constant within each group cost {gm} and one that restores the sum on the group's shared first "
@@ -2259,4 +2259,5 @@ def test_the_placebo_at_1_5_comes_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"a placebo, group weights as spread as the group mean's but independent of each group's samples, cost "
             f"{placebo} over 100 seeds, and the same code path with every weight exactly 1 repeats none bit for bit "
-            f"(2026-12-02; \"A placebo and a null arm\"), so at T = 1.5 any noise in the weights costs reward") in readme
+            f"(2026-12-02; \"A placebo and a null arm\"), so at T = 1.5 any noise in the weights costs "
+            f"reward") in readme
