@@ -2257,8 +2257,8 @@ def test_the_placebo_at_1_5_comes_from_the_archive():
     _assert_quoted([f"a placebo, group weights independent of the samples, cost {placebo} over 100: any noise in the "
                     f"weights costs here)",
                     f"group weights independent of the samples, a placebo, cost {placebo} over 100 seeds while weights "
-                    f"of exactly 1 repeat none bit for bit; over 100 seeds the group mean and the shuffled weights cost "
-                    f"{gm:+.3f} and {sh:+.3f})"], _section("The answers so far, per mechanism"))
+                    f"of exactly 1 repeat none bit for bit; over 100 seeds the group mean and the shuffled weights "
+                    f"cost {gm:+.3f} and {sh:+.3f})"], _section("The answers so far, per mechanism"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"a placebo, group weights as spread as the group mean's but independent of each group's samples, cost "
             f"{placebo} over 100 seeds, and the same code path with every weight exactly 1 repeats none bit for bit "
