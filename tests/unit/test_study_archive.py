@@ -2068,9 +2068,9 @@ _HUNDRED_SEED_ARMS = ("none", "token_tis", "token_tis_group_mean", "token_tis_gr
 def _hundred_seeds() -> tuple:
     """The 100-seed report at T = 1.5 (docs/study/sweep-temperature-t1.5/seeds-100) and its archive:
     the dose's arms, every run's final reward, the runs, the setting and a paired-difference function
-    ``paired(arm, other, seeds, key)`` over the final or the greedy reward (each computed once); the
-    report's arms are checked to be :data:`_HUNDRED_SEED_ARMS` at 100 seeds, its vs-none differences
-    to be the recomputed ones, and seeds 60-99 to come from the Zen 1 VM."""
+    ``paired(arm, other, seeds, key, comparisons)`` over the final or the greedy reward (each computed
+    once); the report's arms are checked to be :data:`_HUNDRED_SEED_ARMS` at 100 seeds, its vs-none
+    differences to be the recomputed ones, and seeds 60-99 to come from the Zen 1 VM."""
     from megatron_mis.testbed.study.stats import paired_differences
 
     summary = _summary("sweep-temperature-t1.5", "seeds-100")
@@ -2084,12 +2084,16 @@ def _hundred_seeds() -> tuple:
     assert {headers[setting, a, s]["machine"]["cpu_family_model"] for a in arms for s in range(60, 100)} == {"23/1"}
 
     @functools.cache
-    def paired(arm: str, other: str, seeds: range = range(100), key: str = "final_reward") -> dict:
+    def paired(arm: str, other: str, seeds: range = range(100), key: str = "final_reward",
+               comparisons: int = 1) -> dict:
+        """``arm`` - ``other``; ``comparisons`` > 1: the interval Bonferroni-corrected for that many
+        (confidence 1 - (1 - the report's) / comparisons, the report's bootstrap)."""
         if key == "final_reward":
             a, b = ({s: final[x, s] for s in seeds} for x in (arm, other))
         else:
             a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in seeds} for x in (arm, other))
-        return paired_differences(a, b, confidence=study["confidence"], resamples=study["bootstrap"])
+        return paired_differences(a, b, confidence=1 - (1 - study["confidence"]) / comparisons,
+                                  resamples=study["bootstrap"])
 
     for arm in _HUNDRED_SEED_ARMS[1:]:
         assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
@@ -2186,8 +2190,8 @@ def _placebo_quotes() -> list[str]:
     assert all(paired60(a, "none")["mean"] < 0 for a in arms60 if a not in ("none", "ref_fp32"))
     assert all(paired(a, "none")["mean"] < 0 for a in _HUNDRED_SEED_ARMS[1:])
     # about ten comparisons: with Bonferroni's correction (99.5% intervals) two still exclude 0, two do not
-    strict = {(a, b): _bonferroni(a, b) for a, b in ((pl, "none"), ("token_tis", "none"), (gm, "token_tis"),
-                                                     (sh, "token_tis"))}
+    strict = {(a, b): paired(a, b, comparisons=10) for a, b in ((pl, "none"), ("token_tis", "none"),
+                                                                (gm, "token_tis"), (sh, "token_tis"))}
     assert [k for k, d in strict.items() if d["excludes_zero"]] == [(pl, "none"), ("token_tis", "none")]
     swing = {a: paired(a, "none", range(60))["mean"] - paired(a, "none", fresh)["mean"] for a in (gm, pl, sh)}
     assert max(swing, key=lambda a: abs(swing[a])) == pl
@@ -2229,18 +2233,6 @@ def _placebo_quotes() -> list[str]:
         f"80 runs, about {np.mean(wall_fresh):.0f} s per run, {sum(wall_fresh) / 3600:.1f} CPU-hours",
         f"40 runs, about {np.mean(wall_shuffled):.0f} s per run, {sum(wall_shuffled) / 3600:.1f} CPU-hours",
     ]
-
-
-def _bonferroni(arm: str, other: str, comparisons: int = 10) -> dict:
-    """``arm`` - ``other`` over the 100 seeds at T = 1.5 with a Bonferroni-corrected interval for
-    ``comparisons`` comparisons (confidence 1 - 0.05 / comparisons, the report's bootstrap)."""
-    from megatron_mis.testbed.study.stats import paired_differences
-
-    arms, final, _, _, _ = _hundred_seeds()
-    study = _summary("sweep-temperature-t1.5", "seeds-100")["study"]
-    a, b = ({s: final[x, s] for s in range(100)} for x in (arm, other))
-    return paired_differences(a, b, confidence=1 - (1 - study["confidence"]) / comparisons,
-                              resamples=study["bootstrap"])
 
 
 def test_the_placebo_at_1_5_comes_from_the_archive():

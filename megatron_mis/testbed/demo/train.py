@@ -583,17 +583,18 @@ class GRPOTrainer:
         from megatron_mis.core.engine import compute_mis
 
         group = self.cfg.samples_per_prompt
-        cu = _group_offsets(mb.response_lengths, group)
-        w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
+        if self.arm.rewrite == "unit":  # the null arm: weights of 1, nothing for the engine to compute first
+            w = torch.ones(mb.old_log_probs.shape)
+        else:
+            cu = _group_offsets(mb.response_lengths, group)
+            w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
         if self.arm.rewrite == "group_mean":
             w = group_mean_weights(w, mb.loss_mask, mb.response_lengths, group)
         elif self.arm.rewrite == "group_mean_permuted":
             w = permuted_group_mean_weights(w, mb.loss_mask, mb.response_lengths, group, g)
         elif self.arm.rewrite == "balance_first_token":
             w = balanced_first_token_weights(w, mb.loss_mask, mb.response_lengths, mb.advantages, group)
-        elif self.arm.rewrite == "unit":
-            w = torch.ones_like(w)
-        else:
+        elif self.arm.rewrite != "unit":
             raise ValueError(f"rewrite={self.arm.rewrite!r}: expected one of shuffle, group_mean, group_mean_permuted, "
                              f"balance_first_token, unit")
         return replace(mb, rollout_log_probs=rollout_log_probs_for_weights(mb.old_log_probs, mb.rollout_log_probs,
