@@ -367,6 +367,22 @@ def test_the_group_diagnostics_rewrite_token_tis_s_weights_per_group(pool1):
         assert abs(arm["grad_norm"] - tis["grad_norm"]) > 1e-3 * tis["grad_norm"]
 
 
+def test_the_placebo_s_noise_doses_raise_its_weights_to_a_power(pool1):
+    """On the same first step the half and double doses draw the placebo's derangement (the same
+    generator stream) and raise its weights to 1/2 and 2: the smallest and largest weight are the
+    placebo's to that power (a power is monotone), the weights spread around 1 by half and twice
+    as much in log space, and each gradient differs from the placebo's."""
+    permuted, half, double = (pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
+                              for c in ("token_tis_group_permuted", "token_tis_group_permuted_half",
+                                        "token_tis_group_permuted_double"))
+    assert permuted["is_weight_min"] < 1 < permuted["is_weight_max"]
+    for arm, p in ((half, 0.5), (double, 2.0)):
+        for key in ("is_weight_min", "is_weight_max"):
+            assert arm[key] == pytest.approx(permuted[key] ** p, rel=1e-5), (p, key)
+        assert arm["reward_mean"] == permuted["reward_mean"]
+        assert abs(arm["grad_norm"] - permuted["grad_norm"]) > 1e-4 * permuted["grad_norm"]
+
+
 def _steps(correction: str, steps: int, **fields):
     """``steps`` demo steps (fp32 rollouts, the DemoConfig ``fields``) under ``correction``: their records."""
     from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state

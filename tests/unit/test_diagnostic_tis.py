@@ -21,12 +21,19 @@ import torch
 
 from megatron_mis.config.base import ConfigError
 from megatron_mis.core.engine import compute_mis
-from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, REWRITTEN_TIS, DemoConfig
+from megatron_mis.testbed.demo.config import (
+    BUILTIN_CORRECTIONS,
+    DIAGNOSTIC_TIS,
+    REWRITE_EXPONENT,
+    REWRITTEN_TIS,
+    DemoConfig,
+)
 from megatron_mis.testbed.demo.train import (
     arm_spec,
     balanced_first_token_weights,
     group_mean_weights,
     permuted_group_mean_weights,
+    powered_weights,
     random_derangement,
     rollout_log_probs_for_weights,
     shuffle_log_ratios,
@@ -40,6 +47,8 @@ _EXPECTED = {
     "token_tis_shuffled": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_mean": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_permuted": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_group_permuted_half": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_group_permuted_double": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_unit": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_balanced": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_floor1": [1.0, 1.0, 1.0, 1.3, 2.0],
@@ -79,7 +88,33 @@ def test_a_diagnostic_trains_with_decoupled_ppo_at_the_trainer_s_temperature(cor
     assert spec.mis.tis_level == "token"
     assert correction in BUILTIN_CORRECTIONS
     assert spec.rewrite == REWRITTEN_TIS.get(correction)
-    assert arm_spec("token_tis", cfg).rewrite is None
+    assert spec.rewrite_exponent == REWRITE_EXPONENT.get(correction, 1.0)
+    assert arm_spec("token_tis", cfg).rewrite is None and arm_spec("token_tis", cfg).rewrite_exponent == 1.0
+
+
+def test_the_placebo_s_noise_doses_are_its_weights_raised_to_a_power():
+    """The half and double doses rewrite as the placebo does, then raise every weight to 1/2 and 2."""
+    assert {n: (REWRITTEN_TIS[n], p) for n, p in REWRITE_EXPONENT.items()} == {
+        "token_tis_group_permuted_half": ("group_mean_permuted", 0.5),
+        "token_tis_group_permuted_double": ("group_mean_permuted", 2.0),
+    }
+    assert DIAGNOSTIC_TIS["token_tis_group_permuted_double"] == DIAGNOSTIC_TIS["token_tis_group_permuted"]
+
+
+def test_powered_weights_scale_each_loss_token_s_log_weight_hand_derived():
+    """Weights 0.81, 1.21, 4 (masked), 1 and 0.5: to the power 1/2 they are 0.9, 1.1, 4, 1, 0.5 ** 0.5;
+    to the power 2, 0.6561, 1.4641, 4, 1, 0.25; to the power 0 every loss token weighs 1. The
+    masked token keeps its weight; in log space every loss token moves by the power's factor."""
+    w = torch.tensor([0.81, 1.21, 4.0, 1.0, 0.5])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])
+    torch.testing.assert_close(powered_weights(w, mask, 0.5), torch.tensor([0.9, 1.1, 4.0, 1.0, math.sqrt(0.5)]))
+    torch.testing.assert_close(powered_weights(w, mask, 2.0), torch.tensor([0.6561, 1.4641, 4.0, 1.0, 0.25]))
+    assert powered_weights(w, mask, 0.0).tolist() == [1.0, 1.0, 4.0, 1.0, 1.0]
+    torch.testing.assert_close(torch.log(powered_weights(w, mask, 2.0))[mask > 0], 2 * torch.log(w)[mask > 0])
+    with pytest.raises(ValueError, match="exponent=nan: expected a finite power"):
+        powered_weights(w, mask, float("nan"))
+    with pytest.raises(ValueError, match="weight must be > 0 to be raised to a power.*smallest 0"):
+        powered_weights(torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]), mask, 2.0)
 
 
 def test_shuffled_log_ratios_are_a_permutation_over_the_loss_tokens_only():
@@ -237,7 +272,8 @@ def test_rewritten_rollout_log_probs_make_the_engine_compute_the_given_weights()
 
 
 def test_the_group_diagnostics_need_whole_groups_in_every_micro_batch():
-    for name in ("token_tis_group_mean", "token_tis_group_permuted", "token_tis_balanced"):
+    for name in ("token_tis_group_mean", "token_tis_group_permuted", "token_tis_group_permuted_double",
+                 "token_tis_balanced"):
         with pytest.raises(ConfigError, match=f"correction='{name}' rewrites each GRPO group's weights.*"
                                               "micro_batch_size=8 must be a multiple of samples_per_prompt=3"):
             DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)

@@ -10,7 +10,9 @@ from typing import Literal
 
 from megatron_mis.config.base import ConfigBase, doc
 
-__all__ = ["BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "REWRITTEN_TIS", "DemoConfig", "QUICK", "available_cpus"]
+__all__ = [
+    "BUILTIN_CORRECTIONS", "DIAGNOSTIC_TIS", "REWRITE_EXPONENT", "REWRITTEN_TIS", "DemoConfig", "QUICK", "available_cpus",
+]
 
 #: The short mode (``--quick``): a few small steps, for tests and a first look; explicit flags win.
 QUICK: dict[str, object] = {
@@ -41,13 +43,18 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 #: mean reward, whichever weighs more) until sum_i w_i A_i over the group's first tokens, which share
 #: the prompt as their context, is 0 as it is unweighted; ``token_tis_unit`` is the null arm: every
 #: weight rewritten to exactly 1, so it trains through decoupled PPO and the engine as the others do,
-#: with none's gradient.
+#: with none's gradient; ``token_tis_group_permuted_half`` and ``token_tis_group_permuted_double``
+#: are the placebo at another dose of noise (:data:`REWRITE_EXPONENT`): each placebo weight w
+#: raised to the power 1/2 or 2, its log-spread around 1 halved or doubled (the null arm is the
+#: power 0), then bounded at 2 again by the engine as every rewritten weight is.
 DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
     "token_tis_floor1": {"tis_mode": "clip", "tis_lower_bound": 1.0, "tis_upper_bound": 2.0},
     "token_tis_cap1": {"tis_mode": "truncate", "tis_upper_bound": 1.0},
     "token_tis_shuffled": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_group_mean": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_group_permuted": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_group_permuted_half": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_group_permuted_double": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_balanced": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_unit": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
 }
@@ -59,8 +66,16 @@ REWRITTEN_TIS: dict[str, str] = {
     "token_tis_shuffled": "shuffle",
     "token_tis_group_mean": "group_mean",
     "token_tis_group_permuted": "group_mean_permuted",
+    "token_tis_group_permuted_half": "group_mean_permuted",
+    "token_tis_group_permuted_double": "group_mean_permuted",
     "token_tis_unit": "unit",
     "token_tis_balanced": "balance_first_token",
+}
+#: The diagnostics whose rewritten weights are raised to a power before the engine weighs them
+#: (``{name: p}``: every loss token's weight w becomes w ** p; the others keep p = 1).
+REWRITE_EXPONENT: dict[str, float] = {
+    "token_tis_group_permuted_half": 0.5,
+    "token_tis_group_permuted_double": 2.0,
 }
 #: Corrections the demo builds itself (besides the presets of ``configs/presets/``).
 BUILTIN_CORRECTIONS: tuple[str, ...] = ("none", "bypass_ppo", "decoupled_ppo", *DIAGNOSTIC_TIS)
@@ -97,7 +112,8 @@ class DemoConfig(ConfigBase):
         "weights shuffled among each micro-batch's loss tokens / averaged over each GRPO group's loss tokens / "
         "averaged over another group's (the group means deranged among the micro-batch's groups) / with each "
         "group's first-token weights scaled on one side so that sum_i w_i A_i over them is 0; token_tis_unit "
-        "(the null arm): decoupled PPO with every weight rewritten to exactly 1 (none's gradient).",
+        "(the null arm): decoupled PPO with every weight rewritten to exactly 1 (none's gradient); "
+        "token_tis_group_permuted_half / _double: the deranged group means raised to the power 1/2 / 2.",
     )
     compare: bool = doc(
         False,

@@ -39,7 +39,13 @@ from typing import Any
 
 import torch
 
-from megatron_mis.testbed.demo.config import BUILTIN_CORRECTIONS, DIAGNOSTIC_TIS, REWRITTEN_TIS, DemoConfig
+from megatron_mis.testbed.demo.config import (
+    BUILTIN_CORRECTIONS,
+    DIAGNOSTIC_TIS,
+    REWRITE_EXPONENT,
+    REWRITTEN_TIS,
+    DemoConfig,
+)
 
 __all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "balanced_first_token_weights",
            "group_mean_weights", "megatron_state", "permuted_group_mean_weights", "random_derangement",
@@ -70,6 +76,8 @@ class ArmSpec:
     #: arm: rollout log-probs set to pi_old); ``None``: no rewrite. The step's log-prob comparison
     #: and dump see the true pairs; the engine's mismatch metrics see the rewritten ones
     rewrite: str | None = None
+    #: the power the rewritten weights are raised to (``REWRITE_EXPONENT``; 1: as rewritten)
+    rewrite_exponent: float = 1.0
 
 
 #: The "no bound" of ``decoupled_ppo``: larger than any weight exp(clamped log-ratio) reaches here.
@@ -104,7 +112,7 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
     if correction in DIAGNOSTIC_TIS:
         mis = MISConfig(use_tis=True, use_rs=False, tis_level="token", **DIAGNOSTIC_TIS[correction])
         return ArmSpec(correction, correction, LossConfig(policy_loss="decoupled_ppo", **common), mis,
-                       rewrite=REWRITTEN_TIS.get(correction))
+                       rewrite=REWRITTEN_TIS.get(correction), rewrite_exponent=REWRITE_EXPONENT.get(correction, 1.0))
     path = preset_path(correction)
     label = path.stem
     return ArmSpec(label, correction, LossConfig(policy_loss="decoupled_ppo", **common), MISConfig.from_yaml(path))
@@ -315,6 +323,30 @@ def balanced_first_token_weights(weights: torch.Tensor, loss_mask: torch.Tensor,
     scale = torch.where(q > 0, scale_pos[:, None], torch.where(q < 0, scale_neg[:, None], torch.ones(()))).reshape(-1)
     w[at[has]] = w[at[has]] * scale[has]
     return w
+
+
+def powered_weights(weights: torch.Tensor, loss_mask: torch.Tensor, exponent: float) -> torch.Tensor:
+    """Every loss token's weight w raised to ``exponent``: log w scaled by it, so a weight's distance
+    from 1 in log space is multiplied by ``exponent`` (0: every weight 1; 2: 0.9 becomes 0.81, 1.1
+    1.21); tokens outside the loss mask keep their weight.
+
+    Args:
+        weights, loss_mask: ``[T]``; the loss tokens' weights > 0.
+        exponent: a finite power.
+
+    Returns:
+        ``[T]`` float32.
+
+    Raises:
+        ValueError: if ``exponent`` is not finite or a loss token's weight is not > 0.
+    """
+    if not math.isfinite(exponent):
+        raise ValueError(f"exponent={exponent!r}: expected a finite power")
+    m = loss_mask > 0
+    w = weights.float()
+    if not bool(torch.all((w > 0) | ~m)):
+        raise ValueError(f"every loss token's weight must be > 0 to be raised to a power (smallest {float(w[m].min())})")
+    return torch.where(m, w.clamp(min=1e-30) ** exponent, w)
 
 
 def rollout_log_probs_for_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
@@ -597,6 +629,8 @@ class GRPOTrainer:
         elif self.arm.rewrite != "unit":
             raise ValueError(f"rewrite={self.arm.rewrite!r}: expected one of shuffle, group_mean, group_mean_permuted, "
                              f"balance_first_token, unit")
+        if self.arm.rewrite_exponent != 1.0:
+            w = powered_weights(w, mb.loss_mask, self.arm.rewrite_exponent)
         return replace(mb, rollout_log_probs=rollout_log_probs_for_weights(mb.old_log_probs, mb.rollout_log_probs,
                                                                             mb.loss_mask, w))
 

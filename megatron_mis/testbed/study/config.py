@@ -405,6 +405,12 @@ ARMS: dict[str, Arm] = {
         _arm("token_tis_group_permuted", "diagnostic (placebo of token_tis_group_mean): every loss token weighted by "
              "another GRPO group's mean token TIS weight (the group means deranged among the micro-batch's groups)",
              correction="token_tis_group_permuted"),
+        _arm("token_tis_group_permuted_half", "diagnostic (the placebo at half the noise): token_tis_group_permuted's "
+             "weights w rewritten to w ** 0.5 (their log-spread around 1 halved)",
+             correction="token_tis_group_permuted_half"),
+        _arm("token_tis_group_permuted_double", "diagnostic (the placebo at twice the noise): token_tis_group_permuted's "
+             "weights w rewritten to w ** 2 (their log-spread around 1 doubled; bounded at 2)",
+             correction="token_tis_group_permuted_double"),
         _arm("token_tis_balanced", "diagnostic: token TIS with each GRPO group's first-token weights scaled down on "
              "its heavier side so that sum_i w_i A_i over the first tokens (one shared context) is 0, as unweighted",
              correction="token_tis_balanced"),
