@@ -2064,6 +2064,27 @@ def test_the_zero_sum_diagnostics_at_1_5_come_from_the_archive():
 _HUNDRED_SEED_ARMS = ("none", "token_tis", "token_tis_group_mean", "token_tis_group_permuted", "token_tis_shuffled")
 
 
+def _paired_over(final: dict, runs: dict, setting: str, study: dict, default_seeds: range):
+    """A paired-difference function ``paired(arm, other, seeds, key, comparisons)`` over a report's
+    runs (``final``: :func:`_committed_finals`, ``runs``: :func:`_archive_runs`), the final or the
+    greedy reward on ``seeds`` (default ``default_seeds``), each computed once; ``comparisons`` > 1:
+    the interval Bonferroni-corrected for that many (confidence 1 - (1 - the report's) / comparisons,
+    the report's bootstrap)."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    @functools.cache
+    def paired(arm: str, other: str, seeds: range = default_seeds, key: str = "final_reward",
+               comparisons: int = 1) -> dict:
+        if key == "final_reward":
+            a, b = ({s: final[x, s] for s in seeds} for x in (arm, other))
+        else:
+            a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in seeds} for x in (arm, other))
+        return paired_differences(a, b, confidence=1 - (1 - study["confidence"]) / comparisons,
+                                  resamples=study["bootstrap"])
+
+    return paired
+
+
 @functools.cache
 def _hundred_seeds() -> tuple:
     """The 100-seed report at T = 1.5 (docs/study/sweep-temperature-t1.5/seeds-100) and its archive:
@@ -2071,8 +2092,6 @@ def _hundred_seeds() -> tuple:
     ``paired(arm, other, seeds, key, comparisons)`` over the final or the greedy reward (each computed
     once); the report's arms are checked to be :data:`_HUNDRED_SEED_ARMS` at 100 seeds, its vs-none
     differences to be the recomputed ones, and seeds 60-99 to come from the Zen 1 VM."""
-    from megatron_mis.testbed.study.stats import paired_differences
-
     summary = _summary("sweep-temperature-t1.5", "seeds-100")
     (dose,) = summary["doses"]
     arms, study = dose["arms"], summary["study"]
@@ -2082,19 +2101,7 @@ def _hundred_seeds() -> tuple:
     headers = _archive_headers("sweep-temperature-t1.5")
     setting = dose["setting"]
     assert {headers[setting, a, s]["machine"]["cpu_family_model"] for a in arms for s in range(60, 100)} == {"23/1"}
-
-    @functools.cache
-    def paired(arm: str, other: str, seeds: range = range(100), key: str = "final_reward",
-               comparisons: int = 1) -> dict:
-        """``arm`` - ``other``; ``comparisons`` > 1: the interval Bonferroni-corrected for that many
-        (confidence 1 - (1 - the report's) / comparisons, the report's bootstrap)."""
-        if key == "final_reward":
-            a, b = ({s: final[x, s] for s in seeds} for x in (arm, other))
-        else:
-            a, b = ({s: runs[setting, x, s][1]["evaluation"][key] for s in seeds} for x in (arm, other))
-        return paired_differences(a, b, confidence=1 - (1 - study["confidence"]) / comparisons,
-                                  resamples=study["bootstrap"])
-
+    paired = _paired_over(final, runs, setting, study, range(100))
     for arm in _HUNDRED_SEED_ARMS[1:]:
         assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
     return arms, final, runs, setting, paired
