@@ -224,6 +224,12 @@ _REPORTS = [
     ("sweep-temperature-t1.5", "seeds-100", {"none": range(100), "token_tis": range(100),
                                              "token_tis_group_mean": range(100), "token_tis_group_permuted": range(100),
                                              "token_tis_shuffled": range(100)}),
+    # and seeds 100-199 of none, token TIS, the placebo and its noise halved and doubled on an Intel VM (AVX-512
+    # kernels: other trajectories than the AVX2 VMs'), the same session
+    ("sweep-temperature-t1.5", "noise-dose", {"none": range(100, 200), "token_tis": range(100, 200),
+                                              "token_tis_group_permuted": range(100, 200),
+                                              "token_tis_group_permuted_half": range(100, 200),
+                                              "token_tis_group_permuted_double": range(100, 200)}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -1898,12 +1904,12 @@ _PLACEBO = "token_tis_group_permuted"
 _ZEN1_ARMS = (*_DIAGNOSTICS, *_GROUP_DIAGNOSTICS, _PLACEBO)
 
 
-def _weight_extremes(setting: str, runs: dict, arm: str, n: int) -> tuple[float, float, float, float]:
-    """Over ``arm``'s runs: the mean of a step's smallest and of its largest weight, and the range of
-    the per-run mean weight."""
+def _weight_extremes(setting: str, runs: dict, arm: str, n: int, first: int = 0) -> tuple[float, float, float, float]:
+    """Over ``arm``'s runs of seeds ``first`` .. ``first + n - 1``: the mean of a step's smallest and of
+    its largest weight, and the range of the per-run mean weight."""
     import numpy as np
 
-    recs = [runs[setting, arm, s][0] for s in range(n)]
+    recs = [runs[setting, arm, s][0] for s in range(first, first + n)]
     means = [np.mean([r["is_weight_mean"] for r in rs]) for rs in recs]
     return (float(np.mean([np.mean([r["is_weight_min"] for r in rs]) for rs in recs])),
             float(np.mean([np.mean([r["is_weight_max"] for r in rs]) for rs in recs])), min(means), max(means))
@@ -2253,13 +2259,150 @@ def test_the_placebo_at_1_5_comes_from_the_archive():
     paired = _hundred_seeds()[4]
     placebo = _quoted(paired(_PLACEBO, "none"))
     gm, sh = (paired(a, "none")["mean"] for a in ("token_tis_group_mean", "token_tis_shuffled"))
-    _assert_quoted([f"a placebo, group weights independent of the samples, cost {placebo} over 100: any noise in the "
-                    f"weights costs here)",
+    _assert_quoted([f"a placebo, group weights independent of the samples, cost {placebo} over 100 on a Zen 1 VM, "
+                    f"but on 100 new seeds of an Intel VM",
                     f"group weights independent of the samples, a placebo, cost {placebo} over 100 seeds while weights "
                     f"of exactly 1 repeat none bit for bit; over 100 seeds the group mean and the shuffled weights "
-                    f"cost {gm:+.3f} and {sh:+.3f})"], _section("The answers so far, per mechanism"))
+                    f"cost {gm:+.3f} and {sh:+.3f};"], _section("The answers so far, per mechanism"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"a placebo, group weights as spread as the group mean's but independent of each group's samples, cost "
             f"{placebo} over 100 seeds, and the same code path with every weight exactly 1 repeats none bit for bit "
-            f"(2026-12-02; \"A placebo and a null arm\"), so at T = 1.5 any noise in the weights costs "
-            f"reward") in readme
+            f"(2026-12-02; \"A placebo and a null arm\"), but on 100 new seeds of an Intel VM") in readme
+
+
+#: The arms of docs/study/sweep-temperature-t1.5/noise-dose, every one at seeds 100-199 on an Intel VM
+#: (2026-12-02): none, token TIS, the placebo and the placebo's weights raised to the powers 1/2 and 2.
+_NOISE_DOSES = {"none": 0.0, "token_tis_group_permuted_half": 0.5, _PLACEBO: 1.0,
+                "token_tis_group_permuted_double": 2.0}
+_NOISE_SEEDS = range(100, 200)
+
+
+@functools.cache
+def _noise_dose() -> tuple:
+    """The noise-dose report at T = 1.5 (docs/study/sweep-temperature-t1.5/noise-dose) and its archive:
+    the dose's arms, every run's final reward, the runs, the setting and the paired-difference function
+    of :func:`_paired_over` on seeds 100-199; the report's arms are checked to be none, token TIS and the
+    three doses at those seeds, its vs-none differences the recomputed ones, every run to come from the
+    Intel VM (family 6 model 167) and the null arm's power to be the placebo's dose 0."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
+
+    summary = _summary("sweep-temperature-t1.5", "noise-dose")
+    (dose,) = summary["doses"]
+    arms, study = dose["arms"], summary["study"]
+    assert sorted(arms) == sorted({*_NOISE_DOSES, "token_tis"})
+    assert all(list(arms[a]["seeds"]) == list(_NOISE_SEEDS) for a in arms)
+    assert {a: REWRITE_EXPONENT.get(a, 1.0) for a in _NOISE_DOSES if a != "none"} == {
+        a: p for a, p in _NOISE_DOSES.items() if a != "none"}
+    final = _committed_finals("sweep-temperature-t1.5", summary)
+    runs = _archive_runs("sweep-temperature-t1.5")
+    headers = _archive_headers("sweep-temperature-t1.5")
+    setting = dose["setting"]
+    machines = {(headers[setting, a, s]["machine"]["cpu_family_model"], headers[setting, a, s]["machine"]
+                 ["cpu_capability"]) for a in arms for s in _NOISE_SEEDS}
+    assert machines == {("6/167", "AVX512")}, machines
+    paired = _paired_over(final, runs, setting, study, _NOISE_SEEDS)
+    for arm in arms:
+        if arm != "none":
+            assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
+    return arms, final, runs, setting, paired
+
+
+def _dose_slope(final: dict, seeds: range, study: dict) -> dict:
+    """Per seed, the least-squares slope of the final reward on the placebo's power p over none (p = 0)
+    and the three doses (0.5, 1, 2); their mean with the reports' paired bootstrap against 0."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    mean_p = sum(_NOISE_DOSES.values()) / len(_NOISE_DOSES)
+    sxx = sum((p - mean_p) ** 2 for p in _NOISE_DOSES.values())
+    slopes = {s: sum((p - mean_p) * final[a, s] for a, p in _NOISE_DOSES.items()) / sxx for s in seeds}
+    return paired_differences(slopes, dict.fromkeys(seeds, 0.0), confidence=study["confidence"],
+                              resamples=study["bootstrap"])
+
+
+def _noise_dose_quotes() -> tuple[list[str], dict, dict]:
+    """The figures of docs/study.md's section on the placebo's noise at three doses (seeds 100-199, the
+    Intel VM; :func:`_noise_dose`), recomputed from the archive: each arm's row, the dose slope, which
+    differences are resolved, the 100 seeds of the Zen 1 VM they replicate, and the runs' times."""
+    import numpy as np
+
+    arms, final, runs, setting, paired = _noise_dose()
+    study = _summary("sweep-temperature-t1.5", "noise-dose")["study"]
+    pl, half, double = _PLACEBO, "token_tis_group_permuted_half", "token_tis_group_permuted_double"
+    order = ("none", half, pl, double, "token_tis")
+    extremes = {a: _weight_extremes(setting, runs, a, len(_NOISE_SEEDS), _NOISE_SEEDS[0]) for a in order}
+    power = {**{a: f"{p:g}" for a, p in _NOISE_DOSES.items()}, "token_tis": "-"}
+    formula = {"none": "1 (PPO)", half: "w ** 0.5", pl: "w, another group's mean", double: "w ** 2",
+               "token_tis": "min(r, 2)"}
+
+    def row(arm: str) -> str:
+        lo, hi = extremes[arm][:2]
+        return "| " + " | ".join([
+            f"`{arm}`", power[arm], formula[arm], f"{lo:.2f} / {hi:.2f}",
+            "-" if arm == "none" else _quoted(paired(arm, "none")),
+            "-" if arm in ("none", pl) else _quoted(paired(arm, pl)),
+            "-" if arm in ("none", "token_tis") else _quoted(paired(arm, "token_tis")),
+            "-" if arm == "none" else _quoted(paired(arm, "none", key="greedy_reward")),
+            f"{np.mean([final[arm, s] for s in _NOISE_SEEDS]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"])]) + " |"
+
+    slope = _dose_slope(final, _NOISE_SEEDS, study)
+    zen1 = _hundred_seeds()[4]
+    both = _paired_over(final, runs, setting, study, range(200))  # every pair from one machine
+    weighted = [a for a in order if a != "none"]
+    # resolved: token TIS against none and against the placebo, also Bonferroni-corrected for ten comparisons;
+    # no dose of the placebo against none or against another dose, and no slope
+    assert [a for a in weighted if paired(a, "none")["excludes_zero"]] == ["token_tis"]
+    assert all(paired("token_tis", a)["excludes_zero"] for a in (half, pl, double))
+    strict = {(a, b): paired(a, b, comparisons=10) for a, b in (("token_tis", "none"), ("token_tis", pl), (pl, "none"))}
+    assert [k for k, d in strict.items() if d["excludes_zero"]] == [("token_tis", "none"), ("token_tis", pl)]
+    assert not any(paired(a, b)["excludes_zero"] for a, b in ((double, half), (double, pl), (half, pl)))
+    assert not slope["excludes_zero"]
+    assert zen1(pl, "none")["excludes_zero"] and not both(pl, "none")["excludes_zero"]
+    blocks = [np.array([final[pl, s] - final["none", s] for s in seeds]) for seeds in (range(100), _NOISE_SEEDS)]
+    z = (blocks[1].mean() - blocks[0].mean()) / np.sqrt(sum(b.var(ddof=1) / b.size for b in blocks))
+    wall = [runs[setting, a, s][1]["wall_s"] for a in arms for s in _NOISE_SEEDS]
+    grads = {a: arms[a]["grad_norm_mean"] for a in arms}
+    doses = [grads[a] for a in (half, pl, double)]
+    assert len({f"{g:.2f}" for g in doses}) == 1, doses  # "each dose of the placebo" at two decimals
+    assert arms["none"]["collapse"]["k"] == 0
+    return [
+        f"500 runs, about {np.mean(wall):.0f} s per run, {sum(wall) / 3600:.1f} CPU-hours",
+        *(row(a) for a in order),
+        f"weights from {extremes[half][0]:.2f}-{extremes[half][1]:.2f} to {extremes[double][0]:.2f}-"
+        f"{extremes[double][1]:.2f}",
+        f"The slope of the final reward on p, fitted per seed over none and the three doses, is {_quoted(slope)} per "
+        f"unit of p; double - half {_quoted(paired(double, half))}",
+        f"If noise in the weights had cost {-zen1(pl, 'none')['mean']:.3f} at p = 1",
+        f"placebo - none is {_quoted(paired(pl, 'none'))} on these seeds against {_quoted(zen1(pl, 'none'))} on "
+        f"seeds 0-99 (the Zen 1 VM)",
+        f"The two blocks differ by {blocks[1].mean() - blocks[0].mean():.3f}, {z:.1f} standard errors; pooled over "
+        f"200 seeds on two machines (each pair from one machine) the placebo costs {_quoted(both(pl, 'none'))}",
+        f"token TIS - none is {_quoted(paired('token_tis', 'none'))} on these seeds against "
+        f"{_quoted(zen1('token_tis', 'none'))} on seeds 0-99 (the AVX2 VMs), and it is below the placebo on the same "
+        f"seeds, {_quoted(paired('token_tis', pl))}",
+        f"With the Bonferroni correction for ten comparisons (99.5% intervals) token TIS stays below none "
+        f"({_quoted(strict['token_tis', 'none'])}) and below the placebo ({_quoted(strict['token_tis', pl])})",
+        f"Its mean gradient norm was {grads['token_tis']:.2f} (none {grads['none']:.2f}, each dose of the placebo "
+        f"{doses[0]:.2f}), and {arms['token_tis']['collapse']['k']} of its 100 runs collapsed "
+        f"(none {arms['none']['collapse']['k']})",
+        f"none's mean final reward was {np.mean([final['none', s] for s in _NOISE_SEEDS]):.3f}",
+    ], {a: paired(a, "none") for a in weighted}, slope
+
+
+def test_the_noise_dose_at_1_5_comes_from_the_archive():
+    """docs/study.md, the README and the answers on the placebo's noise at three doses and token TIS
+    at a rollout temperature of 1.5 (seeds 100-199 on an Intel VM, docs/study/sweep-temperature-t1.5/
+    noise-dose): each arm's row, the dose slope, which differences are resolved (also after the
+    correction), the placebo's and token TIS's figures beside the Zen 1 / AVX2 seeds 0-99 they
+    replicate, and the runs' times, recomputed from the archive; the placebo's section points to it."""
+    quotes, costs, slope = _noise_dose_quotes()
+    _assert_quoted(quotes, _section("The placebo's noise at three doses"))
+    assert "The next section runs that dose" in _section("A placebo and a null arm")
+    tis, placebo = _quoted(costs["token_tis"]), _quoted(costs[_PLACEBO])
+    double = _quoted(costs["token_tis_group_permuted_double"])
+    answers = _section("The answers so far, per mechanism")
+    _assert_quoted([f"on 100 new seeds of an Intel VM token TIS cost {tis} while the placebo cost {placebo} and "
+                    f"twice its noise {double}"], answers)
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"on 100 new seeds of an Intel VM the placebo cost {placebo} and twice its noise {double}, while token TIS "
+            f"cost {tis} again (\"The placebo's noise at three doses\")") in readme
