@@ -2386,6 +2386,8 @@ def _noise_dose_quotes() -> tuple[list[str], dict, dict]:
         f"{doses[0]:.2f}), and {arms['token_tis']['collapse']['k']} of its 100 runs collapsed "
         f"(none {arms['none']['collapse']['k']})",
         f"none's mean final reward was {np.mean([final['none', s] for s in _NOISE_SEEDS]):.3f}",
+        f"no weight of the double dose reached the engine's bound of 2 (the largest of its 100 runs "
+        f"{max(r['is_weight_max'] for s in _NOISE_SEEDS for r in runs[setting, double, s][0]):.2f})",
     ], {a: paired(a, "none") for a in weighted}, slope
 
 

@@ -48,8 +48,8 @@ from megatron_mis.testbed.demo.config import (
 )
 
 __all__ = ["BUILTIN_CORRECTIONS", "ArmSpec", "GRPOTrainer", "RunResult", "arm_spec", "balanced_first_token_weights",
-           "group_mean_weights", "megatron_state", "permuted_group_mean_weights", "random_derangement",
-           "rollout_log_probs_for_weights", "run_rank", "shuffle_log_ratios", "summarize"]
+           "group_mean_weights", "megatron_state", "permuted_group_mean_weights", "powered_weights",
+           "random_derangement", "rollout_log_probs_for_weights", "run_rank", "shuffle_log_ratios", "summarize"]
 
 
 # ----------------------------------------------------------------------------------- arms
