@@ -2280,10 +2280,11 @@ _NOISE_SEEDS = range(100, 200)
 @functools.cache
 def _noise_dose() -> tuple:
     """The noise-dose report at T = 1.5 (docs/study/sweep-temperature-t1.5/noise-dose) and its archive:
-    the dose's arms, every run's final reward, the runs, the setting and the paired-difference function
-    of :func:`_paired_over` on seeds 100-199; the report's arms are checked to be none, token TIS and the
-    three doses at those seeds, its vs-none differences the recomputed ones, every run to come from the
-    Intel VM (family 6 model 167) and the null arm's power to be the placebo's dose 0."""
+    the dose's arms, every run's final reward, the runs, the setting, the paired-difference function
+    of :func:`_paired_over` on seeds 100-199 and the report's study settings. The report's arms are
+    checked to be none, token TIS and the three doses at those seeds, each dose's power to be its
+    ``REWRITE_EXPONENT``, its vs-none differences the recomputed ones and every run to come from the
+    Intel VM (family 6 model 167, AVX-512)."""
     from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
 
     summary = _summary("sweep-temperature-t1.5", "noise-dose")
@@ -2304,7 +2305,7 @@ def _noise_dose() -> tuple:
     for arm in arms:
         if arm != "none":
             assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
-    return arms, final, runs, setting, paired
+    return arms, final, runs, setting, paired, study
 
 
 def _dose_slope(final: dict, seeds: range, study: dict) -> dict:
@@ -2325,8 +2326,7 @@ def _noise_dose_quotes() -> tuple[list[str], dict, dict]:
     differences are resolved, the 100 seeds of the Zen 1 VM they replicate, and the runs' times."""
     import numpy as np
 
-    arms, final, runs, setting, paired = _noise_dose()
-    study = _summary("sweep-temperature-t1.5", "noise-dose")["study"]
+    arms, final, runs, setting, paired, study = _noise_dose()
     pl, half, double = _PLACEBO, "token_tis_group_permuted_half", "token_tis_group_permuted_double"
     order = ("none", half, pl, double, "token_tis")
     extremes = {a: _weight_extremes(setting, runs, a, len(_NOISE_SEEDS), _NOISE_SEEDS[0]) for a in order}

@@ -342,11 +342,19 @@ def powered_weights(weights: torch.Tensor, loss_mask: torch.Tensor, exponent: fl
     """
     if not math.isfinite(exponent):
         raise ValueError(f"exponent={exponent!r}: expected a finite power")
+    m, w = _positive_loss_weights(weights, loss_mask, "raised to a power")
+    return torch.where(m, w.clamp(min=1e-30) ** exponent, w)
+
+
+def _positive_loss_weights(weights: torch.Tensor, loss_mask: torch.Tensor,
+                           use: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_mask > 0, weights as float32)``, checked: every loss token's weight > 0 (``use`` names
+    what it is for in the error)."""
     m = loss_mask > 0
     w = weights.float()
     if not bool(torch.all((w > 0) | ~m)):
-        raise ValueError(f"every loss token's weight must be > 0 to be raised to a power (smallest {float(w[m].min())})")
-    return torch.where(m, w.clamp(min=1e-30) ** exponent, w)
+        raise ValueError(f"every loss token's weight must be > 0 to be {use} (smallest {float(w[m].min())})")
+    return m, w
 
 
 def rollout_log_probs_for_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
@@ -363,11 +371,7 @@ def rollout_log_probs_for_weights(old_log_probs: torch.Tensor, rollout_log_probs
     Raises:
         ValueError: if a loss token's weight is not > 0 (its log would not be finite).
     """
-    m = loss_mask > 0
-    w = weights.float()
-    if not bool(torch.all((w > 0) | ~m)):
-        raise ValueError(f"every loss token's weight must be > 0 to be written as a log-ratio "
-                         f"(smallest {float(w[m].min())})")
+    m, w = _positive_loss_weights(weights, loss_mask, "written as a log-ratio")
     return torch.where(m, old_log_probs.float() - torch.log(w.clamp(min=1e-30)), rollout_log_probs.float())
 
 
