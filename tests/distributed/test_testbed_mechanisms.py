@@ -298,10 +298,11 @@ def test_trainer_truncation_removes_the_support_mismatch(pool1):
 
 
 def _one_step(correction: str, **fields):
-    """One demo step (fp32 rollouts, the DemoConfig ``fields``) under ``correction``: its record."""
+    """One demo step (fp32 rollouts, the DemoConfig ``fields``, which may override the small batch's) under
+    ``correction``: its record."""
     from megatron_mis.testbed.demo.train import GRPOTrainer, arm_spec, megatron_state
 
-    cfg = DemoConfig(steps=1, correction=correction, **fields, **_SMALL)
+    cfg = DemoConfig(steps=1, correction=correction, **{**_SMALL, **fields})
     with torch.random.fork_rng(devices=[]), megatron_state(cfg):
         trainer = GRPOTrainer(cfg, arm_spec(correction, cfg))
         record = trainer.step(1)
@@ -381,6 +382,25 @@ def test_the_placebo_s_noise_doses_raise_its_weights_to_a_power(pool1):
             assert arm[key] == pytest.approx(permuted[key] ** p, rel=1e-5), (p, key)
         assert arm["reward_mean"] == permuted["reward_mean"]
         assert abs(arm["grad_norm"] - permuted["grad_norm"]) > 1e-4 * permuted["grad_norm"]
+
+
+def test_the_shuffled_weights_doses_raise_them_to_a_power_per_token(pool1):
+    """The half and double doses of the shuffled weights raise the shuffled arm's token weights to 1/2
+    and 2: on the same first step their smallest and largest weight are the shuffled arm's to that
+    power (the double dose's largest bounded at 2 by the engine), and each gradient differs from the
+    shuffled arm's. With GRPO groups
+    split across micro-batches (8 prompts x 3 samples, micro-batches of 8) they train as the shuffled
+    arm does: a permutation needs no whole groups."""
+    for fields in ({}, dict(prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)):
+        shuffled, half, double = (
+            pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2, **fields)[0]
+            for c in ("token_tis_shuffled", "token_tis_shuffled_half", "token_tis_shuffled_double"))
+        assert shuffled["is_weight_min"] < 1 < shuffled["is_weight_max"]
+        for arm, p in ((half, 0.5), (double, 2.0)):
+            assert arm["is_weight_min"] == pytest.approx(shuffled["is_weight_min"] ** p, rel=1e-5), (fields, p)
+            assert arm["is_weight_max"] == pytest.approx(min(shuffled["is_weight_max"] ** p, 2.0), rel=1e-5), (fields, p)
+            assert arm["reward_mean"] == shuffled["reward_mean"]
+            assert abs(arm["grad_norm"] - shuffled["grad_norm"]) > 1e-4 * shuffled["grad_norm"], (fields, p)
 
 
 def _steps(correction: str, steps: int, **fields):

@@ -614,15 +614,18 @@ class GRPOTrainer:
         # one stream per (seed, step, micro-batch); the shuffle's expression made the archived shuffled runs
         g = torch.Generator().manual_seed(((self.cfg.seed * 1_000_003 + step) * 100_003 + idx[0]) % 2**63)
         if self.arm.rewrite == "shuffle":
-            shuffled = shuffle_log_ratios(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, g)
-            return replace(mb, rollout_log_probs=shuffled)
+            mb = replace(mb, rollout_log_probs=shuffle_log_ratios(mb.old_log_probs, mb.rollout_log_probs,
+                                                                  mb.loss_mask, g))
+            if self.arm.rewrite_exponent == 1.0:  # the engine weighs the shuffled log-ratios as they are
+                return mb
         from megatron_mis.core.engine import compute_mis
 
         group = self.cfg.samples_per_prompt
         if self.arm.rewrite == "unit":  # the null arm: weights of 1, nothing for the engine to compute first
             w = torch.ones(mb.old_log_probs.shape)
-        else:
-            cu = _group_offsets(mb.response_lengths, group)
+        else:  # a shuffle permutes within the micro-batch: its sequences need not form whole groups
+            cu = (torch.nn.functional.pad(torch.cumsum(mb.response_lengths.long(), 0), (1, 0))
+                  if self.arm.rewrite == "shuffle" else _group_offsets(mb.response_lengths, group))
             w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
         if self.arm.rewrite == "group_mean":
             w = group_mean_weights(w, mb.loss_mask, mb.response_lengths, group)
@@ -630,7 +633,7 @@ class GRPOTrainer:
             w = permuted_group_mean_weights(w, mb.loss_mask, mb.response_lengths, group, g)
         elif self.arm.rewrite == "balance_first_token":
             w = balanced_first_token_weights(w, mb.loss_mask, mb.response_lengths, mb.advantages, group)
-        elif self.arm.rewrite != "unit":
+        elif self.arm.rewrite not in ("unit", "shuffle"):
             raise ValueError(f"rewrite={self.arm.rewrite!r}: expected one of shuffle, group_mean, group_mean_permuted, "
                              f"balance_first_token, unit")
         if self.arm.rewrite_exponent != 1.0:

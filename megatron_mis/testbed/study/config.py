@@ -399,6 +399,12 @@ ARMS: dict[str, Arm] = {
         _arm("token_tis_shuffled", "diagnostic: decoupled PPO, token IS weight truncated at 2 with the log-ratios "
              "shuffled among each micro-batch's loss tokens (token TIS's weights, on other tokens)",
              correction="token_tis_shuffled"),
+        _arm("token_tis_shuffled_half", "diagnostic (the shuffled weights at half the dose): token_tis_shuffled's "
+             "token weights w rewritten to w ** 0.5 (their log-spread around 1 halved, per token)",
+             correction="token_tis_shuffled_half"),
+        _arm("token_tis_shuffled_double", "diagnostic (the shuffled weights at twice the dose): token_tis_shuffled's "
+             "token weights w rewritten to w ** 2 (their log-spread around 1 doubled, per token; bounded at 2)",
+             correction="token_tis_shuffled_double"),
         _arm("token_tis_group_mean", "diagnostic: decoupled PPO, every loss token weighted by its GRPO group's mean "
              "token TIS weight (min(r, 2) averaged over the group's loss tokens: no variation within a group)",
              correction="token_tis_group_mean"),
