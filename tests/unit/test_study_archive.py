@@ -230,6 +230,11 @@ _REPORTS = [
                                               "token_tis_group_permuted": range(100, 200),
                                               "token_tis_group_permuted_half": range(100, 200),
                                               "token_tis_group_permuted_double": range(100, 200)}),
+    # and seeds 100-199 of the group mean, the shuffled weights and the shuffled weights at half and twice the dose,
+    # a session later on an Intel VM of the same kind, beside none, token TIS and the placebo of the noise-dose report
+    ("sweep-temperature-t1.5", "token-weights", {a: range(100, 200) for a in (
+        "none", "token_tis", "token_tis_group_permuted", "token_tis_group_mean", "token_tis_shuffled",
+        "token_tis_shuffled_half", "token_tis_shuffled_double")}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -2277,45 +2282,51 @@ _NOISE_DOSES = {"none": 0.0, "token_tis_group_permuted_half": 0.5, _PLACEBO: 1.0
 _NOISE_SEEDS = range(100, 200)
 
 
-@functools.cache
-def _noise_dose() -> tuple:
-    """The noise-dose report at T = 1.5 (docs/study/sweep-temperature-t1.5/noise-dose) and its archive:
-    the dose's arms, every run's final reward, the runs, the setting, the paired-difference function
-    of :func:`_paired_over` on seeds 100-199 and the report's study settings. The report's arms are
-    checked to be none, token TIS and the three doses at those seeds, each dose's power to be its
-    ``REWRITE_EXPONENT``, its vs-none differences the recomputed ones and every run to come from the
-    Intel VM (family 6 model 167, AVX-512)."""
-    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
-
-    summary = _summary("sweep-temperature-t1.5", "noise-dose")
+def _intel_report(report: str, arm_names, seeds: range = _NOISE_SEEDS) -> tuple:
+    """A report of docs/study/sweep-temperature-t1.5 made on the Intel VM (family 6 model 167, AVX-512) and
+    its archive: the dose's arms, every run's final reward, the runs, the setting, the paired-difference
+    function of :func:`_paired_over` on ``seeds`` and the report's study settings. The report's arms are
+    checked to be ``arm_names`` at ``seeds``, their vs-none differences the recomputed ones and every run
+    to come from that VM."""
+    summary = _summary("sweep-temperature-t1.5", report)
     (dose,) = summary["doses"]
     arms, study = dose["arms"], summary["study"]
-    assert sorted(arms) == sorted({*_NOISE_DOSES, "token_tis"})
-    assert all(list(arms[a]["seeds"]) == list(_NOISE_SEEDS) for a in arms)
-    assert {a: REWRITE_EXPONENT.get(a, 1.0) for a in _NOISE_DOSES if a != "none"} == {
-        a: p for a, p in _NOISE_DOSES.items() if a != "none"}
+    assert sorted(arms) == sorted(arm_names)
+    assert all(list(arms[a]["seeds"]) == list(seeds) for a in arms)
     final = _committed_finals("sweep-temperature-t1.5", summary)
     runs = _archive_runs("sweep-temperature-t1.5")
     headers = _archive_headers("sweep-temperature-t1.5")
     setting = dose["setting"]
     machines = {(headers[setting, a, s]["machine"]["cpu_family_model"], headers[setting, a, s]["machine"]
-                 ["cpu_capability"]) for a in arms for s in _NOISE_SEEDS}
+                 ["cpu_capability"]) for a in arms for s in seeds}
     assert machines == {("6/167", "AVX512")}, machines
-    paired = _paired_over(final, runs, setting, study, _NOISE_SEEDS)
+    paired = _paired_over(final, runs, setting, study, seeds)
     for arm in arms:
         if arm != "none":
             assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
     return arms, final, runs, setting, paired, study
 
 
-def _dose_slope(final: dict, seeds: range, study: dict) -> dict:
-    """Per seed, the least-squares slope of the final reward on the placebo's power p over none (p = 0)
-    and the three doses (0.5, 1, 2); their mean with the reports' paired bootstrap against 0."""
+@functools.cache
+def _noise_dose() -> tuple:
+    """The noise-dose report at T = 1.5 (docs/study/sweep-temperature-t1.5/noise-dose; :func:`_intel_report`):
+    its arms none, token TIS and the three doses at seeds 100-199, each dose's power its ``REWRITE_EXPONENT``."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
+
+    assert {a: REWRITE_EXPONENT.get(a, 1.0) for a in _NOISE_DOSES if a != "none"} == {
+        a: p for a, p in _NOISE_DOSES.items() if a != "none"}
+    return _intel_report("noise-dose", {*_NOISE_DOSES, "token_tis"})
+
+
+def _dose_slope(final: dict, seeds: range, study: dict, doses: dict = _NOISE_DOSES) -> dict:
+    """Per seed, the least-squares slope of the final reward on the power p of ``doses`` (``{arm: p}``;
+    default the placebo's: none p = 0 and its three doses 0.5, 1, 2); their mean with the reports'
+    paired bootstrap against 0."""
     from megatron_mis.testbed.study.stats import paired_differences
 
-    mean_p = sum(_NOISE_DOSES.values()) / len(_NOISE_DOSES)
-    sxx = sum((p - mean_p) ** 2 for p in _NOISE_DOSES.values())
-    slopes = {s: sum((p - mean_p) * final[a, s] for a, p in _NOISE_DOSES.items()) / sxx for s in seeds}
+    mean_p = sum(doses.values()) / len(doses)
+    sxx = sum((p - mean_p) ** 2 for p in doses.values())
+    slopes = {s: sum((p - mean_p) * final[a, s] for a, p in doses.items()) / sxx for s in seeds}
     return paired_differences(slopes, dict.fromkeys(seeds, 0.0), confidence=study["confidence"],
                               resamples=study["bootstrap"])
 
@@ -2408,3 +2419,165 @@ def test_the_noise_dose_at_1_5_comes_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"on 100 new seeds of an Intel VM the placebo cost {placebo} and twice its noise {double}, while token TIS "
             f"cost {tis} again (\"The placebo's noise at three doses\")") in readme
+
+
+#: The arms of docs/study/sweep-temperature-t1.5/token-weights, every one at seeds 100-199 on the Intel VM: none,
+#: token TIS and the placebo of the noise-dose report, and (a session later, 2026-12-02) the group mean, the
+#: shuffled weights and the shuffled weights raised to the powers 1/2 and 2: ``{arm: its power p}`` of the shuffled
+#: weights' doses (none p = 0), then the others.
+_SHUFFLED_DOSES = {"none": 0.0, "token_tis_shuffled_half": 0.5, "token_tis_shuffled": 1.0,
+                   "token_tis_shuffled_double": 2.0}
+_TOKEN_WEIGHT_ARMS = (*_SHUFFLED_DOSES, "token_tis", _PLACEBO, "token_tis_group_mean")
+
+
+@functools.cache
+def _token_weights() -> tuple:
+    """The token-weights report at T = 1.5 (docs/study/sweep-temperature-t1.5/token-weights;
+    :func:`_intel_report`): its arms :data:`_TOKEN_WEIGHT_ARMS` at seeds 100-199, each dose of the shuffled
+    weights' power its ``REWRITE_EXPONENT`` and its rewrite the shuffled arm's."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
+
+    doses = {a: p for a, p in _SHUFFLED_DOSES.items() if a != "none"}
+    assert {a: REWRITE_EXPONENT.get(a, 1.0) for a in doses} == doses
+    assert {REWRITTEN_TIS[a] for a in doses} == {"shuffle"}
+    return _intel_report("token-weights", _TOKEN_WEIGHT_ARMS)
+
+
+def _token_weight_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on token TIS's weights per group and per token at three
+    doses on the Intel seeds 100-199 (:func:`_token_weights`), recomputed from the archive: each arm's
+    row, the 200-seed table over these seeds and the AVX2 seeds 0-99 (each pair from one machine), the
+    shuffled weights' dose slope, which differences are resolved (also after a correction for ten
+    comparisons) and the runs' times; with the 200-seed differences the answers and the README quote."""
+    import numpy as np
+
+    arms, final, runs, setting, paired, study = _token_weights()
+    pl, gm, sh = _PLACEBO, "token_tis_group_mean", "token_tis_shuffled"
+    half, double = "token_tis_shuffled_half", "token_tis_shuffled_double"
+    order = ("none", pl, gm, half, sh, double, "token_tis")
+    extremes = {a: _weight_extremes(setting, runs, a, len(_NOISE_SEEDS), _NOISE_SEEDS[0]) for a in order}
+    formula = {"none": "1 (PPO)", pl: "another group's mean", gm: "its group's mean", half: "shuffled, ** 0.5",
+               sh: "min(r, 2), shuffled", double: "shuffled, ** 2", "token_tis": "min(r, 2)"}
+    per = {"none": "-", pl: "group", gm: "group", half: "token", sh: "token", double: "token", "token_tis": "token"}
+
+    def row(arm: str) -> str:
+        lo, hi = extremes[arm][:2]
+        return "| " + " | ".join([
+            f"`{arm}`", per[arm], formula[arm], f"{lo:.2f} / {hi:.2f}",
+            "-" if arm == "none" else _quoted(paired(arm, "none")),
+            "-" if arm in ("none", "token_tis") else _quoted(paired(arm, "token_tis")),
+            "-" if arm in ("none", pl) else _quoted(paired(arm, pl)),
+            "-" if arm == "none" else _quoted(paired(arm, "none", key="greedy_reward")),
+            f"{np.mean([final[arm, s] for s in _NOISE_SEEDS]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"])]) + " |"
+
+    avx2 = _hundred_seeds()[4]  # seeds 0-99: the Zen 3 / Zen 1 VMs
+    both = _paired_over(final, runs, setting, study, range(200))  # every pair from one machine
+
+    def row200(arm: str) -> str:
+        return "| " + " | ".join([f"`{arm}`", _quoted(avx2(arm, "none")), _quoted(paired(arm, "none")),
+                                  _quoted(both(arm, "none")),
+                                  "-" if arm == "token_tis" else _quoted(both(arm, "token_tis"))]) + " |"
+
+    slope = _dose_slope(final, _NOISE_SEEDS, study, _SHUFFLED_DOSES)
+    ten = ((("token_tis", "none"), (sh, "none"), (gm, "none"), (pl, "none"), (gm, "token_tis"), (sh, "token_tis"),
+            (sh, gm), (gm, pl), (sh, pl), ("token_tis", pl)))
+    strict = {k: both(*k, comparisons=10) for k in ten}
+    # over 200 seeds: token TIS below none and the shuffled weights too, after the correction as well; the group
+    # mean and the placebo not; the group mean above token TIS (also corrected), the shuffled weights above it (not
+    # corrected); the group mean level with the placebo
+    assert [k for k in ten if both(*k)["excludes_zero"]] == [("token_tis", "none"), (sh, "none"), (gm, "token_tis"),
+                                                            (sh, "token_tis"), ("token_tis", pl)]
+    assert [k for k in ten if strict[k]["excludes_zero"]] == [("token_tis", "none"), (sh, "none"), (gm, "token_tis"),
+                                                             ("token_tis", pl)]
+    assert [a for a in (half, sh, double, gm, pl) if paired(a, "none")["excludes_zero"]] == [half, sh, double]
+    assert slope["excludes_zero"] and not any(paired(a, b)["excludes_zero"] for a, b in ((half, sh), (double, half)))
+    assert not any(paired(*k)["excludes_zero"] for k in ((gm, pl), (sh, "token_tis"), (double, "token_tis")))
+    wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in _NOISE_SEEDS]
+            for k, arms_ in (("first", (gm, sh)), ("doses", (half, double)))}
+    times = {k: f"about {np.mean(w):.0f} s per run and {sum(w) / 3600:.1f} CPU-hours" for k, w in wall.items()}
+    assert times["first"] == times["doses"], times  # quoted once: "each"
+    at_bound = np.mean([r["is_weight_max"] >= 2 - 1e-6 for s in _NOISE_SEEDS for r in runs[setting, double, s][0]])
+    blocks = {a: [np.array([final[a, s] - final["none", s] for s in seeds]) for seeds in (range(100), _NOISE_SEEDS)]
+              for a in (gm, sh)}
+    moved = {a: (b[1].mean() - b[0].mean(), (b[1].mean() - b[0].mean()) / np.sqrt(sum(x.var(ddof=1) / x.size
+                                                                                       for x in b)))
+             for a, b in blocks.items()}
+    grads = {a: arms[a]["grad_norm_mean"] for a in arms}
+    greedy = {a: paired(a, "none", key="greedy_reward")["mean"] for a in (half, sh, double)}
+    placebo_slope = _dose_slope(final, _NOISE_SEEDS, study)  # the same archive: the placebo's doses
+    s_lo, s_hi = extremes[sh][:2]
+    return [
+        f"both cost about half of token TIS's cost on seeds 0-99 of the AVX2 VMs ({avx2(gm, 'none')['mean']:.3f} and "
+        f"{avx2(sh, 'none')['mean']:.3f})",
+        f"200 runs each, {times['first']} each",
+        f"the double dose reached that bound on {at_bound:.0%} of its steps (wherever a shuffled weight was above "
+        f"1.41)",
+        *(row(a) for a in order),
+        *(row200(a) for a in (pl, gm, sh, "token_tis")),
+        f"Against none the half dose cost {_quoted(paired(half, 'none'))}, the shuffled weights "
+        f"{_quoted(paired(sh, 'none'))} and the double dose {_quoted(paired(double, 'none'))} (greedy reward "
+        f"{greedy[half]:.3f}, {greedy[sh]:.3f} and {greedy[double]:.3f})",
+        f"The slope of the final reward on p, fitted per seed over none and the three doses, is {_quoted(slope)} per "
+        f"unit of p, where the placebo's was {_quoted(placebo_slope)}",
+        f"the half dose is level with the shuffled weights ({_quoted(paired(half, sh))}), and double - half is "
+        f"{_quoted(paired(double, half))}",
+        f"Weights from {extremes[half][0]:.2f} to {extremes[half][1]:.2f} cost as much as weights from {s_lo:.2f} to "
+        f"{s_hi:.2f}",
+        f"group mean cost {_quoted(paired(gm, 'none'))} against none on these seeds and is level with the placebo "
+        f"({_quoted(paired(gm, pl))}). Over 200 seeds the group mean cost {_quoted(both(gm, 'none'))} and the placebo "
+        f"{_quoted(both(pl, 'none'))}, level with each other ({_quoted(both(gm, pl))})",
+        f"(they differ by {moved[gm][0]:.3f} and {moved[sh][0]:.3f}, {moved[gm][1]:.1f} and {abs(moved[sh][1]):.1f} "
+        f"standard errors)",
+        f"(shuffled - token TIS {_quoted(paired(sh, 'token_tis'))}) and with the double dose "
+        f"({_quoted(paired(double, 'token_tis'))}). Over 200 seeds the shuffled weights are "
+        f"{_quoted(both(sh, 'token_tis'))} above token TIS",
+        f"(99.5%: {_quoted(strict[sh, 'token_tis'])}). With that correction token TIS "
+        f"({_quoted(strict['token_tis', 'none'])}) and the shuffled weights ({_quoted(strict[sh, 'none'])}) stay "
+        f"below none, and the group mean stays above token TIS ({_quoted(strict[gm, 'token_tis'])})",
+        f"mean gradient norms were {grads[half]:.2f}, {grads[sh]:.2f} and {grads[double]:.2f} (none "
+        f"{grads['none']:.2f}, the group mean {grads[gm]:.2f}), token TIS's {grads['token_tis']:.2f}",
+        f"shuffled, they cost {both(sh, 'none')['mean']:.3f} of its {both('token_tis', 'none')['mean']:.3f} over 200 "
+        f"seeds",
+        f"the widest group dose (the placebo's double, {_noise_dose_extremes()}) is narrower than the narrowest token "
+        f"dose ({extremes[half][0]:.2f} / {extremes[half][1]:.2f})",
+        f"the shuffled weights at p = 0.1 and 0.25 (weights of about {s_lo ** 0.1:.2f} / {s_hi ** 0.1:.2f} and "
+        f"{s_lo ** 0.25:.2f} / {s_hi ** 0.25:.2f}",
+    ], {"sh": both(sh, "none"), "slope": slope}
+
+
+def _noise_dose_extremes() -> str:
+    """The placebo's double dose's mean smallest / largest weight over seeds 100-199 (:func:`_noise_dose`)."""
+    _, _, runs, setting, _, _ = _noise_dose()
+    lo, hi = _weight_extremes(setting, runs, "token_tis_group_permuted_double", len(_NOISE_SEEDS), _NOISE_SEEDS[0])[:2]
+    return f"{lo:.2f} / {hi:.2f}"
+
+
+def test_the_token_weights_at_1_5_come_from_the_archive():
+    """docs/study.md on token TIS's weights per group and per token at three doses at a rollout
+    temperature of 1.5 (seeds 100-199 on the Intel VM, docs/study/sweep-temperature-t1.5/token-weights,
+    pooled with the AVX2 VMs' seeds 0-99): each arm's row, the 200-seed table, the shuffled weights'
+    dose slope, which differences are resolved and the runs' times, recomputed from the archive; the
+    section before points to it."""
+    quotes, costs = _token_weight_quotes()
+    _assert_quoted(quotes, _section("Token TIS's weights per group and per token"))
+    assert "The next section reruns them on these seeds" in _section("The placebo's noise at three doses")
+    _, _, runs, setting, paired, _ = _token_weights()
+    sh, half, double = "token_tis_shuffled", "token_tis_shuffled_half", "token_tis_shuffled_double"
+    shuffled = _quoted(costs["sh"])
+    _assert_quoted([f"token TIS's weights shuffled onto random tokens cost {shuffled} over 200 seeds of both machines, "
+                    f"and at twice their log-spread {_quoted(paired(double, 'none'))} on the Intel seeds",
+                    f"token TIS's weights shuffled onto random tokens cost {shuffled} over 200 seeds, and noise from "
+                    f"token to token cost at every dose run, slope {_quoted(costs['slope'])} per unit of power"],
+                   _section("The answers so far, per mechanism"))
+    hours = sum(runs[setting, a, s][1]["wall_s"] for a in ("token_tis_group_mean", sh, half, double)
+                for s in _NOISE_SEEDS) / 3600
+    _assert_quoted([f"3.3 for the 500 of seeds 100-199 and {hours:.1f} for 400 more of them (Intel VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"token TIS's own weights shuffled onto random tokens cost {shuffled} over 200 seeds of both machines, "
+            f"and at half and twice their log-spread {_quoted(paired(half, 'none'))} and "
+            f"{_quoted(paired(double, 'none'))} on the Intel seeds (2026-12-02; \"Token TIS's weights per group and "
+            f"per token\"), so at T = 1.5 at least half of token TIS's cost is what weights that vary from token to "
+            f"token cost")\
+        in readme
