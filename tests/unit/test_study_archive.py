@@ -2480,8 +2480,8 @@ def _token_weight_quotes() -> tuple[list[str], dict]:
                                   "-" if arm == "token_tis" else _quoted(both(arm, "token_tis"))]) + " |"
 
     slope = _dose_slope(final, _NOISE_SEEDS, study, _SHUFFLED_DOSES)
-    ten = ((("token_tis", "none"), (sh, "none"), (gm, "none"), (pl, "none"), (gm, "token_tis"), (sh, "token_tis"),
-            (sh, gm), (gm, pl), (sh, pl), ("token_tis", pl)))
+    ten = (("token_tis", "none"), (sh, "none"), (gm, "none"), (pl, "none"), (gm, "token_tis"), (sh, "token_tis"),
+           (sh, gm), (gm, pl), (sh, pl), ("token_tis", pl))
     strict = {k: both(*k, comparisons=10) for k in ten}
     # over 200 seeds: token TIS below none and the shuffled weights too, after the correction as well; the group
     # mean and the placebo not; the group mean above token TIS (also corrected), the shuffled weights above it (not

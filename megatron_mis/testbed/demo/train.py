@@ -624,8 +624,7 @@ class GRPOTrainer:
         if self.arm.rewrite == "unit":  # the null arm: weights of 1, nothing for the engine to compute first
             w = torch.ones(mb.old_log_probs.shape)
         else:  # a shuffle permutes within the micro-batch: its sequences need not form whole groups
-            cu = (torch.nn.functional.pad(torch.cumsum(mb.response_lengths.long(), 0), (1, 0))
-                  if self.arm.rewrite == "shuffle" else _group_offsets(mb.response_lengths, group))
+            cu = mb.response_cu_seqlens if self.arm.rewrite == "shuffle" else _group_offsets(mb.response_lengths, group)
             w = compute_mis(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask, cu, self.arm.mis).weights
         if self.arm.rewrite == "group_mean":
             w = group_mean_weights(w, mb.loss_mask, mb.response_lengths, group)
