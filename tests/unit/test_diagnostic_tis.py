@@ -49,6 +49,8 @@ _EXPECTED = {
     "token_tis_group_permuted": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_permuted_half": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_permuted_double": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_shuffled_tenth": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_shuffled_quarter": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_shuffled_half": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_shuffled_double": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_unit": [0.25, 0.8, 1.0, 1.3, 2.0],
@@ -96,15 +98,19 @@ def test_a_diagnostic_trains_with_decoupled_ppo_at_the_trainer_s_temperature(cor
 
 def test_the_noise_doses_are_the_placebo_s_or_the_shuffled_weights_raised_to_a_power():
     """The placebo's half and double doses rewrite as the placebo does, the shuffled weights' as the
-    shuffled arm does; then each raises every weight to 1/2 and 2."""
+    shuffled arm does; then each raises every weight to its power (the placebo's 1/2 and 2, the
+    shuffled weights' 1/10, 1/4, 1/2 and 2)."""
     assert {n: (REWRITTEN_TIS[n], p) for n, p in REWRITE_EXPONENT.items()} == {
         "token_tis_group_permuted_half": ("group_mean_permuted", 0.5),
         "token_tis_group_permuted_double": ("group_mean_permuted", 2.0),
+        "token_tis_shuffled_tenth": ("shuffle", 0.1),
+        "token_tis_shuffled_quarter": ("shuffle", 0.25),
         "token_tis_shuffled_half": ("shuffle", 0.5),
         "token_tis_shuffled_double": ("shuffle", 2.0),
     }
     assert DIAGNOSTIC_TIS["token_tis_group_permuted_double"] == DIAGNOSTIC_TIS["token_tis_group_permuted"]
-    assert DIAGNOSTIC_TIS["token_tis_shuffled_double"] == DIAGNOSTIC_TIS["token_tis_shuffled"]
+    for dose in ("tenth", "quarter", "half", "double"):
+        assert DIAGNOSTIC_TIS[f"token_tis_shuffled_{dose}"] == DIAGNOSTIC_TIS["token_tis_shuffled"]
 
 
 def test_powered_weights_scale_each_loss_token_s_log_weight_hand_derived():

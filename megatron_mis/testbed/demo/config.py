@@ -47,13 +47,16 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 #: are the placebo at another dose of noise (:data:`REWRITE_EXPONENT`): each placebo weight w
 #: raised to the power 1/2 or 2, its log-spread around 1 halved or doubled (the null arm is the
 #: power 0), then bounded at 2 again by the engine as every rewritten weight is;
-#: ``token_tis_shuffled_half`` and ``token_tis_shuffled_double`` are the shuffled weights at another
-#: dose: each shuffled token weight raised to the power 1/2 or 2 the same way (per token, where the
-#: placebo's doses act per group).
+#: ``token_tis_shuffled_tenth``, ``token_tis_shuffled_quarter``, ``token_tis_shuffled_half`` and
+#: ``token_tis_shuffled_double`` are the shuffled weights at another dose: each shuffled token weight
+#: raised to the power 1/10, 1/4, 1/2 or 2 the same way (per token, where the placebo's doses act per
+#: group).
 DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
     "token_tis_floor1": {"tis_mode": "clip", "tis_lower_bound": 1.0, "tis_upper_bound": 2.0},
     "token_tis_cap1": {"tis_mode": "truncate", "tis_upper_bound": 1.0},
     "token_tis_shuffled": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_shuffled_tenth": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_shuffled_quarter": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_shuffled_half": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_shuffled_double": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_group_mean": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
@@ -69,6 +72,8 @@ DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
 #: micro-batch (``group_mean_permuted`` at least two); ``unit`` sets every weight to 1.
 REWRITTEN_TIS: dict[str, str] = {
     "token_tis_shuffled": "shuffle",
+    "token_tis_shuffled_tenth": "shuffle",
+    "token_tis_shuffled_quarter": "shuffle",
     "token_tis_shuffled_half": "shuffle",
     "token_tis_shuffled_double": "shuffle",
     "token_tis_group_mean": "group_mean",
@@ -83,6 +88,8 @@ REWRITTEN_TIS: dict[str, str] = {
 REWRITE_EXPONENT: dict[str, float] = {
     "token_tis_group_permuted_half": 0.5,
     "token_tis_group_permuted_double": 2.0,
+    "token_tis_shuffled_tenth": 0.1,
+    "token_tis_shuffled_quarter": 0.25,
     "token_tis_shuffled_half": 0.5,
     "token_tis_shuffled_double": 2.0,
 }
@@ -123,7 +130,8 @@ class DemoConfig(ConfigBase):
         "group's first-token weights scaled on one side so that sum_i w_i A_i over them is 0; token_tis_unit "
         "(the null arm): decoupled PPO with every weight rewritten to exactly 1 (none's gradient); "
         "token_tis_group_permuted_half / _double: the deranged group means raised to the power 1/2 / 2; "
-        "token_tis_shuffled_half / _double: the shuffled token weights raised to the power 1/2 / 2.",
+        "token_tis_shuffled_tenth / _quarter / _half / _double: the shuffled token weights raised to the power "
+        "1/10 / 1/4 / 1/2 / 2.",
     )
     compare: bool = doc(
         False,

@@ -399,6 +399,12 @@ ARMS: dict[str, Arm] = {
         _arm("token_tis_shuffled", "diagnostic: decoupled PPO, token IS weight truncated at 2 with the log-ratios "
              "shuffled among each micro-batch's loss tokens (token TIS's weights, on other tokens)",
              correction="token_tis_shuffled"),
+        _arm("token_tis_shuffled_tenth", "diagnostic (the shuffled weights at a tenth of the dose): "
+             "token_tis_shuffled's token weights w rewritten to w ** 0.1 (their log-spread around 1 divided by 10, "
+             "per token)", correction="token_tis_shuffled_tenth"),
+        _arm("token_tis_shuffled_quarter", "diagnostic (the shuffled weights at a quarter of the dose): "
+             "token_tis_shuffled's token weights w rewritten to w ** 0.25 (their log-spread around 1 divided by 4, "
+             "per token)", correction="token_tis_shuffled_quarter"),
         _arm("token_tis_shuffled_half", "diagnostic (the shuffled weights at half the dose): token_tis_shuffled's "
              "token weights w rewritten to w ** 0.5 (their log-spread around 1 halved, per token)",
              correction="token_tis_shuffled_half"),
