@@ -385,17 +385,22 @@ def test_the_placebo_s_noise_doses_raise_its_weights_to_a_power(pool1):
 
 
 def test_the_shuffled_weights_doses_raise_them_to_a_power_per_token(pool1):
-    """The half and double doses of the shuffled weights raise the shuffled arm's token weights to 1/2
-    and 2: on the same first step their smallest and largest weight are the shuffled arm's to that
-    power (the double dose's largest bounded at 2 by the engine), and each gradient differs from the
-    shuffled arm's. With GRPO groups split across micro-batches (8 prompts x 3 samples, micro-batches
-    of 8) they train as the shuffled arm does: a permutation needs no whole groups."""
+    """Each dose of the shuffled weights (powers 1/10, 1/4, 1/2 and 2) raises the shuffled arm's token
+    weights to its power: on the same first step its smallest and largest weight are the shuffled
+    arm's to that power (the double dose's largest bounded at 2 by the engine), and each gradient
+    differs from the shuffled arm's. With GRPO groups split across micro-batches (8 prompts x 3
+    samples, micro-batches of 8) they train as the shuffled arm does: a permutation needs no whole
+    groups."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
+
+    doses = {c: p for c, p in REWRITE_EXPONENT.items() if REWRITTEN_TIS[c] == "shuffle"}
+    assert sorted(doses.values()) == [0.1, 0.25, 0.5, 2.0]
     for fields in ({}, dict(prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)):
-        shuffled, half, double = (
+        shuffled, *dosed = (
             pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2, **fields)[0]
-            for c in ("token_tis_shuffled", "token_tis_shuffled_half", "token_tis_shuffled_double"))
+            for c in ("token_tis_shuffled", *doses))
         assert shuffled["is_weight_min"] < 1 < shuffled["is_weight_max"]
-        for arm, p in ((half, 0.5), (double, 2.0)):
+        for arm, p in zip(dosed, doses.values()):
             assert arm["is_weight_min"] == pytest.approx(shuffled["is_weight_min"] ** p, rel=1e-5), (fields, p)
             largest = min(shuffled["is_weight_max"] ** p, 2.0)  # the engine's bound
             assert arm["is_weight_max"] == pytest.approx(largest, rel=1e-5), (fields, p)
