@@ -235,6 +235,10 @@ _REPORTS = [
     ("sweep-temperature-t1.5", "token-weights", {a: range(100, 200) for a in (
         "none", "token_tis", "token_tis_group_permuted", "token_tis_group_mean", "token_tis_shuffled",
         "token_tis_shuffled_half", "token_tis_shuffled_double")}),
+    # and seeds 200-299 of none and the shuffled weights at a tenth and a quarter of the dose, a session later on a
+    # Zen 4 VM (AVX-512 kernels, other trajectories than the Intel VM's): none's own runs there
+    ("sweep-temperature-t1.5", "shuffled-low-doses", {a: range(200, 300) for a in (
+        "none", "token_tis_shuffled_tenth", "token_tis_shuffled_quarter")}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -2282,12 +2286,17 @@ _NOISE_DOSES = {"none": 0.0, "token_tis_group_permuted_half": 0.5, _PLACEBO: 1.0
 _NOISE_SEEDS = range(100, 200)
 
 
-def _intel_report(report: str, arm_names, seeds: range = _NOISE_SEEDS) -> tuple:
-    """A report of docs/study/sweep-temperature-t1.5 made on the Intel VM (family 6 model 167, AVX-512) and
-    its archive: the dose's arms, every run's final reward, the runs, the setting, the paired-difference
-    function of :func:`_paired_over` on ``seeds`` and the report's study settings. The report's arms are
-    checked to be ``arm_names`` at ``seeds``, their vs-none differences the recomputed ones and every run
-    to come from that VM."""
+#: The machines of the T = 1.5 reports made on one VM each: ``(cpu family/model, torch's kernels)`` of the run headers.
+_INTEL = ("6/167", "AVX512")
+_ZEN4 = ("25/17", "AVX512")
+
+
+def _one_vm_report(report: str, arm_names, seeds: range = _NOISE_SEEDS, machine: tuple = _INTEL) -> tuple:
+    """A report of docs/study/sweep-temperature-t1.5 made on one VM (``machine``, default the Intel VM of
+    family 6 model 167 with AVX-512 kernels) and its archive: the dose's arms, every run's final reward,
+    the runs, the setting, the paired-difference function of :func:`_paired_over` on ``seeds`` and the
+    report's study settings. The report's arms are checked to be ``arm_names`` at ``seeds``, their
+    vs-none differences the recomputed ones and every run to come from that VM."""
     summary = _summary("sweep-temperature-t1.5", report)
     (dose,) = summary["doses"]
     arms, study = dose["arms"], summary["study"]
@@ -2299,7 +2308,7 @@ def _intel_report(report: str, arm_names, seeds: range = _NOISE_SEEDS) -> tuple:
     setting = dose["setting"]
     machines = {(headers[setting, a, s]["machine"]["cpu_family_model"], headers[setting, a, s]["machine"]
                  ["cpu_capability"]) for a in arms for s in seeds}
-    assert machines == {("6/167", "AVX512")}, machines
+    assert machines == {machine}, machines
     paired = _paired_over(final, runs, setting, study, seeds)
     for arm in arms:
         if arm != "none":
@@ -2309,13 +2318,14 @@ def _intel_report(report: str, arm_names, seeds: range = _NOISE_SEEDS) -> tuple:
 
 @functools.cache
 def _noise_dose() -> tuple:
-    """The noise-dose report at T = 1.5 (docs/study/sweep-temperature-t1.5/noise-dose; :func:`_intel_report`):
-    its arms none, token TIS and the three doses at seeds 100-199, each dose's power its ``REWRITE_EXPONENT``."""
+    """The noise-dose report at T = 1.5 (docs/study/sweep-temperature-t1.5/noise-dose;
+    :func:`_one_vm_report`): its arms none, token TIS and the three doses at seeds 100-199, each dose's
+    power its ``REWRITE_EXPONENT``."""
     from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
 
     assert {a: REWRITE_EXPONENT.get(a, 1.0) for a in _NOISE_DOSES if a != "none"} == {
         a: p for a, p in _NOISE_DOSES.items() if a != "none"}
-    return _intel_report("noise-dose", {*_NOISE_DOSES, "token_tis"})
+    return _one_vm_report("noise-dose", {*_NOISE_DOSES, "token_tis"})
 
 
 def _dose_slope(final: dict, seeds: range, study: dict, doses: dict = _NOISE_DOSES) -> dict:
@@ -2433,14 +2443,14 @@ _TOKEN_WEIGHT_ARMS = (*_SHUFFLED_DOSES, "token_tis", _PLACEBO, "token_tis_group_
 @functools.cache
 def _token_weights() -> tuple:
     """The token-weights report at T = 1.5 (docs/study/sweep-temperature-t1.5/token-weights;
-    :func:`_intel_report`): its arms :data:`_TOKEN_WEIGHT_ARMS` at seeds 100-199, each dose of the shuffled
+    :func:`_one_vm_report`): its arms :data:`_TOKEN_WEIGHT_ARMS` at seeds 100-199, each dose of the shuffled
     weights' power its ``REWRITE_EXPONENT`` and its rewrite the shuffled arm's."""
     from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
 
     doses = {a: p for a, p in _SHUFFLED_DOSES.items() if a != "none"}
     assert {a: REWRITE_EXPONENT.get(a, 1.0) for a in doses} == doses
     assert {REWRITTEN_TIS[a] for a in doses} == {"shuffle"}
-    return _intel_report("token-weights", _TOKEN_WEIGHT_ARMS)
+    return _one_vm_report("token-weights", _TOKEN_WEIGHT_ARMS)
 
 
 def _token_weight_quotes() -> tuple[list[str], dict]:
@@ -2568,7 +2578,8 @@ def test_the_token_weights_at_1_5_come_from_the_archive():
     _assert_quoted([f"token TIS's weights shuffled onto random tokens cost {shuffled} over 200 seeds of both machines, "
                     f"and at twice their log-spread {_quoted(paired(double, 'none'))} on the Intel seeds",
                     f"token TIS's weights shuffled onto random tokens cost {shuffled} over 200 seeds, and noise from "
-                    f"token to token cost at every dose run, slope {_quoted(costs['slope'])} per unit of power"],
+                    f"token to token cost at every dose run on the Intel VM, slope {_quoted(costs['slope'])} per "
+                    f"unit of power"],
                    _section("The answers so far, per mechanism"))
     hours = sum(runs[setting, a, s][1]["wall_s"] for a in ("token_tis_group_mean", sh, half, double)
                 for s in _NOISE_SEEDS) / 3600
@@ -2581,3 +2592,152 @@ def test_the_token_weights_at_1_5_come_from_the_archive():
             f"per token\"), so at T = 1.5 at least half of token TIS's cost is what weights that vary from token to "
             f"token cost")\
         in readme
+
+
+#: The arms of docs/study/sweep-temperature-t1.5/shuffled-low-doses, every one at seeds 200-299 on a Zen 4 VM
+#: (family 25 model 17, AVX-512 kernels; 2026-12-02): none and the shuffled weights raised to the powers 1/10 and
+#: 1/4 (``{arm: p}``, none p = 0).
+_LOW_DOSES = {"none": 0.0, "token_tis_shuffled_tenth": 0.1, "token_tis_shuffled_quarter": 0.25}
+_LOW_SEEDS = range(200, 300)
+
+
+@functools.cache
+def _low_doses() -> tuple:
+    """The shuffled-low-doses report at T = 1.5 (docs/study/sweep-temperature-t1.5/shuffled-low-doses;
+    :func:`_one_vm_report` on the Zen 4 VM): its arms :data:`_LOW_DOSES` at seeds 200-299, each dose's
+    power its ``REWRITE_EXPONENT`` and its rewrite the shuffled arm's."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
+
+    doses = {a: p for a, p in _LOW_DOSES.items() if a != "none"}
+    assert {a: REWRITE_EXPONENT[a] for a in doses} == doses
+    assert {REWRITTEN_TIS[a] for a in doses} == {"shuffle"}
+    return _one_vm_report("shuffled-low-doses", _LOW_DOSES, _LOW_SEEDS, _ZEN4)
+
+
+def _weights_k3(runs: dict, setting: str, arm: str, seeds: range) -> float:
+    """``arm``'s mean K3 over ``seeds`` (each run's mean over its steps). The engine measures the pairs
+    it weighs, so for an arm that rewrites its weights (placebo, group mean, shuffled weights and
+    their doses) this is the K3 of its weights w, mean(w - 1 - log w) over the loss tokens (before the
+    engine's bound of 2): a per-token measure of their spread, whether they vary per group or per token."""
+    import numpy as np
+
+    return float(np.mean([np.mean([r["mis_k3_kl"] for r in runs[setting, arm, s][0]]) for s in seeds]))
+
+
+def _low_dose_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on the shuffled weights at a tenth and a quarter of the
+    dose (seeds 200-299, the Zen 4 VM; :func:`_low_doses`), recomputed from the archive: each arm's row,
+    the dose slope, the table of every rewritten arm at T = 1.5 by the K3 of its weights (each against
+    its own machine's none: the Intel arms on seeds 100-199), which differences are resolved and the
+    runs' times; with every rewritten arm's difference against its none (the answers and the README
+    quote the two doses')."""
+    import numpy as np
+
+    arms, final, runs, setting, paired, study = _low_doses()
+    tenth, quarter = "token_tis_shuffled_tenth", "token_tis_shuffled_quarter"
+    order = ("none", tenth, quarter)
+    extremes = {a: _weight_extremes(setting, runs, a, len(_LOW_SEEDS), _LOW_SEEDS[0]) for a in order}
+    k3 = {a: _weights_k3(runs, setting, a, _LOW_SEEDS) for a in order}
+    for a in order:  # the report's own K3, averaged the same way
+        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+
+    def row(arm: str) -> str:
+        lo, hi = extremes[arm][:2]
+        return "| " + " | ".join([
+            f"`{arm}`", f"{_LOW_DOSES[arm]:g}", "1 (PPO)" if arm == "none" else f"shuffled, ** {_LOW_DOSES[arm]:g}",
+            f"{lo:.2f} / {hi:.2f}", "-" if arm == "none" else _e(k3[arm], 1),
+            "-" if arm == "none" else _quoted(paired(arm, "none")),
+            "-" if arm == "none" else _quoted(paired(arm, "none", key="greedy_reward")),
+            f"{np.mean([final[arm, s] for s in _LOW_SEEDS]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"])]) + " |"
+
+    # every rewritten arm at T = 1.5 on one VM's seeds, against that VM's none, by the K3 of its weights
+    _, _, nd_runs, _, nd_paired, _ = _noise_dose()
+    _, tw_final, tw_runs, _, tw_paired, _ = _token_weights()
+    pl = _PLACEBO
+    rewritten = {  # arm: (varies per, power, paired function, runs, seeds, machine)
+        "token_tis_group_permuted_half": ("group", 0.5, nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
+        pl: ("group", 1.0, nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_group_permuted_double": ("group", 2.0, nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_group_mean": ("group", 1.0, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+        tenth: ("token", 0.1, paired, runs, _LOW_SEEDS, "Zen 4"),
+        quarter: ("token", 0.25, paired, runs, _LOW_SEEDS, "Zen 4"),
+        "token_tis_shuffled_half": ("token", 0.5, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_shuffled": ("token", 1.0, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_shuffled_double": ("token", 2.0, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+    }
+    all_k3 = {a: _weights_k3(r, setting, a, seeds) for a, (_, _, _, r, seeds, _) in rewritten.items()}
+    cost = {a: f(a, "none") for a, (_, _, f, _, _, _) in rewritten.items()}
+
+    def k3_row(arm: str) -> str:
+        per, p, _, r, seeds, machine = rewritten[arm]
+        lo, hi = _weight_extremes(setting, r, arm, len(seeds), seeds[0])[:2]
+        return "| " + " | ".join([f"`{arm}`", per, f"{p:g}", f"{machine}, {seeds[0]}-{seeds[-1]}",
+                                  f"{lo:.2f} / {hi:.2f}", _e(all_k3[arm], 1), _quoted(cost[arm])]) + " |"
+
+    by_k3 = sorted(rewritten, key=all_k3.get)
+    # below K3 1e-2 (both low doses, every group dose) nothing is resolved against none; above it (the three Intel
+    # token doses) everything is
+    assert [a for a in by_k3 if cost[a]["excludes_zero"]] == [a for a in by_k3 if all_k3[a] > 1e-2] == by_k3[-3:]
+    assert {rewritten[a][0] for a in by_k3[-3:]} == {"token"}
+    assert not any(paired(a, b)["excludes_zero"] for a, b in ((tenth, "none"), (quarter, "none"), (quarter, tenth)))
+
+    def between(a: str, b: str) -> str:  # two arms on two machines: their costs' difference, in standard errors
+        d = [np.array(list(cost[x]["diffs"].values())) for x in (a, b)]
+        gap = d[0].mean() - d[1].mean()
+        return f"{gap:+.3f}, {abs(gap) / np.sqrt(sum(x.var(ddof=1) / x.size for x in d)):.1f} standard errors"
+
+    slope = _dose_slope(final, _LOW_SEEDS, study, _LOW_DOSES)
+    low, high = by_k3[:-3], by_k3[-3:]
+    wall = [runs[setting, a, s][1]["wall_s"] for a in arms for s in _LOW_SEEDS]
+    return [
+        f"300 runs, about {np.mean(wall):.0f} s per run, {sum(wall) / 3600:.1f} CPU-hours",
+        *(row(a) for a in order),
+        *(k3_row(a) for a in by_k3),
+        f"The slope of the final reward on p, fitted per seed over none and the two doses, is {_quoted(slope)} per "
+        f"unit of p; quarter - tenth {_quoted(paired(quarter, tenth))}",
+        f"none's mean final reward was {np.mean([final['none', s] for s in _LOW_SEEDS]):.3f}",
+        f"tenth - placebo {between(tenth, pl)}; quarter - the placebo's double "
+        f"{between(quarter, 'token_tis_group_permuted_double')}",
+        f"tenth - half {between(tenth, 'token_tis_shuffled_half')}; quarter - half "
+        f"{between(quarter, 'token_tis_shuffled_half')}",
+        f"from {_e(all_k3[quarter], 1)} (the quarter dose) to {_e(all_k3['token_tis_shuffled_half'], 1)} (the half "
+        f"dose)",
+        f"group dose, up to {_e(max(all_k3[a] for a in low), 1)}) cost {min(cost[a]['mean'] for a in low):+.3f} to "
+        f"{max(cost[a]['mean'] for a in low):+.3f}",
+        f"They cost {max(cost[a]['mean'] for a in high):+.3f} to {min(cost[a]['mean'] for a in high):+.3f}",
+        f"close to the Intel VM's {np.mean([tw_final['none', s] for s in _NOISE_SEEDS]):.3f}",
+        f"placebo raised to a power of about {np.sqrt(all_k3['token_tis_shuffled_half'] / all_k3[pl]):.1f}",
+        f"the shuffled weights' K3 ({_e(all_k3['token_tis_shuffled'], 1)}) is "
+        f"{all_k3['token_tis_shuffled'] / all_k3['token_tis_group_mean']:.0f} times the group mean's "
+        f"({_e(all_k3['token_tis_group_mean'], 1)})",
+    ], cost
+
+
+def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
+    """docs/study.md on the shuffled weights at a tenth and a quarter of the dose at a rollout
+    temperature of 1.5 (seeds 200-299 on the Zen 4 VM, docs/study/sweep-temperature-t1.5/
+    shuffled-low-doses): each arm's row, the table of every rewritten arm by the K3 of its weights,
+    the dose slope, which differences are resolved, the between-machine comparisons and the runs'
+    times, recomputed from the archive; the section before points to it, and the answers, the status
+    row and the README quote the two doses."""
+    quotes, cost = _low_dose_quotes()
+    _assert_quoted(quotes, _section("The shuffled weights at a tenth and a quarter of the dose"))
+    assert "The next section runs the shuffled weights at p = 0.1 and 0.25" in _section(
+        "Token TIS's weights per group and per token")
+    tenth, quarter = (_quoted(cost[f"token_tis_shuffled_{d}"]) for d in ("tenth", "quarter"))
+    _assert_quoted([f"but at a tenth and a quarter of it, as spread as the placebo's weights, {tenth} and {quarter} on "
+                    f"100 seeds of a Zen 4 VM: the weights' cost follows their spread",
+                    f"but not at a tenth and a quarter of the power, as spread as the placebo's weights: {tenth} and "
+                    f"{quarter} on a Zen 4 VM"], _section("The answers so far, per mechanism"))
+    runs, setting = _low_doses()[2:4]
+    hours = sum(runs[setting, a, s][1]["wall_s"] for a in _LOW_DOSES for s in _LOW_SEEDS) / 3600
+    _assert_quoted([f"{hours:.1f} for the 300 of seeds 200-299 (Zen 4 VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    _assert_quoted([f"`docs/study/sweep-temperature-t1.5/runs` ({len(runs)} runs, "
+                    f"{_archive_bytes('sweep-temperature-t1.5') / 1e6:.1f} MB)"],
+                   _section("A rollout-only temperature of 1.5 at 60 seeds"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"at a tenth and a quarter of that log-spread, no wider than the placebo's weights, they cost {tenth} and "
+            f"{quarter} on 100 seeds of a Zen 4 VM (\"The shuffled weights at a tenth and a quarter of the dose\"), so "
+            f"what costs is the weights' spread, not that they vary per token") in readme
