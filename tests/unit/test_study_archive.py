@@ -2720,7 +2720,7 @@ def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
     shuffled-low-doses): each arm's row, the table of every rewritten arm by the K3 of its weights,
     the dose slope, which differences are resolved, the between-machine comparisons and the runs'
     times, recomputed from the archive; the section before points to it, and the answers, the status
-    row and the README quote the two doses."""
+    row and the README quote the two doses (the archive's size is the T = 1.5 section's test's)."""
     quotes, cost = _low_dose_quotes()
     _assert_quoted(quotes, _section("The shuffled weights at a tenth and a quarter of the dose"))
     assert "The next section runs the shuffled weights at p = 0.1 and 0.25" in _section(
@@ -2734,9 +2734,6 @@ def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
     hours = sum(runs[setting, a, s][1]["wall_s"] for a in _LOW_DOSES for s in _LOW_SEEDS) / 3600
     _assert_quoted([f"{hours:.1f} for the 300 of seeds 200-299 (Zen 4 VM)"],
                    _section("What has been run, and what the rest would cost"))
-    _assert_quoted([f"`docs/study/sweep-temperature-t1.5/runs` ({len(runs)} runs, "
-                    f"{_archive_bytes('sweep-temperature-t1.5') / 1e6:.1f} MB)"],
-                   _section("A rollout-only temperature of 1.5 at 60 seeds"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"at a tenth and a quarter of that log-spread, no wider than the placebo's weights, they cost {tenth} and "
             f"{quarter} on 100 seeds of a Zen 4 VM (\"The shuffled weights at a tenth and a quarter of the dose\"), so "
