@@ -2633,19 +2633,18 @@ def _low_dose_quotes() -> tuple[list[str], dict]:
     quote the two doses')."""
     import numpy as np
 
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
+
     arms, final, runs, setting, paired, study = _low_doses()
     tenth, quarter = "token_tis_shuffled_tenth", "token_tis_shuffled_quarter"
     order = ("none", tenth, quarter)
     extremes = {a: _weight_extremes(setting, runs, a, len(_LOW_SEEDS), _LOW_SEEDS[0]) for a in order}
-    k3 = {a: _weights_k3(runs, setting, a, _LOW_SEEDS) for a in order}
-    for a in order:  # the report's own K3, averaged the same way
-        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
 
     def row(arm: str) -> str:
         lo, hi = extremes[arm][:2]
         return "| " + " | ".join([
             f"`{arm}`", f"{_LOW_DOSES[arm]:g}", "1 (PPO)" if arm == "none" else f"shuffled, ** {_LOW_DOSES[arm]:g}",
-            f"{lo:.2f} / {hi:.2f}", "-" if arm == "none" else _e(k3[arm], 1),
+            f"{lo:.2f} / {hi:.2f}", "-" if arm == "none" else _e(all_k3[arm], 1),
             "-" if arm == "none" else _quoted(paired(arm, "none")),
             "-" if arm == "none" else _quoted(paired(arm, "none", key="greedy_reward")),
             f"{np.mean([final[arm, s] for s in _LOW_SEEDS]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
@@ -2655,27 +2654,31 @@ def _low_dose_quotes() -> tuple[list[str], dict]:
     _, _, nd_runs, _, nd_paired, _ = _noise_dose()
     _, tw_final, tw_runs, _, tw_paired, _ = _token_weights()
     pl = _PLACEBO
-    rewritten = {  # arm: (varies per, power, paired function, runs, seeds, machine)
-        "token_tis_group_permuted_half": ("group", 0.5, nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
-        pl: ("group", 1.0, nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
-        "token_tis_group_permuted_double": ("group", 2.0, nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
-        "token_tis_group_mean": ("group", 1.0, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
-        tenth: ("token", 0.1, paired, runs, _LOW_SEEDS, "Zen 4"),
-        quarter: ("token", 0.25, paired, runs, _LOW_SEEDS, "Zen 4"),
-        "token_tis_shuffled_half": ("token", 0.5, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
-        "token_tis_shuffled": ("token", 1.0, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
-        "token_tis_shuffled_double": ("token", 2.0, tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+    rewritten = {  # arm: (varies per, paired function, runs, seeds, machine); its power is its REWRITE_EXPONENT
+        "token_tis_group_permuted_half": ("group", nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
+        pl: ("group", nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_group_permuted_double": ("group", nd_paired, nd_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_group_mean": ("group", tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+        tenth: ("token", paired, runs, _LOW_SEEDS, "Zen 4"),
+        quarter: ("token", paired, runs, _LOW_SEEDS, "Zen 4"),
+        "token_tis_shuffled_half": ("token", tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_shuffled": ("token", tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
+        "token_tis_shuffled_double": ("token", tw_paired, tw_runs, _NOISE_SEEDS, "Intel"),
     }
-    all_k3 = {a: _weights_k3(r, setting, a, seeds) for a, (_, _, _, r, seeds, _) in rewritten.items()}
-    cost = {a: f(a, "none") for a, (_, _, f, _, _, _) in rewritten.items()}
+    all_k3 = {a: _weights_k3(r, setting, a, seeds) for a, (_, _, r, seeds, _) in rewritten.items()}
+    all_k3["none"] = _weights_k3(runs, setting, "none", _LOW_SEEDS)
+    for a in order:  # the report's own K3, averaged the same way
+        assert all_k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    cost = {a: f(a, "none") for a, (_, f, _, _, _) in rewritten.items()}
 
     def k3_row(arm: str) -> str:
-        per, p, _, r, seeds, machine = rewritten[arm]
+        per, _, r, seeds, machine = rewritten[arm]
         lo, hi = _weight_extremes(setting, r, arm, len(seeds), seeds[0])[:2]
+        p = REWRITE_EXPONENT.get(arm, 1.0)
         return "| " + " | ".join([f"`{arm}`", per, f"{p:g}", f"{machine}, {seeds[0]}-{seeds[-1]}",
                                   f"{lo:.2f} / {hi:.2f}", _e(all_k3[arm], 1), _quoted(cost[arm])]) + " |"
 
-    by_k3 = sorted(rewritten, key=all_k3.get)
+    by_k3 = sorted(rewritten, key=all_k3.get)  # none is not a rewritten arm
     # below K3 1e-2 (both low doses, every group dose) nothing is resolved against none; above it (the three Intel
     # token doses) everything is
     assert [a for a in by_k3 if cost[a]["excludes_zero"]] == [a for a in by_k3 if all_k3[a] > 1e-2] == by_k3[-3:]
