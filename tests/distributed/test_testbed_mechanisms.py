@@ -369,19 +369,24 @@ def test_the_group_diagnostics_rewrite_token_tis_s_weights_per_group(pool1):
 
 
 def test_the_placebo_s_noise_doses_raise_its_weights_to_a_power(pool1):
-    """On the same first step the half and double doses draw the placebo's derangement (the same
-    generator stream) and raise its weights to 1/2 and 2: the smallest and largest weight are the
-    placebo's to that power (a power is monotone), the weights spread around 1 by half and twice
-    as much in log space, and each gradient differs from the placebo's."""
-    permuted, half, double = (pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
-                              for c in ("token_tis_group_permuted", "token_tis_group_permuted_half",
-                                        "token_tis_group_permuted_double"))
+    """On the same first step each dose of the placebo (powers 1/2, 2, 3.5 and 6) draws the placebo's
+    derangement (the same generator stream) and raises its weights to its power: the smallest and
+    largest weight are the placebo's to that power (a power is monotone; the largest bounded at 2 by
+    the engine), the weights spread around 1 by that factor in log space, and each gradient differs
+    from the placebo's."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
+
+    doses = {c: p for c, p in REWRITE_EXPONENT.items() if REWRITTEN_TIS[c] == "group_mean_permuted"}
+    assert sorted(doses.values()) == [0.5, 2.0, 3.5, 6.0]
+    permuted, *dosed = (pool1.run(_one_step, c, temperature=1.5, trainer_temperature=1.0, seed=2)[0]
+                        for c in ("token_tis_group_permuted", *doses))
     assert permuted["is_weight_min"] < 1 < permuted["is_weight_max"]
-    for arm, p in ((half, 0.5), (double, 2.0)):
-        for key in ("is_weight_min", "is_weight_max"):
-            assert arm[key] == pytest.approx(permuted[key] ** p, rel=1e-5), (p, key)
+    for arm, p in zip(dosed, doses.values()):
+        assert arm["is_weight_min"] == pytest.approx(permuted["is_weight_min"] ** p, rel=1e-5), p
+        largest = min(permuted["is_weight_max"] ** p, 2.0)  # the engine's bound
+        assert arm["is_weight_max"] == pytest.approx(largest, rel=1e-5), p
         assert arm["reward_mean"] == permuted["reward_mean"]
-        assert abs(arm["grad_norm"] - permuted["grad_norm"]) > 1e-4 * permuted["grad_norm"]
+        assert abs(arm["grad_norm"] - permuted["grad_norm"]) > 1e-4 * permuted["grad_norm"], p
 
 
 def test_the_shuffled_weights_doses_raise_them_to_a_power_per_token(pool1):

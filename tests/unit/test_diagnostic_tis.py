@@ -49,6 +49,8 @@ _EXPECTED = {
     "token_tis_group_permuted": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_permuted_half": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_group_permuted_double": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_group_permuted_wide": [0.25, 0.8, 1.0, 1.3, 2.0],
+    "token_tis_group_permuted_wider": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_shuffled_tenth": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_shuffled_quarter": [0.25, 0.8, 1.0, 1.3, 2.0],
     "token_tis_shuffled_half": [0.25, 0.8, 1.0, 1.3, 2.0],
@@ -97,18 +99,21 @@ def test_a_diagnostic_trains_with_decoupled_ppo_at_the_trainer_s_temperature(cor
 
 
 def test_the_noise_doses_are_the_placebo_s_or_the_shuffled_weights_raised_to_a_power():
-    """The placebo's half and double doses rewrite as the placebo does, the shuffled weights' as the
-    shuffled arm does; then each raises every weight to its power (the placebo's 1/2 and 2, the
-    shuffled weights' 1/10, 1/4, 1/2 and 2)."""
+    """The placebo's doses rewrite as the placebo does, the shuffled weights' as the shuffled arm does;
+    then each raises every weight to its power (the placebo's 1/2, 2, 3.5 and 6, the shuffled
+    weights' 1/10, 1/4, 1/2 and 2)."""
     assert {n: (REWRITTEN_TIS[n], p) for n, p in REWRITE_EXPONENT.items()} == {
         "token_tis_group_permuted_half": ("group_mean_permuted", 0.5),
         "token_tis_group_permuted_double": ("group_mean_permuted", 2.0),
+        "token_tis_group_permuted_wide": ("group_mean_permuted", 3.5),
+        "token_tis_group_permuted_wider": ("group_mean_permuted", 6.0),
         "token_tis_shuffled_tenth": ("shuffle", 0.1),
         "token_tis_shuffled_quarter": ("shuffle", 0.25),
         "token_tis_shuffled_half": ("shuffle", 0.5),
         "token_tis_shuffled_double": ("shuffle", 2.0),
     }
-    assert DIAGNOSTIC_TIS["token_tis_group_permuted_double"] == DIAGNOSTIC_TIS["token_tis_group_permuted"]
+    for dose in ("half", "double", "wide", "wider"):
+        assert DIAGNOSTIC_TIS[f"token_tis_group_permuted_{dose}"] == DIAGNOSTIC_TIS["token_tis_group_permuted"]
     for dose in ("tenth", "quarter", "half", "double"):
         assert DIAGNOSTIC_TIS[f"token_tis_shuffled_{dose}"] == DIAGNOSTIC_TIS["token_tis_shuffled"]
 
@@ -285,7 +290,7 @@ def test_rewritten_rollout_log_probs_make_the_engine_compute_the_given_weights()
 
 def test_the_group_diagnostics_need_whole_groups_in_every_micro_batch():
     for name in ("token_tis_group_mean", "token_tis_group_permuted", "token_tis_group_permuted_double",
-                 "token_tis_balanced"):
+                 "token_tis_group_permuted_wider", "token_tis_balanced"):
         with pytest.raises(ConfigError, match=f"correction='{name}' rewrites each GRPO group's weights.*"
                                               "micro_batch_size=8 must be a multiple of samples_per_prompt=3"):
             DemoConfig(correction=name, prompts_per_step=8, samples_per_prompt=3, micro_batch_size=8)

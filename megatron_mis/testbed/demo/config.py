@@ -43,10 +43,13 @@ _PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 #: mean reward, whichever weighs more) until sum_i w_i A_i over the group's first tokens, which share
 #: the prompt as their context, is 0 as it is unweighted; ``token_tis_unit`` is the null arm: every
 #: weight rewritten to exactly 1, so it trains through decoupled PPO and the engine as the others do,
-#: with none's gradient; ``token_tis_group_permuted_half`` and ``token_tis_group_permuted_double``
-#: are the placebo at another dose of noise (:data:`REWRITE_EXPONENT`): each placebo weight w
-#: raised to the power 1/2 or 2, its log-spread around 1 halved or doubled (the null arm is the
-#: power 0), then bounded at 2 again by the engine as every rewritten weight is;
+#: with none's gradient; ``token_tis_group_permuted_half``, ``token_tis_group_permuted_double``,
+#: ``token_tis_group_permuted_wide`` and ``token_tis_group_permuted_wider`` are the placebo at
+#: another dose of noise (:data:`REWRITE_EXPONENT`): each placebo weight w raised to the power 1/2,
+#: 2, 3.5 or 6, its log-spread around 1 multiplied by that power (the null arm is the power 0; 3.5
+#: and 6 spread the group weights about as widely, by the K3 of the weights, as the shuffled
+#: weights' half dose and the shuffled weights), then bounded at 2 again by the engine as every
+#: rewritten weight is;
 #: ``token_tis_shuffled_tenth``, ``token_tis_shuffled_quarter``, ``token_tis_shuffled_half`` and
 #: ``token_tis_shuffled_double`` are the shuffled weights at another dose: each shuffled token weight
 #: raised to the power 1/10, 1/4, 1/2 or 2 the same way (per token, where the placebo's doses act per
@@ -63,6 +66,8 @@ DIAGNOSTIC_TIS: dict[str, dict[str, object]] = {
     "token_tis_group_permuted": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_group_permuted_half": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_group_permuted_double": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_group_permuted_wide": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
+    "token_tis_group_permuted_wider": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_balanced": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
     "token_tis_unit": {"tis_mode": "truncate", "tis_upper_bound": 2.0},
 }
@@ -80,6 +85,8 @@ REWRITTEN_TIS: dict[str, str] = {
     "token_tis_group_permuted": "group_mean_permuted",
     "token_tis_group_permuted_half": "group_mean_permuted",
     "token_tis_group_permuted_double": "group_mean_permuted",
+    "token_tis_group_permuted_wide": "group_mean_permuted",
+    "token_tis_group_permuted_wider": "group_mean_permuted",
     "token_tis_unit": "unit",
     "token_tis_balanced": "balance_first_token",
 }
@@ -88,6 +95,8 @@ REWRITTEN_TIS: dict[str, str] = {
 REWRITE_EXPONENT: dict[str, float] = {
     "token_tis_group_permuted_half": 0.5,
     "token_tis_group_permuted_double": 2.0,
+    "token_tis_group_permuted_wide": 3.5,
+    "token_tis_group_permuted_wider": 6.0,
     "token_tis_shuffled_tenth": 0.1,
     "token_tis_shuffled_quarter": 0.25,
     "token_tis_shuffled_half": 0.5,
@@ -129,7 +138,8 @@ class DemoConfig(ConfigBase):
         "averaged over another group's (the group means deranged among the micro-batch's groups) / with each "
         "group's first-token weights scaled on one side so that sum_i w_i A_i over them is 0; token_tis_unit "
         "(the null arm): decoupled PPO with every weight rewritten to exactly 1 (none's gradient); "
-        "token_tis_group_permuted_half / _double: the deranged group means raised to the power 1/2 / 2; "
+        "token_tis_group_permuted_half / _double / _wide / _wider: the deranged group means raised to the power "
+        "1/2 / 2 / 3.5 / 6; "
         "token_tis_shuffled_tenth / _quarter / _half / _double: the shuffled token weights raised to the power "
         "1/10 / 1/4 / 1/2 / 2.",
     )

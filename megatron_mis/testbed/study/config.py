@@ -423,6 +423,12 @@ ARMS: dict[str, Arm] = {
         _arm("token_tis_group_permuted_double", "diagnostic (the placebo at twice the noise): token_tis_group_permuted's "
              "weights w rewritten to w ** 2 (their log-spread around 1 doubled; bounded at 2)",
              correction="token_tis_group_permuted_double"),
+        _arm("token_tis_group_permuted_wide", "diagnostic (the placebo at 3.5 times the noise, about the spread of "
+             "token_tis_shuffled_half): token_tis_group_permuted's weights w rewritten to w ** 3.5 (bounded at 2)",
+             correction="token_tis_group_permuted_wide"),
+        _arm("token_tis_group_permuted_wider", "diagnostic (the placebo at 6 times the noise, about the spread of "
+             "token_tis_shuffled): token_tis_group_permuted's weights w rewritten to w ** 6 (bounded at 2)",
+             correction="token_tis_group_permuted_wider"),
         _arm("token_tis_balanced", "diagnostic: token TIS with each GRPO group's first-token weights scaled down on "
              "its heavier side so that sum_i w_i A_i over the first tokens (one shared context) is 0, as unweighted",
              correction="token_tis_balanced"),
