@@ -2624,13 +2624,39 @@ def _weights_k3(runs: dict, setting: str, arm: str, seeds: range) -> float:
     return float(np.mean([np.mean([r["mis_k3_kl"] for r in runs[setting, arm, s][0]]) for s in seeds]))
 
 
-def _low_dose_quotes() -> tuple[list[str], dict]:
+def _cost_gap(cost: dict, a: str, b: str) -> str:
+    """Two arms' costs against their own none (``cost``: ``{arm: paired difference}``, on two machines'
+    seeds or the same): the difference of their means and its size in standard errors of independent
+    samples."""
+    import numpy as np
+
+    d = [np.array(list(cost[x]["diffs"].values())) for x in (a, b)]
+    gap = d[0].mean() - d[1].mean()
+    return f"{gap:+.3f}, {abs(gap) / np.sqrt(sum(x.var(ddof=1) / x.size for x in d)):.1f} standard errors"
+
+
+def _k3_row(arm: str, rewritten: dict, setting: str, k3: dict, cost: dict) -> str:
+    """A row of the T = 1.5 tables of rewritten arms by the K3 of their weights: the arm, what its
+    weights vary per, its power, its machine and seeds (``rewritten[arm]``: ``(varies per, paired
+    function, runs, seeds, machine)``), its mean smallest / largest weight, its K3 (``k3``) and its
+    cost against its own none (``cost``)."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
+
+    per, _, r, seeds, machine = rewritten[arm]
+    lo, hi = _weight_extremes(setting, r, arm, len(seeds), seeds[0])[:2]
+    return "| " + " | ".join([f"`{arm}`", per, f"{REWRITE_EXPONENT.get(arm, 1.0):g}", f"{machine}, {seeds[0]}-"
+                              f"{seeds[-1]}", f"{lo:.2f} / {hi:.2f}", _e(k3[arm], 1), _quoted(cost[arm])]) + " |"
+
+
+@functools.cache
+def _low_dose_quotes() -> tuple[list[str], dict, dict, dict]:
     """The figures of docs/study.md's section on the shuffled weights at a tenth and a quarter of the
     dose (seeds 200-299, the Zen 4 VM; :func:`_low_doses`), recomputed from the archive: each arm's row,
     the dose slope, the table of every rewritten arm at T = 1.5 by the K3 of its weights (each against
     its own machine's none: the Intel arms on seeds 100-199), which differences are resolved and the
     runs' times; with every rewritten arm's difference against its none (the answers and the README
-    quote the two doses')."""
+    quote the two doses'), the K3 of every rewritten arm's weights (and none's) and the table's arms
+    (``{arm: (varies per, paired function, runs, seeds, machine)}``)."""
     import numpy as np
 
     from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
@@ -2672,11 +2698,7 @@ def _low_dose_quotes() -> tuple[list[str], dict]:
     cost = {a: f(a, "none") for a, (_, f, _, _, _) in rewritten.items()}
 
     def k3_row(arm: str) -> str:
-        per, _, r, seeds, machine = rewritten[arm]
-        lo, hi = _weight_extremes(setting, r, arm, len(seeds), seeds[0])[:2]
-        p = REWRITE_EXPONENT.get(arm, 1.0)
-        return "| " + " | ".join([f"`{arm}`", per, f"{p:g}", f"{machine}, {seeds[0]}-{seeds[-1]}",
-                                  f"{lo:.2f} / {hi:.2f}", _e(all_k3[arm], 1), _quoted(cost[arm])]) + " |"
+        return _k3_row(arm, rewritten, setting, all_k3, cost)
 
     by_k3 = sorted(rewritten, key=all_k3.get)  # none is not a rewritten arm
     # below K3 1e-2 (both low doses, every group dose) nothing is resolved against none; above it (the three Intel
@@ -2685,10 +2707,8 @@ def _low_dose_quotes() -> tuple[list[str], dict]:
     assert {rewritten[a][0] for a in by_k3[-3:]} == {"token"}
     assert not any(paired(a, b)["excludes_zero"] for a, b in ((tenth, "none"), (quarter, "none"), (quarter, tenth)))
 
-    def between(a: str, b: str) -> str:  # two arms on two machines: their costs' difference, in standard errors
-        d = [np.array(list(cost[x]["diffs"].values())) for x in (a, b)]
-        gap = d[0].mean() - d[1].mean()
-        return f"{gap:+.3f}, {abs(gap) / np.sqrt(sum(x.var(ddof=1) / x.size for x in d)):.1f} standard errors"
+    def between(a: str, b: str) -> str:
+        return _cost_gap(cost, a, b)
 
     slope = _dose_slope(final, _LOW_SEEDS, study, _LOW_DOSES)
     low, high = by_k3[:-3], by_k3[-3:]
@@ -2714,7 +2734,7 @@ def _low_dose_quotes() -> tuple[list[str], dict]:
         f"the shuffled weights' K3 ({_e(all_k3['token_tis_shuffled'], 1)}) is "
         f"{all_k3['token_tis_shuffled'] / all_k3['token_tis_group_mean']:.0f} times the group mean's "
         f"({_e(all_k3['token_tis_group_mean'], 1)})",
-    ], cost
+    ], cost, all_k3, rewritten
 
 
 def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
@@ -2724,7 +2744,7 @@ def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
     the dose slope, which differences are resolved, the between-machine comparisons and the runs'
     times, recomputed from the archive; the section before points to it, and the answers, the status
     row and the README quote the two doses (the archive's size is the T = 1.5 section's test's)."""
-    quotes, cost = _low_dose_quotes()
+    quotes, cost = _low_dose_quotes()[:2]
     _assert_quoted(quotes, _section("The shuffled weights at a tenth and a quarter of the dose"))
     assert "The next section runs the shuffled weights at p = 0.1 and 0.25" in _section(
         "Token TIS's weights per group and per token")
