@@ -239,6 +239,10 @@ _REPORTS = [
     # Zen 4 VM (AVX-512 kernels, other trajectories than the Intel VM's): none's own runs there
     ("sweep-temperature-t1.5", "shuffled-low-doses", {a: range(200, 300) for a in (
         "none", "token_tis_shuffled_tenth", "token_tis_shuffled_quarter")}),
+    # and the placebo at the powers 3.5 and 6 on the same seeds, a day later on a Zen 5 VM that repeats the Zen 4
+    # VM's runs bit for bit, then the shuffled weights' half dose there, beside the Zen 4 VM's none
+    ("sweep-temperature-t1.5", "group-wide-doses", {a: range(200, 300) for a in (
+        "none", "token_tis_group_permuted_wide", "token_tis_group_permuted_wider", "token_tis_shuffled_half")}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -2289,14 +2293,16 @@ _NOISE_SEEDS = range(100, 200)
 #: The machines of the T = 1.5 reports made on one VM each: ``(cpu family/model, torch's kernels)`` of the run headers.
 _INTEL = ("6/167", "AVX512")
 _ZEN4 = ("25/17", "AVX512")
+_ZEN5 = ("26/2", "AVX512")
 
 
-def _one_vm_report(report: str, arm_names, seeds: range = _NOISE_SEEDS, machine: tuple = _INTEL) -> tuple:
-    """A report of docs/study/sweep-temperature-t1.5 made on one VM (``machine``, default the Intel VM of
-    family 6 model 167 with AVX-512 kernels) and its archive: the dose's arms, every run's final reward,
-    the runs, the setting, the paired-difference function of :func:`_paired_over` on ``seeds`` and the
-    report's study settings. The report's arms are checked to be ``arm_names`` at ``seeds``, their
-    vs-none differences the recomputed ones and every run to come from that VM."""
+def _one_vm_report(report: str, arm_names, seeds: range = _NOISE_SEEDS, machine: tuple | dict = _INTEL) -> tuple:
+    """A report of docs/study/sweep-temperature-t1.5 made on one VM, or on VMs of one kind (``machine``,
+    default the Intel VM of family 6 model 167 with AVX-512 kernels; ``{arm: machine}`` where the arms
+    ran on different VMs) and its archive: the dose's arms, every run's final reward, the runs, the
+    setting, the paired-difference function of :func:`_paired_over` on ``seeds`` and the report's study
+    settings. The report's arms are checked to be ``arm_names`` at ``seeds``, their vs-none differences
+    the recomputed ones and every arm's runs to come from its VM."""
     summary = _summary("sweep-temperature-t1.5", report)
     (dose,) = summary["doses"]
     arms, study = dose["arms"], summary["study"]
@@ -2306,9 +2312,11 @@ def _one_vm_report(report: str, arm_names, seeds: range = _NOISE_SEEDS, machine:
     runs = _archive_runs("sweep-temperature-t1.5")
     headers = _archive_headers("sweep-temperature-t1.5")
     setting = dose["setting"]
-    machines = {(headers[setting, a, s]["machine"]["cpu_family_model"], headers[setting, a, s]["machine"]
-                 ["cpu_capability"]) for a in arms for s in seeds}
-    assert machines == {machine}, machines
+    by_arm = machine if isinstance(machine, dict) else dict.fromkeys(arms, machine)
+    for a in arms:
+        machines = {(headers[setting, a, s]["machine"]["cpu_family_model"], headers[setting, a, s]["machine"]
+                     ["cpu_capability"]) for s in seeds}
+        assert machines == {by_arm[a]}, (a, machines)
     paired = _paired_over(final, runs, setting, study, seeds)
     for arm in arms:
         if arm != "none":
@@ -2750,7 +2758,7 @@ def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
         "Token TIS's weights per group and per token")
     tenth, quarter = (_quoted(cost[f"token_tis_shuffled_{d}"]) for d in ("tenth", "quarter"))
     _assert_quoted([f"but at a tenth and a quarter of it, as spread as the placebo's weights, {tenth} and {quarter} on "
-                    f"100 seeds of a Zen 4 VM: the weights' cost follows their spread",
+                    f"100 seeds of a Zen 4 VM",
                     f"but not at a tenth and a quarter of the power, as spread as the placebo's weights: {tenth} and "
                     f"{quarter} on a Zen 4 VM"], _section("The answers so far, per mechanism"))
     runs, setting = _low_doses()[2:4]
@@ -2761,3 +2769,29 @@ def test_the_shuffled_low_doses_at_1_5_come_from_the_archive():
     assert (f"at a tenth and a quarter of that log-spread, no wider than the placebo's weights, they cost {tenth} and "
             f"{quarter} on 100 seeds of a Zen 4 VM (\"The shuffled weights at a tenth and a quarter of the dose\"), so "
             f"what costs is the weights' spread, not that they vary per token") in readme
+
+
+#: The placebo's wide doses at seeds 200-299 (``{arm: p}``, none p = 0): none, the Zen 4 VM's runs of the
+#: shuffled-low-doses report, and the placebo raised to the powers 3.5 and 6, run a day later on a Zen 5 VM (family
+#: 26 model 2, AVX-512 kernels) that repeated the Zen 4 VM's seed 200 of none bit for bit; the arms of
+#: docs/study/sweep-temperature-t1.5/group-wide-doses with the shuffled weights' half dose, run after them on the
+#: same VM and seeds.
+_GROUP_WIDE = {"none": 0.0, "token_tis_group_permuted_wide": 3.5, "token_tis_group_permuted_wider": 6.0}
+_GROUP_WIDE_ARMS = (*_GROUP_WIDE, "token_tis_shuffled_half")
+_GROUP_WIDE_SEEDS = range(200, 300)
+
+
+@functools.cache
+def _group_wide() -> tuple:
+    """The group-wide-doses report at T = 1.5 (docs/study/sweep-temperature-t1.5/group-wide-doses;
+    :func:`_one_vm_report`, none from the Zen 4 VM and the other arms from the Zen 5 VM): its arms
+    :data:`_GROUP_WIDE_ARMS` at seeds 200-299, each wide dose's power its ``REWRITE_EXPONENT`` and its
+    rewrite the placebo's."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
+
+    doses = {a: p for a, p in _GROUP_WIDE.items() if a != "none"}
+    assert {a: REWRITE_EXPONENT[a] for a in doses} == doses
+    assert {REWRITTEN_TIS[a] for a in doses} == {REWRITTEN_TIS[_PLACEBO]}
+    return _one_vm_report("group-wide-doses", _GROUP_WIDE_ARMS, _GROUP_WIDE_SEEDS,
+                          {"none": _ZEN4, **dict.fromkeys(_GROUP_WIDE_ARMS[1:], _ZEN5)})
+
