@@ -2795,3 +2795,110 @@ def _group_wide() -> tuple:
     return _one_vm_report("group-wide-doses", _GROUP_WIDE_ARMS, _GROUP_WIDE_SEEDS,
                           {"none": _ZEN4, **dict.fromkeys(_GROUP_WIDE_ARMS[1:], _ZEN5)})
 
+
+@functools.cache
+def _group_wide_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on the placebo as spread as the token doses (seeds
+    200-299; :func:`_group_wide`), recomputed from the archive: each arm's row, how often the wide doses'
+    weights reached the bound of 2, the dose slope, the table of every rewritten arm at T = 1.5 by the K3
+    of its weights (:func:`_low_dose_quotes`' and the two wide doses), the wide doses against the token
+    doses of the same K3 on two machines and on the same seeds, the half dose's two blocks, which
+    differences are resolved and the runs' times; with the wide doses' and the new half dose's
+    differences against none."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    arms, final, runs, setting, paired, study = _group_wide()
+    wide, wider = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider"
+    tenth, quarter = "token_tis_shuffled_tenth", "token_tis_shuffled_quarter"
+    half, sh = "token_tis_shuffled_half", "token_tis_shuffled"
+    seeds = _GROUP_WIDE_SEEDS
+    extremes = {a: _weight_extremes(setting, runs, a, len(seeds), seeds[0]) for a in _GROUP_WIDE_ARMS}
+    _, low_cost, low_k3, low_rewritten = _low_dose_quotes()
+    # the table of the section above (the half dose's Intel block) with the two wide doses
+    rewritten = {**low_rewritten, **{a: ("group", paired, runs, seeds, "Zen 5") for a in (wide, wider)}}
+    k3 = {**low_k3, **{a: _weights_k3(runs, setting, a, seeds) for a in (wide, wider)}}
+    new_k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _GROUP_WIDE_ARMS}
+    for a in _GROUP_WIDE_ARMS:  # the report's own K3, averaged the same way
+        assert new_k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    cost = {**low_cost, wide: paired(wide, "none"), wider: paired(wider, "none")}
+    # the same seeds and none as the shuffled weights' tenth and quarter doses (the Zen 4 VM): paired with them
+    same = _paired_over({**_low_doses()[1], **final}, runs, setting, study, seeds)
+    p = {**_GROUP_WIDE, half: 0.5}
+    weight = {"none": "1 (PPO)", wide: "placebo, ** 3.5", wider: "placebo, ** 6", half: "shuffled, ** 0.5"}
+
+    def row(arm: str) -> str:
+        lo, hi = extremes[arm][:2]
+        return "| " + " | ".join([
+            f"`{arm}`", f"{p[arm]:g}", weight[arm], f"{lo:.2f} / {hi:.2f}",
+            "-" if arm == "none" else _e(new_k3[arm], 1),
+            "-" if arm == "none" else _quoted(paired(arm, "none")),
+            "-" if arm == "none" else _quoted(paired(arm, "none", key="greedy_reward")),
+            f"{np.mean([final[arm, s] for s in seeds]):.3f}",
+            str(arms[arm]["steps_to_threshold"]["reached"]), str(arms[arm]["collapse"]["k"])]) + " |"
+
+    by_k3 = sorted(rewritten, key=k3.get)
+    slope = _dose_slope(final, seeds, study, _GROUP_WIDE)
+    at_bound = {a: np.mean([r["is_weight_max"] >= 2 - 1e-6 for s in seeds for r in runs[setting, a, s][0]])
+                for a in (wide, wider)}
+    wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in seeds]
+            for k, arms_ in (("wide", (wide, wider)), ("half", (half,)))}
+    mde = {a: minimal_detectable_effect(float(np.std(list(paired(a, "none")["diffs"].values()), ddof=1)), len(seeds))
+           for a in (wide, wider)}
+    blocks = {"Zen 5": paired(half, "none"), "Intel": low_cost[half]}
+    # the half dose over both blocks, each pair from one kind of machine: the Intel VM's seeds 100-199 and these
+    both = _paired_over({**_token_weights()[1], **final}, runs, setting, study, range(100, 300))
+    return [
+        f"{len(wall['wide'])} runs, about {np.mean(wall['wide']):.0f} s per run, {sum(wall['wide']) / 3600:.1f} "
+        f"CPU-hours",
+        f"{len(wall['half'])} runs, about {np.mean(wall['half']):.0f} s per run, {sum(wall['half']) / 3600:.1f} "
+        f"CPU-hours",
+        *(row(a) for a in _GROUP_WIDE_ARMS),
+        *(_k3_row(a, rewritten, setting, k3, cost) for a in by_k3),
+        f"largest weight reached that bound on {at_bound[wide]:.0%} and {at_bound[wider]:.0%} of their steps",
+        f"The slope of the final reward on p, fitted per seed over none and the two doses, is {_quoted(slope)} per "
+        f"unit of p; wider - wide {_quoted(paired(wider, wide))}",
+        f"wide - half {_cost_gap(cost, wide, half)}; wider - shuffled {_cost_gap(cost, wider, sh)}",
+        f"wide - quarter {_quoted(same(wide, quarter))}, wide - tenth {_quoted(same(wide, tenth))} and wider - "
+        f"quarter {_quoted(same(wider, quarter))}",
+        f"detect about {mde[wide]:.3f} and {mde[wider]:.3f}",
+        f"half - none {_quoted(paired(half, 'none'))}, against {_quoted(low_cost[half])} on the Intel VM's seeds (the "
+        f"two blocks differ by {_cost_gap(blocks, 'Zen 5', 'Intel')})",
+        f"wide - half {_quoted(paired(wide, half))}; wider - half {_quoted(paired(wider, half))}",
+        f"over both blocks, 200 seeds, the half dose cost {_quoted(both(half, 'none'))}",
+    ], cost
+
+
+def test_the_placebo_s_wide_doses_at_1_5_come_from_the_archive():
+    """docs/study.md on the placebo as spread as the token doses at a rollout temperature of 1.5 (seeds
+    200-299, docs/study/sweep-temperature-t1.5/group-wide-doses): each arm's row, the table of every
+    rewritten arm by the K3 of its weights, the dose slope, the comparisons with the token doses,
+    which differences are resolved and the runs' times, recomputed from the archive; the section
+    before points to it, and the answers, the status row and table and the README quote the wide doses."""
+    quotes, cost = _group_wide_quotes()
+    _assert_quoted(quotes, _section("The placebo as spread as the token doses"))
+    assert "The next section runs it, at p = 3.5 and 6." in _section("The shuffled weights at a tenth and a quarter")
+    arms, final, runs, setting, paired, _ = _group_wide()
+    wide, wider, half = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider", "token_tis_shuffled_half"
+    # neither wide dose is resolved from none, from the other or from the half dose on the same seeds; the slope
+    # on p is not resolved either
+    assert not any(paired(a, b)["excludes_zero"] for a, b in ((wide, "none"), (wider, "none"), (wider, wide),
+                                                             (wide, half), (wider, half)))
+    assert not _dose_slope(final, _GROUP_WIDE_SEEDS, _group_wide()[5], _GROUP_WIDE)["excludes_zero"]
+    q = {a: _quoted(cost[a]) for a in (wide, wider)}
+    h = _quoted(paired(half, "none"))
+    _assert_quoted([f"group weights as spread as the half dose and the shuffled weights cost {q[wide]} and {q[wider]} "
+                    f"on the same seeds (Zen 5 VM), level with the half dose on those seeds "
+                    f"({_quoted(paired(wide, half))}): the weights' cost follows their spread"],
+                   _section("The answers so far, per mechanism"))
+    _assert_quoted([f"the placebo as spread as the half dose and the shuffled weights cost {q[wide]} and {q[wider]}"],
+                   _section("The answers so far, per mechanism"))
+    hours = {k: sum(runs[setting, a, s][1]["wall_s"] for a in arms_ for s in _GROUP_WIDE_SEEDS) / 3600
+             for k, arms_ in (("wide", (wide, wider)), ("half", (half,)))}
+    _assert_quoted([f"{hours['wide']:.1f} for the 200 of the placebo's wide doses and {hours['half']:.1f} for the 100 "
+                    f"of the half dose on seeds 200-299 (Zen 5 VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"group weights as spread as the half dose and the shuffled weights cost {q[wide]} and {q[wider]} on the "
+            f"same seeds of a Zen 5 VM, where the half dose cost {h}") in readme
