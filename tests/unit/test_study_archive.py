@@ -2797,14 +2797,15 @@ def _group_wide() -> tuple:
 
 
 @functools.cache
-def _group_wide_quotes() -> tuple[list[str], dict]:
+def _group_wide_quotes() -> tuple[list[str], dict, dict, dict]:
     """The figures of docs/study.md's section on the placebo as spread as the token doses (seeds
     200-299; :func:`_group_wide`), recomputed from the archive: each arm's row, how often the wide doses'
     weights reached the bound of 2, the dose slope, the table of every rewritten arm at T = 1.5 by the K3
     of its weights (:func:`_low_dose_quotes`' and the two wide doses), the wide doses against the token
     doses of the same K3 on two machines and on the same seeds, the half dose's two blocks, which
-    differences are resolved and the runs' times; with the wide doses' and the new half dose's
-    differences against none."""
+    differences are resolved and the runs' times; with every rewritten arm's difference against its none
+    (the wide doses' on these seeds), the half dose's over both machines' 200 seeds and the CPU-hours of
+    the wide doses' and of the half dose's runs (``{"wide": h, "half": h}``)."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import minimal_detectable_effect
@@ -2818,10 +2819,10 @@ def _group_wide_quotes() -> tuple[list[str], dict]:
     _, low_cost, low_k3, low_rewritten = _low_dose_quotes()
     # the table of the section above (the half dose's Intel block) with the two wide doses
     rewritten = {**low_rewritten, **{a: ("group", paired, runs, seeds, "Zen 5") for a in (wide, wider)}}
-    k3 = {**low_k3, **{a: _weights_k3(runs, setting, a, seeds) for a in (wide, wider)}}
     new_k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _GROUP_WIDE_ARMS}
     for a in _GROUP_WIDE_ARMS:  # the report's own K3, averaged the same way
         assert new_k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    k3 = {**low_k3, wide: new_k3[wide], wider: new_k3[wider]}
     cost = {**low_cost, wide: paired(wide, "none"), wider: paired(wider, "none")}
     # the same seeds and none as the shuffled weights' tenth and quarter doses (the Zen 4 VM): paired with them
     same = _paired_over({**_low_doses()[1], **final}, runs, setting, study, seeds)
@@ -2848,12 +2849,10 @@ def _group_wide_quotes() -> tuple[list[str], dict]:
            for a in (wide, wider)}
     blocks = {"Zen 5": paired(half, "none"), "Intel": low_cost[half]}
     # the half dose over both blocks, each pair from one kind of machine: the Intel VM's seeds 100-199 and these
-    both = _paired_over({**_token_weights()[1], **final}, runs, setting, study, range(100, 300))
+    both = _paired_over({**_token_weights()[1], **final}, runs, setting, study, range(100, 300))(half, "none")
+    hours = {k: sum(w) / 3600 for k, w in wall.items()}
     return [
-        f"{len(wall['wide'])} runs, about {np.mean(wall['wide']):.0f} s per run, {sum(wall['wide']) / 3600:.1f} "
-        f"CPU-hours",
-        f"{len(wall['half'])} runs, about {np.mean(wall['half']):.0f} s per run, {sum(wall['half']) / 3600:.1f} "
-        f"CPU-hours",
+        *(f"{len(wall[k])} runs, about {np.mean(wall[k]):.0f} s per run, {hours[k]:.1f} CPU-hours" for k in wall),
         *(row(a) for a in _GROUP_WIDE_ARMS),
         *(_k3_row(a, rewritten, setting, k3, cost) for a in by_k3),
         f"largest weight reached that bound on {at_bound[wide]:.0%} and {at_bound[wider]:.0%} of their steps",
@@ -2866,8 +2865,13 @@ def _group_wide_quotes() -> tuple[list[str], dict]:
         f"half - none {_quoted(paired(half, 'none'))}, against {_quoted(low_cost[half])} on the Intel VM's seeds (the "
         f"two blocks differ by {_cost_gap(blocks, 'Zen 5', 'Intel')})",
         f"wide - half {_quoted(paired(wide, half))}; wider - half {_quoted(paired(wider, half))}",
-        f"over both blocks, 200 seeds, the half dose cost {_quoted(both(half, 'none'))}",
-    ], cost
+        f"over both blocks, 200 seeds, the half dose cost {_quoted(both)}",
+        f"the token doses' at the same K3 ({low_cost[half]['mean']:.3f} and {low_cost[sh]['mean']:.3f} on the Intel "
+        f"VM)",
+        f"(the difference's interval runs from {paired(wide, half)['low']:+.3f} to {paired(wide, half)['high']:+.3f})",
+        f"resolved only over 200 seeds (the half dose, {both['mean']:.3f})",
+        f"The wider dose's weights reach the bound of 2 on {at_bound[wider]:.0%} of its steps",
+    ], cost, both, hours
 
 
 def test_the_placebo_s_wide_doses_at_1_5_come_from_the_archive():
@@ -2876,10 +2880,10 @@ def test_the_placebo_s_wide_doses_at_1_5_come_from_the_archive():
     rewritten arm by the K3 of its weights, the dose slope, the comparisons with the token doses,
     which differences are resolved and the runs' times, recomputed from the archive; the section
     before points to it, and the answers, the status row and table and the README quote the wide doses."""
-    quotes, cost = _group_wide_quotes()
+    quotes, cost, both, hours = _group_wide_quotes()
     _assert_quoted(quotes, _section("The placebo as spread as the token doses"))
     assert "The next section runs it, at p = 3.5 and 6." in _section("The shuffled weights at a tenth and a quarter")
-    _, final, runs, setting, paired, study = _group_wide()
+    _, final, _, _, paired, study = _group_wide()
     wide, wider, half = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider", "token_tis_shuffled_half"
     # neither wide dose is resolved from none, from the other or from the half dose on the same seeds, nor is the
     # half dose from none on these seeds; the slope on p is not resolved either
@@ -2894,13 +2898,10 @@ def test_the_placebo_s_wide_doses_at_1_5_come_from_the_archive():
                    _section("The answers so far, per mechanism"))
     _assert_quoted([f"the placebo as spread as the half dose and the shuffled weights cost {q[wide]} and {q[wider]}"],
                    _section("The answers so far, per mechanism"))
-    hours = {k: sum(runs[setting, a, s][1]["wall_s"] for a in arms_ for s in _GROUP_WIDE_SEEDS) / 3600
-             for k, arms_ in (("wide", (wide, wider)), ("half", (half,)))}
     _assert_quoted([f"{hours['wide']:.1f} for the 200 of the placebo's wide doses and {hours['half']:.1f} for the 100 "
                     f"of the half dose on seeds 200-299 (Zen 5 VM)"],
                    _section("What has been run, and what the rest would cost"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    both = _paired_over({**_token_weights()[1], **final}, runs, setting, study, range(100, 300))(half, "none")
     assert (f"group weights as spread as the half dose and the shuffled weights cost {q[wide]} and {q[wider]} on the "
             f"same seeds of a Zen 5 VM, where the half dose cost {h} ({_quoted(both)} over both machines' 200 seeds), "
             f"so at the same spread the weights' grain made no measurable difference") in readme
