@@ -243,6 +243,12 @@ _REPORTS = [
     # VM's runs bit for bit, then the shuffled weights' half dose there, beside the Zen 4 VM's none
     ("sweep-temperature-t1.5", "group-wide-doses", {a: range(200, 300) for a in (
         "none", "token_tis_group_permuted_wide", "token_tis_group_permuted_wider", "token_tis_shuffled_half")}),
+    # and both wide doses and the shuffled weights' quarter dose on the Intel seeds 100-199, a session later on a
+    # third Intel VM of the kind that repeats the first one's runs bit for bit: every rewritten arm there
+    ("sweep-temperature-t1.5", "dose-curves", {a: range(100, 200) for a in (
+        "none", "token_tis_group_permuted_half", "token_tis_group_permuted", "token_tis_group_mean",
+        "token_tis_group_permuted_double", "token_tis_group_permuted_wide", "token_tis_group_permuted_wider",
+        "token_tis_shuffled_quarter", "token_tis_shuffled_half", "token_tis_shuffled", "token_tis_shuffled_double")}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -2905,3 +2911,146 @@ def test_the_placebo_s_wide_doses_at_1_5_come_from_the_archive():
     assert (f"group weights as spread as the half dose and the shuffled weights cost {q[wide]} and {q[wider]} on the "
             f"same seeds of a Zen 5 VM, where the half dose cost {h} ({_quoted(both)} over both machines' 200 seeds), "
             f"so at the same spread the weights' grain made no measurable difference") in readme
+
+
+#: docs/study/sweep-temperature-t1.5/dose-curves: every rewritten arm at T = 1.5 on the Intel VM's seeds 100-199
+#: with none, so both grains' doses pair with one none on one kind of machine (``{arm: (varies per, p)}``): the
+#: noise-dose and token-weights reports' runs (2026-12-02) with the placebo's two wide doses and the shuffled
+#: weights' quarter dose, run on a third Intel VM of the same kind (family 6 model 167, AVX-512 kernels) that
+#: repeated seed 100 of none bit for bit (2026-12-03).
+_DOSE_CURVES = {"none": ("-", 0.0), "token_tis_group_permuted_half": ("group", 0.5), _PLACEBO: ("group", 1.0),
+                "token_tis_group_mean": ("group", 1.0), "token_tis_group_permuted_double": ("group", 2.0),
+                "token_tis_group_permuted_wide": ("group", 3.5), "token_tis_group_permuted_wider": ("group", 6.0),
+                "token_tis_shuffled_quarter": ("token", 0.25), "token_tis_shuffled_half": ("token", 0.5),
+                "token_tis_shuffled": ("token", 1.0), "token_tis_shuffled_double": ("token", 2.0)}
+#: the arms first run on the Intel seeds that session
+_CURVE_NEW = ("token_tis_group_permuted_wide", "token_tis_group_permuted_wider", "token_tis_shuffled_quarter")
+
+
+@functools.cache
+def _dose_curves() -> tuple:
+    """The dose-curves report at T = 1.5 (docs/study/sweep-temperature-t1.5/dose-curves;
+    :func:`_one_vm_report` on the Intel VMs): its arms :data:`_DOSE_CURVES` at seeds 100-199, each
+    arm's power its ``REWRITE_EXPONENT`` and its grain its rewrite's."""
+    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT, REWRITTEN_TIS
+
+    grain = {"group_mean_permuted": "group", "group_mean": "group", "shuffle": "token"}
+    assert {a: (grain[REWRITTEN_TIS[a]], REWRITE_EXPONENT.get(a, 1.0)) for a in _DOSE_CURVES if a != "none"} == {
+        a: v for a, v in _DOSE_CURVES.items() if a != "none"}
+    return _one_vm_report("dose-curves", _DOSE_CURVES)
+
+
+@functools.cache
+def _dose_curve_quotes() -> tuple[list[str], dict, dict]:
+    """The figures of docs/study.md's section on both grains' dose curves on the Intel seeds 100-199
+    (:func:`_dose_curves`), recomputed from the archive: the table of every arm by the K3 of its
+    weights, how often the wide doses' weights reached the bound of 2, the group doses' slope on p, the
+    arms of the same K3 against each other, the new arms over both machines' 200 seeds (each block
+    against its own none: seeds 200-299 from :func:`_group_wide` and :func:`_low_doses`), the two
+    blocks against each other, which differences are resolved and the runs' times; with the new
+    arms' costs on these seeds and over 200 seeds, and the CPU-hours of the new runs
+    (``{"wide": h, "quarter": h}``)."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    arms, final, runs, setting, paired, study = _dose_curves()
+    wide, wider = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider"
+    quarter, half, sh = "token_tis_shuffled_quarter", "token_tis_shuffled_half", "token_tis_shuffled"
+    double = "token_tis_group_permuted_double"
+    seeds = _NOISE_SEEDS
+    k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _DOSE_CURVES}
+    for a in _DOSE_CURVES:  # the report's own K3, averaged the same way
+        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    by_k3 = sorted((a for a in _DOSE_CURVES if a != "none"), key=k3.get)
+    cost = {a: paired(a, "none") for a in by_k3}
+    low = [a for a in by_k3 if k3[a] < 1e-2]
+
+    def row(arm: str) -> str:
+        per, p = _DOSE_CURVES[arm]
+        lo, hi = _weight_extremes(setting, runs, arm, len(seeds), seeds[0])[:2]
+        rest = ["-"] * 3 if arm == "none" else [_e(k3[arm], 1), _quoted(paired(arm, "none")),
+                                                 _quoted(paired(arm, "none", key="greedy_reward"))]
+        return "| " + " | ".join([
+            f"`{arm}`", per, "-" if arm == "none" else f"{p:g}", f"{lo:.2f} / {hi:.2f}", *rest,
+            f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"])]) + " |"
+
+    at_bound = {a: np.mean([r["is_weight_max"] >= 2 - 1e-6 for s in seeds for r in runs[setting, a, s][0]])
+                for a in (wide, wider)}
+    group = {a: p for a, (per, p) in _DOSE_CURVES.items() if per == "group" and a != "token_tis_group_mean"}
+    slope = _dose_slope(final, seeds, study, {"none": 0.0, **group})
+    # seeds 200-299, each pair from one kind of machine: none, the wide doses and the half dose (Zen 4 / Zen 5 VMs)
+    # and the quarter dose (the Zen 4 VM)
+    zen_final = {**_low_doses()[1], **_group_wide()[1]}
+    zen = _paired_over(zen_final, runs, setting, study, _GROUP_WIDE_SEEDS)
+    both = _paired_over({**final, **zen_final}, runs, setting, study, range(100, 300))
+    pooled = {a: both(a, "none") for a in (*_CURVE_NEW, half)}
+    blocks = {a: _cost_gap({"Intel": paired(a, "none"), "Zen": zen(a, "none")}, "Intel", "Zen")
+              for a in _CURVE_NEW}
+    mde = {a: minimal_detectable_effect(float(np.std(list(pooled[a]["diffs"].values()), ddof=1)), 200)
+           for a in _CURVE_NEW}
+    wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in seeds]
+            for k, arms_ in (("wide", (wide, wider)), ("quarter", (quarter,)))}
+    hours = {k: sum(w) / 3600 for k, w in wall.items()}
+    return [
+        *(f"{len(wall[k])} runs, about {np.mean(wall[k]):.0f} s per run, {hours[k]:.1f} CPU-hours" for k in wall),
+        row("none"), *(row(a) for a in by_k3),
+        f"largest weight reached the bound of 2 on {at_bound[wide]:.0%} and {at_bound[wider]:.0%} of their steps here",
+        f"slope of the final reward on p over none and the five placebo doses is {_quoted(slope)} per unit of p",
+        f"Below K3 1e-2 no arm of either grain is resolved from none ({min(cost[a]['mean'] for a in low):+.3f} to "
+        f"{max(cost[a]['mean'] for a in low):+.3f}); above it every arm is but the wide dose "
+        f"({_quoted(cost[wide])}): the wider dose {_quoted(cost[wider])}",
+        f"wide - half {_quoted(paired(wide, half))}; wider - shuffled {_quoted(paired(wider, sh))}; quarter - the "
+        f"placebo's double {_quoted(paired(quarter, double))}",
+        f"against its own none): wide {_quoted(pooled[wide])}, wider {_quoted(pooled[wider])}, quarter "
+        f"{_quoted(pooled[quarter])}, half {_quoted(pooled[half])}",
+        f"(over 200 seeds wide - half {_quoted(both(wide, half))})",
+        f"they differ by {blocks[wide]} (wide), {blocks[wider]} (wider) and {blocks[quarter]} (quarter)",
+        f"the Intel seeds the quarter dose cost {_quoted(cost[quarter])}, on the Zen 4 VM's "
+        f"{_quoted(zen(quarter, 'none'))}",
+        f"the quarter dose (K3 {_e(k3[quarter], 1)}, {_quoted(pooled[quarter])} over 200 seeds) may cost a little: its "
+        f"interval reaches {pooled[quarter]['low']:+.3f}",
+        f"the half dose's spread it cost about {pooled[wide]['mean'] / pooled[half]['mean']:.0%} as much over 200 "
+        f"seeds ({pooled[wide]['mean']:+.3f} against {pooled[half]['mean']:+.3f}), unresolved",
+        f"detect about {mde[wide]:.3f}, {mde[wider]:.3f} and {mde[quarter]:.3f}",
+    ], pooled, hours
+
+
+def test_both_grains_dose_curves_at_1_5_come_from_the_archive():
+    """docs/study.md on both grains' dose curves at a rollout temperature of 1.5 on the Intel seeds
+    100-199 (docs/study/sweep-temperature-t1.5/dose-curves): the table of every arm by the K3 of its
+    weights, the group doses' slope, the same-K3 comparisons, the new arms over both machines' 200
+    seeds, which differences are resolved and the runs' times, recomputed from the archive; the
+    section before points to it, and the answers, the status table and the README quote it."""
+    quotes, pooled, hours = _dose_curve_quotes()
+    _assert_quoted(quotes, _section("Both grains' dose curves on one machine's seeds"))
+    assert "The next section runs both wide doses and the quarter dose on the Intel VM's seeds." in _section(
+        "The placebo as spread as the token doses")
+    _, final, _, _, paired, study = _dose_curves()
+    wide, wider = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider"
+    quarter, half = "token_tis_shuffled_quarter", "token_tis_shuffled_half"
+    # on the Intel seeds: the wider dose and the placebo's dose slope are resolved, the wide and the quarter dose
+    # are not, nor is any pair of the same K3
+    assert paired(wider, "none")["excludes_zero"]
+    group = {a: p for a, (per, p) in _DOSE_CURVES.items() if per == "group" and a != "token_tis_group_mean"}
+    assert _dose_slope(final, _NOISE_SEEDS, study, {"none": 0.0, **group})["excludes_zero"]
+    assert not any(paired(a, b)["excludes_zero"] for a, b in (
+        (wide, "none"), (quarter, "none"), (wide, half), (wider, "token_tis_shuffled"),
+        (quarter, "token_tis_group_permuted_double")))
+    # over 200 seeds: only the wider and the half dose
+    assert [a for a in pooled if pooled[a]["excludes_zero"]] == [wider, half]
+    q = {a: _quoted(pooled[a]) for a in pooled}
+    slope = _quoted(_dose_slope(final, _NOISE_SEEDS, study, {"none": 0.0, **group}))
+    _assert_quoted([f"with both grains' doses beside one none on the Intel seeds the placebo's cost rose with its "
+                    f"power ({slope} per unit of p), and over 200 seeds of two machines the placebo as spread as the "
+                    f"shuffled weights cost {q[wider]}, as spread as the half dose {q[wide]} and the quarter dose "
+                    f"{q[quarter]}"], _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours['wide']:.1f} for the 200 of the placebo's wide doses and {hours['quarter']:.1f} for the "
+                    f"100 of the quarter dose on seeds 100-199 (Intel VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"with both grains' doses beside one none on the Intel seeds, the placebo's cost rose with its power "
+            f"({slope} per unit of p), and over 200 seeds of two machines group weights as spread as the shuffled "
+            f"weights cost {q[wider]} and as spread as the half dose {q[wide]}, while the token weights' quarter dose "
+            f"cost {q[quarter]}, so the cost begins somewhere between the quarter and the half dose's spread") in readme
