@@ -2302,21 +2302,22 @@ _ZEN4 = ("25/17", "AVX512")
 _ZEN5 = ("26/2", "AVX512")
 
 
-def _one_vm_report(report: str, arm_names, seeds: range = _NOISE_SEEDS, machine: tuple | dict = _INTEL) -> tuple:
-    """A report of docs/study/sweep-temperature-t1.5 made on one VM, or on VMs of one kind (``machine``,
-    default the Intel VM of family 6 model 167 with AVX-512 kernels; ``{arm: machine}`` where the arms
-    ran on different VMs) and its archive: the dose's arms, every run's final reward, the runs, the
-    setting, the paired-difference function of :func:`_paired_over` on ``seeds`` and the report's study
-    settings. The report's arms are checked to be ``arm_names`` at ``seeds``, their vs-none differences
-    the recomputed ones and every arm's runs to come from its VM."""
-    summary = _summary("sweep-temperature-t1.5", report)
+def _one_vm_report(report: str, arm_names, seeds: range = _NOISE_SEEDS, machine: tuple | dict = _INTEL,
+                   sweep: str = "sweep-temperature-t1.5") -> tuple:
+    """A report of docs/study/``sweep`` (default the T = 1.5 archive) made on one VM, or on VMs of one
+    kind (``machine``, default the Intel VM of family 6 model 167 with AVX-512 kernels; ``{arm: machine}``
+    where the arms ran on different VMs) and its archive: the dose's arms, every run's final reward, the
+    runs, the setting, the paired-difference function of :func:`_paired_over` on ``seeds`` and the
+    report's study settings. The report's arms are checked to be ``arm_names`` at ``seeds``, their
+    vs-none differences the recomputed ones and every arm's runs to come from its VM."""
+    summary = _summary(sweep, report)
     (dose,) = summary["doses"]
     arms, study = dose["arms"], summary["study"]
     assert sorted(arms) == sorted(arm_names)
     assert all(list(arms[a]["seeds"]) == list(seeds) for a in arms)
-    final = _committed_finals("sweep-temperature-t1.5", summary)
-    runs = _archive_runs("sweep-temperature-t1.5")
-    headers = _archive_headers("sweep-temperature-t1.5")
+    final = _committed_finals(sweep, summary)
+    runs = _archive_runs(sweep)
+    headers = _archive_headers(sweep)
     setting = dose["setting"]
     by_arm = machine if isinstance(machine, dict) else dict.fromkeys(arms, machine)
     for a in arms:
@@ -2941,15 +2942,15 @@ def _dose_curves() -> tuple:
 
 
 @functools.cache
-def _dose_curve_quotes() -> tuple[list[str], dict, dict]:
+def _dose_curve_quotes() -> tuple[list[str], dict, dict, dict]:
     """The figures of docs/study.md's section on both grains' dose curves on the Intel seeds 100-199
     (:func:`_dose_curves`), recomputed from the archive: the table of every arm by the K3 of its
     weights, how often the wide doses' weights reached the bound of 2, the group doses' slope on p, the
     arms of the same K3 against each other, the new arms over both machines' 200 seeds (each block
     against its own none: seeds 200-299 from :func:`_group_wide` and :func:`_low_doses`), the two
     blocks against each other, which differences are resolved and the runs' times; with the new
-    arms' costs on these seeds and over 200 seeds, and the CPU-hours of the new runs
-    (``{"wide": h, "quarter": h}``)."""
+    arms' and the half dose's costs over 200 seeds, the CPU-hours of the new runs
+    (``{"wide": h, "quarter": h}``) and the placebo doses' slope on p."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import minimal_detectable_effect
@@ -3014,7 +3015,7 @@ def _dose_curve_quotes() -> tuple[list[str], dict, dict]:
         f"the half dose's spread it cost about {pooled[wide]['mean'] / pooled[half]['mean']:.0%} as much over 200 "
         f"seeds ({pooled[wide]['mean']:+.3f} against {pooled[half]['mean']:+.3f}), unresolved",
         f"detect about {mde[wide]:.3f}, {mde[wider]:.3f} and {mde[quarter]:.3f}",
-    ], pooled, hours
+    ], pooled, hours, slope
 
 
 def test_both_grains_dose_curves_at_1_5_come_from_the_archive():
@@ -3023,25 +3024,22 @@ def test_both_grains_dose_curves_at_1_5_come_from_the_archive():
     weights, the group doses' slope, the same-K3 comparisons, the new arms over both machines' 200
     seeds, which differences are resolved and the runs' times, recomputed from the archive; the
     section before points to it, and the answers, the status table and the README quote it."""
-    quotes, pooled, hours = _dose_curve_quotes()
+    quotes, pooled, hours, slope = _dose_curve_quotes()
     _assert_quoted(quotes, _section("Both grains' dose curves on one machine's seeds"))
     assert "The next section runs both wide doses and the quarter dose on the Intel VM's seeds." in _section(
         "The placebo as spread as the token doses")
-    _, final, _, _, paired, study = _dose_curves()
+    paired = _dose_curves()[4]
     wide, wider = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider"
     quarter, half = "token_tis_shuffled_quarter", "token_tis_shuffled_half"
     # on the Intel seeds: the wider dose and the placebo's dose slope are resolved, the wide and the quarter dose
     # are not, nor is any pair of the same K3
-    assert paired(wider, "none")["excludes_zero"]
-    group = {a: p for a, (per, p) in _DOSE_CURVES.items() if per == "group" and a != "token_tis_group_mean"}
-    assert _dose_slope(final, _NOISE_SEEDS, study, {"none": 0.0, **group})["excludes_zero"]
+    assert paired(wider, "none")["excludes_zero"] and slope["excludes_zero"]
     assert not any(paired(a, b)["excludes_zero"] for a, b in (
         (wide, "none"), (quarter, "none"), (wide, half), (wider, "token_tis_shuffled"),
         (quarter, "token_tis_group_permuted_double")))
     # over 200 seeds: only the wider and the half dose
     assert [a for a in pooled if pooled[a]["excludes_zero"]] == [wider, half]
-    q = {a: _quoted(pooled[a]) for a in pooled}
-    slope = _quoted(_dose_slope(final, _NOISE_SEEDS, study, {"none": 0.0, **group}))
+    q, slope = {a: _quoted(pooled[a]) for a in pooled}, _quoted(slope)
     _assert_quoted([f"with both grains' doses beside one none on the Intel seeds the placebo's cost rose with its "
                     f"power ({slope} per unit of p), and over 200 seeds of two machines the placebo as spread as the "
                     f"shuffled weights cost {q[wider]}, as spread as the half dose {q[wide]} and the quarter dose "
