@@ -74,7 +74,8 @@ def add_parser(sub) -> None:
     p.add_argument("--archive", default=None, metavar="DIR",
                    help="A run archive folder (e.g. docs/study/sweep-NAME/runs: one .jsonl.gz per run): its runs missing from "
                         "OUT_DIR are written there first (and reused where their configuration matches), and every finished "
-                        "run of the study's settings that DIR lacks is added at the end (it never replaces one).")
+                        "run of the study's settings (with --doses, those doses') that DIR lacks is added at the end "
+                        "(it never replaces one).")
     p.add_argument("--list", action="store_true", help="List the settings, the arms and the dose-response sweeps and exit.")
     p.set_defaults(run=run)
 
@@ -156,7 +157,9 @@ def _run_archived(args: argparse.Namespace, study) -> int:
         return _run(study, report_only=args.report_only)
     from megatron_mis.testbed.study.archive import ArchiveError, restore_runs, update_archive
 
-    settings = ([SWEEPS[study.sweep].setting_name(label) for label in SWEEPS[study.sweep].labels]
+    # the settings this command runs (with --doses, only those doses): the out-dir's runs of the sweep's other doses
+    # are not the study's, and the archive of one dose does not take them
+    settings = ([SWEEPS[study.sweep].setting_name(label) for label in study.dose_labels]
                 if study.sweep is not None else [study.setting])
     try:
         if os.path.exists(args.archive):

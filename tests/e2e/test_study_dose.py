@@ -493,6 +493,27 @@ def test_a_sweep_extends_from_its_archive_on_another_machine(tmp_path, capsys):
     assert not (tmp_path / "third").exists()
 
 
+def test_an_archive_takes_only_the_doses_the_command_ran(tmp_path, capsys):
+    """`--archive` with `--doses`: the archive takes the out-dir's finished runs of the doses the
+    command ran, not those of the sweep's other doses the out-dir holds (a T = 0.5 archive updated
+    from an out-dir that also held T = 1.5 runs took all 2600 of them, 2026-12-03)."""
+    out, hot, cold = tmp_path / "out", tmp_path / "hot", tmp_path / "cold"
+    common = ["study", "--sweep", "temperature", "--arms", "none", "--steps", "2", "--jobs", "1", "--quick",
+              "--seeds", "1", "--no-progress", "--no-plot", "--bootstrap", "200", "--out-dir", str(out)]
+    assert main([*common, "--doses", "t1.5", "--archive", str(hot)]) == 0
+    assert main([*common, "--doses", "t0.5", "--archive", str(cold)]) == 0
+    assert f"archive {cold}: 1 runs (1 added from {out}, 1 files written)" in capsys.readouterr().err
+
+    def runs(archive):
+        return sorted(p.relative_to(archive).as_posix() for p in archive.rglob("seed-*"))
+
+    assert runs(cold) == ["temperature-t0.5/none/seed-0.jsonl.gz"]
+    assert runs(hot) == ["temperature-t1.5/none/seed-0.jsonl.gz"]
+    # the out-dir keeps both doses' runs
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("seed-*")) == [
+        "temperature-t0.5/none/seed-0.jsonl", "temperature-t1.5/none/seed-0.jsonl"]
+
+
 def test_ctrl_c_stops_the_command_with_130_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
     """Ctrl-C takes the SIGTERM path's exit: 128 + 2 and the resume hint, not a traceback (the
     runner's own clean-up on KeyboardInterrupt is test_an_interrupted_sweep_exits_promptly's)."""
