@@ -210,6 +210,8 @@ _REPORTS = [
                                  "token_mis": range(120), "bypass_ppo": range(60), "sequence_mis": range(60)}),
     # a rollout-only temperature of 0.5 at 60 seeds (150 steps, the fourth VM): its own archive
     ("sweep-temperature-t0.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
+    # and seeds 100-199 of none and the shuffled weights, a session later on an Intel VM (the dose-curves report's)
+    ("sweep-temperature-t0.5", "shuffled-intel", {"none": range(100, 200), "token_tis_shuffled": range(100, 200)}),
     # and of 1.5, in a later session on the same VM
     ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60),
                                      # and the three token TIS diagnostics, a day later on a Zen 1 VM
@@ -3052,3 +3054,82 @@ def test_both_grains_dose_curves_at_1_5_come_from_the_archive():
             f"({slope} per unit of p), and over 200 seeds of two machines group weights as spread as the shuffled "
             f"weights cost {q[wider]} and as spread as the half dose {q[wide]}, while the token weights' quarter dose "
             f"cost {q[quarter]}, so the cost begins somewhere between the quarter and the half dose's spread") in readme
+
+
+#: docs/study/sweep-temperature-t0.5/shuffled-intel: none and token TIS's weights shuffled onto random tokens at a
+#: rollout-only temperature of 0.5, seeds 100-199 on the third Intel VM of family 6 model 167 (2026-12-03), the VM
+#: of the dose-curves report's new arms
+_T05_SHUFFLED_ARMS = ("none", "token_tis_shuffled")
+
+
+@functools.cache
+def _t05_shuffled() -> tuple:
+    """The shuffled-intel report at T = 0.5 (docs/study/sweep-temperature-t0.5/shuffled-intel;
+    :func:`_one_vm_report` on the Intel VM): none and the shuffled weights at seeds 100-199."""
+    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t0.5")
+
+
+@functools.cache
+def _t05_shuffled_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on the shuffled weights at T = 0.5 (seeds 100-199 of the
+    Intel VM; :func:`_t05_shuffled`), recomputed from the archive: each arm's row, the MDE, the same
+    arm at T = 1.5 on the same seeds (:func:`_dose_curves`), token TIS at T = 0.5 on the AVX2 VM's
+    seeds 0-59 (docs/study/sweep-temperature-t0.5) and the runs' times; with the shuffled weights'
+    cost against none."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    arms, final, runs, setting, paired, study = _t05_shuffled()
+    sh, seeds = "token_tis_shuffled", _NOISE_SEEDS
+    k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
+    for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
+        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    cost = paired(sh, "none")
+
+    def row(arm: str) -> str:
+        lo, hi = _weight_extremes(setting, runs, arm, len(seeds), seeds[0])[:2]
+        return "| " + " | ".join([
+            f"`{arm}`", f"{lo:.2f} / {hi:.2f}", _e(k3[arm], 1),
+            "-" if arm == "none" else _quoted(cost), "-" if arm == "none" else _quoted(
+                paired(arm, "none", key="greedy_reward")),
+            f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"])]) + " |"
+
+    _, hot_final, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
+    hot = {"T = 0.5": cost, "T = 1.5": hot_paired(sh, "none")}
+    hot_k3 = _weights_k3(hot_runs, hot_setting, sh, seeds)
+    t05 = _summary("sweep-temperature-t0.5", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"]
+    mde = minimal_detectable_effect(float(np.std(list(cost["diffs"].values()), ddof=1)), len(seeds))
+    wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
+    return [
+        f"200 runs, about {np.mean(wall):.0f} s per run, {sum(wall) / 3600:.1f} CPU-hours",
+        *(row(a) for a in _T05_SHUFFLED_ARMS),
+        f"the shuffled weights cost {_quoted(cost)} against none at T = 0.5",
+        f"100 seeds detect about {mde:.3f}",
+        f"at T = 1.5 on the same seeds they cost {_quoted(hot['T = 1.5'])} (K3 of the weights {_e(hot_k3, 1)})",
+        f"two temperatures' costs differ by {_cost_gap(hot, 'T = 0.5', 'T = 1.5')}",
+        f"token TIS cost {_quoted(t05)} against none at T = 0.5",
+        f"so their K3 is that of the arm's own pairs ({_e(k3[sh], 1)} here, none's {_e(k3['none'], 1)}), "
+        f"{k3[sh] / hot_k3:.1f} times the shuffled weights' K3 at T = 1.5",
+    ], cost
+
+
+def test_the_shuffled_weights_at_0_5_come_from_the_archive():
+    """docs/study.md on the shuffled weights at a rollout temperature of 0.5 (seeds 100-199 of the
+    Intel VM, docs/study/sweep-temperature-t0.5/shuffled-intel): each arm's row, the cost against
+    none and at T = 1.5 on the same seeds, token TIS at T = 0.5 and the runs' times, recomputed from
+    the archive; the section before points to it, and the answers and the README quote the cost."""
+    quotes, cost = _t05_shuffled_quotes()
+    _assert_quoted(quotes, _section("The shuffled weights at T = 0.5"))
+    assert cost["excludes_zero"]
+    assert "The next section runs the shuffled weights at T = 0.5." in _section("Both grains' dose curves")
+    runs, setting = _t05_shuffled()[2:4]
+    hours = sum(runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in _NOISE_SEEDS) / 3600
+    _assert_quoted([f"at T = 0.5 token TIS's weights shuffled onto random tokens cost {_quoted(cost)} on 100 seeds of "
+                    f"an Intel VM"], _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 200 of the shuffled weights and none at t0.5 on seeds 100-199 (Intel VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"at T = 0.5 the same weights shuffled onto random tokens cost {_quoted(cost)} against none on 100 seeds "
+            f"of an Intel VM, where token TIS in place had cost nothing measurable on other seeds") in readme
