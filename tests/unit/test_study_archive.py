@@ -2973,7 +2973,7 @@ def _dose_curve_quotes() -> tuple[list[str], dict, dict, dict]:
     def row(arm: str) -> str:
         per, p = _DOSE_CURVES[arm]
         lo, hi = _weight_extremes(setting, runs, arm, len(seeds), seeds[0])[:2]
-        rest = ["-"] * 3 if arm == "none" else [_e(k3[arm], 1), _quoted(paired(arm, "none")),
+        rest = ["-"] * 3 if arm == "none" else [_e(k3[arm], 1), _quoted(cost[arm]),
                                                  _quoted(paired(arm, "none", key="greedy_reward"))]
         return "| " + " | ".join([
             f"`{arm}`", per, "-" if arm == "none" else f"{p:g}", f"{lo:.2f} / {hi:.2f}", *rest,
@@ -3071,12 +3071,13 @@ def _t05_shuffled() -> tuple:
 
 
 @functools.cache
-def _t05_shuffled_quotes() -> tuple[list[str], dict]:
+def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
     """The figures of docs/study.md's section on the shuffled weights at T = 0.5 (seeds 100-199 of the
     Intel VM; :func:`_t05_shuffled`), recomputed from the archive: each arm's row, the MDE, the same
     arm at T = 1.5 on the same seeds (:func:`_dose_curves`), token TIS at T = 0.5 on the AVX2 VM's
     seeds 0-59 (docs/study/sweep-temperature-t0.5), token TIS on these seeds and the runs' times;
-    with the shuffled weights' cost against none."""
+    with the shuffled weights' and token TIS's costs against none and the CPU-hours of their runs
+    (``{"shuffled": h, "token TIS": h}``: none's runs with the shuffled weights')."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import minimal_detectable_effect
@@ -3097,7 +3098,7 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict]:
             f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
             str(arms[arm]["collapse"]["k"])]) + " |"
 
-    _, hot_final, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
+    _, _, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
     hot = {"T = 0.5": cost, "T = 1.5": hot_paired(sh, "none")}
     hot_k3 = _weights_k3(hot_runs, hot_setting, sh, seeds)
     t05 = _summary("sweep-temperature-t0.5", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"]
@@ -3105,8 +3106,9 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict]:
     wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in seeds]
             for k, arms_ in (("shuffled", ("none", sh)), ("token TIS", ("token_tis",)))}
     tis = paired("token_tis", "none")
+    hours = {k: sum(w) / 3600 for k, w in wall.items()}
     return [
-        *(f"{len(w)} runs, about {np.mean(w):.0f} s per run, {sum(w) / 3600:.1f} CPU-hours" for w in wall.values()),
+        *(f"{len(wall[k])} runs, about {np.mean(wall[k]):.0f} s per run, {hours[k]:.1f} CPU-hours" for k in wall),
         f"token TIS cost {_quoted(tis)} against none on these seeds; the shuffled weights - token TIS "
         f"{_quoted(paired(sh, 'token_tis'))}",
         *(row(a) for a in _T05_SHUFFLED_ARMS),
@@ -3117,7 +3119,7 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict]:
         f"token TIS cost {_quoted(t05)} against none at T = 0.5",
         f"so their K3 is that of the arm's own pairs ({_e(k3[sh], 1)} here, none's {_e(k3['none'], 1)}), "
         f"{k3[sh] / hot_k3:.1f} times the shuffled weights' K3 at T = 1.5",
-    ], cost
+    ], cost, tis, hours
 
 
 def test_the_shuffled_weights_at_0_5_come_from_the_archive():
@@ -3125,21 +3127,17 @@ def test_the_shuffled_weights_at_0_5_come_from_the_archive():
     Intel VM, docs/study/sweep-temperature-t0.5/shuffled-intel): each arm's row, the cost against
     none and at T = 1.5 on the same seeds, token TIS at T = 0.5 and the runs' times, recomputed from
     the archive; the section before points to it, and the answers and the README quote the cost."""
-    quotes, cost = _t05_shuffled_quotes()
+    quotes, cost, tis, hours = _t05_shuffled_quotes()
     _assert_quoted(quotes, _section("The shuffled weights at T = 0.5"))
     assert cost["excludes_zero"] and _t05_shuffled()[4]("token_tis_shuffled", "token_tis")["excludes_zero"]
-    assert not _t05_shuffled()[4]("token_tis", "none")["excludes_zero"]
+    assert not tis["excludes_zero"]
     assert "The next section runs the shuffled weights at T = 0.5." in _section("Both grains' dose curves")
-    runs, setting = _t05_shuffled()[2:4]
-    hours = {k: sum(runs[setting, a, s][1]["wall_s"] for a in arms_ for s in _NOISE_SEEDS) / 3600
-             for k, arms_ in (("shuffled", ("none", "token_tis_shuffled")), ("token TIS", ("token_tis",)))}
     _assert_quoted([f"at T = 0.5 token TIS's weights shuffled onto random tokens cost {_quoted(cost)} on 100 seeds of "
                     f"an Intel VM"], _section("The answers so far, per mechanism"))
     _assert_quoted([f"{hours['shuffled']:.1f} for the 200 of the shuffled weights and none at t0.5 on seeds 100-199 "
                     f"(Intel VM) and {hours['token TIS']:.1f} for the 100 of token TIS there"],
                    _section("What has been run, and what the rest would cost"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    tis = _t05_shuffled()[4]("token_tis", "none")
     assert (f"at T = 0.5 the same weights shuffled onto random tokens cost {_quoted(cost)} against none on 100 seeds "
             f"of an Intel VM, where token TIS in place cost {_quoted(tis)}, so there the weights in place carry "
             f"something that offsets their noise") in readme
