@@ -254,6 +254,9 @@ _REPORTS = [
         "token_tis_shuffled_quarter", "token_tis_shuffled_half", "token_tis_shuffled", "token_tis_shuffled_double")}),
     # and of 1.25, a session after that on the same VM
     ("sweep-temperature-t1.25", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60)}),
+    # and seeds 100-199 of the T = 0.5 shuffled-intel report's arms, a session after that one on an Intel VM of its kind
+    ("sweep-temperature-t1.25", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
+                                                                                "token_tis")}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -3070,6 +3073,23 @@ def _t05_shuffled() -> tuple:
     return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t0.5")
 
 
+def _shuffled_intel_row(report: tuple, k3: dict, arm: str) -> str:
+    """``arm``'s row of a shuffled-intel section's table (``report``: :func:`_one_vm_report` of seeds 100-199;
+    ``k3``: each arm's :func:`_weights_k3`): smallest / largest weight, K3, the final and the greedy reward
+    against none, the mean final reward, the runs that reached 0.5 and the collapses."""
+    import numpy as np
+
+    arms, final, runs, setting, paired, _ = report
+    seeds = _NOISE_SEEDS
+    lo, hi = _weight_extremes(setting, runs, arm, len(seeds), seeds[0])[:2]
+    return "| " + " | ".join([
+        f"`{arm}`", f"{lo:.2f} / {hi:.2f}", _e(k3[arm], 1),
+        "-" if arm == "none" else _quoted(paired(arm, "none")), "-" if arm == "none" else _quoted(
+            paired(arm, "none", key="greedy_reward")),
+        f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+        str(arms[arm]["collapse"]["k"])]) + " |"
+
+
 @functools.cache
 def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
     """The figures of docs/study.md's section on the shuffled weights at T = 0.5 (seeds 100-199 of the
@@ -3089,15 +3109,6 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
         assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
     cost = paired(sh, "none")
 
-    def row(arm: str) -> str:
-        lo, hi = _weight_extremes(setting, runs, arm, len(seeds), seeds[0])[:2]
-        return "| " + " | ".join([
-            f"`{arm}`", f"{lo:.2f} / {hi:.2f}", _e(k3[arm], 1),
-            "-" if arm == "none" else _quoted(paired(arm, "none")), "-" if arm == "none" else _quoted(
-                paired(arm, "none", key="greedy_reward")),
-            f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
-            str(arms[arm]["collapse"]["k"])]) + " |"
-
     _, _, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
     hot = {"T = 0.5": cost, "T = 1.5": hot_paired(sh, "none")}
     hot_k3 = _weights_k3(hot_runs, hot_setting, sh, seeds)
@@ -3111,7 +3122,7 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
         *(f"{len(wall[k])} runs, about {np.mean(wall[k]):.0f} s per run, {hours[k]:.1f} CPU-hours" for k in wall),
         f"token TIS cost {_quoted(tis)} against none on these seeds; the shuffled weights - token TIS "
         f"{_quoted(paired(sh, 'token_tis'))}",
-        *(row(a) for a in _T05_SHUFFLED_ARMS),
+        *(_shuffled_intel_row(_t05_shuffled(), k3, a) for a in _T05_SHUFFLED_ARMS),
         f"the shuffled weights cost {_quoted(cost)} against none at T = 0.5",
         f"100 seeds detect about {mde:.3f}",
         f"at T = 1.5 on the same seeds they cost {_quoted(hot['T = 1.5'])} (K3 of the weights {_e(hot_k3, 1)})",
@@ -3141,3 +3152,87 @@ def test_the_shuffled_weights_at_0_5_come_from_the_archive():
     assert (f"at T = 0.5 the same weights shuffled onto random tokens cost {_quoted(cost)} against none on 100 seeds "
             f"of an Intel VM, where token TIS in place cost {_quoted(tis)}, so there the weights in place carry "
             f"something that offsets their noise") in readme
+
+
+#: docs/study/sweep-temperature-t1.25/shuffled-intel: the T = 0.5 report's arms (none, token TIS's weights shuffled
+#: onto random tokens, token TIS) at a rollout-only temperature of 1.25, seeds 100-199 on the same third Intel VM
+#: of family 6 model 167, a session later (2026-12-03)
+@functools.cache
+def _t125_shuffled() -> tuple:
+    """The shuffled-intel report at T = 1.25 (docs/study/sweep-temperature-t1.25/shuffled-intel;
+    :func:`_one_vm_report` on the Intel VM): none, the shuffled weights and token TIS at seeds 100-199."""
+    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t1.25")
+
+
+@functools.cache
+def _placement() -> dict:
+    """Token TIS's weights in place and shuffled onto random tokens at the three rollout-only temperatures where
+    both ran on the Intel seeds 100-199 (T = 1.5: the token-weights report, :func:`_token_weights`):
+    ``{T: (the shuffled weights' K3, shuffled - none, token TIS - none, shuffled - token TIS)}``."""
+    sh, out = "token_tis_shuffled", {}
+    for t, (_, _, runs, setting, paired, _) in (("0.5", _t05_shuffled()), ("1.25", _t125_shuffled()),
+                                                ("1.5", _token_weights())):
+        out[t] = (_weights_k3(runs, setting, sh, _NOISE_SEEDS), paired(sh, "none"), paired("token_tis", "none"),
+                  paired(sh, "token_tis"))
+    return out
+
+
+@functools.cache
+def _t125_shuffled_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on the weights in place and shuffled at T = 1.25 (seeds
+    100-199 of the Intel VM; :func:`_t125_shuffled`), recomputed from the archives: each arm's row, the
+    three temperatures' placement table (:func:`_placement`), the MDE, token TIS at T = 1.25 on the
+    AVX2 VM's seeds 0-59 (docs/study/sweep-temperature-t1.25), the shuffled weights' K3 beside the
+    half dose's at T = 1.5 and that dose's cost over 200 seeds (:func:`_dose_curve_quotes`), and the
+    runs' times; with :func:`_placement` and the runs' CPU-hours."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    report = _t125_shuffled()
+    arms, _, runs, setting, paired, _ = report
+    sh, half, seeds = "token_tis_shuffled", "token_tis_shuffled_half", _NOISE_SEEDS
+    k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
+    for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
+        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    place = _placement()
+    assert place["1.25"][0] == k3[sh]
+    cost, tis, gap = place["1.25"][1:]
+    mde = minimal_detectable_effect(float(np.std(list(cost["diffs"].values()), ddof=1)), len(seeds))
+    avx2 = _summary("sweep-temperature-t1.25", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"]
+    _, _, hot_runs, hot_setting, _, _ = _dose_curves()
+    half_k3, half_cost = _weights_k3(hot_runs, hot_setting, half, seeds), _dose_curve_quotes()[1][half]
+    wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
+    hours = sum(wall) / 3600
+    return [
+        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        *(_shuffled_intel_row(report, k3, a) for a in _T05_SHUFFLED_ARMS),
+        *(f"| {t} | {_e(k, 1)} | {_quoted(s)} | {_quoted(i)} | {_quoted(g)} |" for t, (k, s, i, g) in place.items()),
+        f"the shuffled weights cost {_quoted(cost)} against none at T = 1.25 (100 seeds detect about {mde:.3f})",
+        f"token TIS cost {_quoted(tis)} against none on these seeds ({_quoted(avx2)} on the AVX2 VM's seeds 0-59)",
+        f"the shuffled weights - token TIS {_quoted(gap)}",
+        f"the shuffled weights' K3 here is {_e(k3[sh], 1)}, {k3[sh] / half_k3:.1f} times that of the half dose at "
+        f"T = 1.5 ({_e(half_k3, 1)}), which cost {_quoted(half_cost)} over 200 seeds",
+    ], place, hours
+
+
+def test_the_weights_in_place_and_shuffled_at_1_25_come_from_the_archive():
+    """docs/study.md on token TIS's weights in place and shuffled onto random tokens at a rollout
+    temperature of 1.25 (seeds 100-199 of the Intel VM, docs/study/sweep-temperature-t1.25/shuffled-intel):
+    each arm's row, the three temperatures' placement table, token TIS on the AVX2 VM's seeds, the
+    spread-matched dose at T = 1.5 and the runs' times, recomputed from the archives; which differences
+    resolve; the section before points to it, and the answers, the plan and the README quote it."""
+    quotes, place, hours = _t125_shuffled_quotes()
+    _assert_quoted(quotes, _section("Token TIS's weights in place and shuffled at T = 1.25"))
+    # the placement gap resolves at T = 0.5 only; at 1.25 token TIS's cost resolves, its shuffled weights' does not
+    assert [t for t in place if place[t][3]["excludes_zero"]] == ["0.5"]
+    assert place["1.25"][2]["excludes_zero"] and not place["1.25"][1]["excludes_zero"]
+    assert "The next section runs the same three arms at T = 1.25." in _section("The shuffled weights at T = 0.5")
+    sh, tis, gap = (_quoted(x) for x in place["1.25"][1:])
+    _assert_quoted([f"while at T = 1.25 on the same seeds the shuffled weights cost {sh} and token TIS in place {tis}, "
+                    f"level with each other ({gap})"], _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 300 of none, the shuffled weights and token TIS at t1.25 on seeds 100-199 "
+                    f"(Intel VM)"], _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"at T = 1.25, on the same seeds, token TIS cost {tis} and its shuffled weights {sh}, level with each "
+            f"other ({gap}), so above T = 1 its cost is that of weights of its spread") in readme
