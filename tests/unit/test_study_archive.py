@@ -3100,20 +3100,15 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
     (``{"shuffled": h, "token TIS": h}``: none's runs with the shuffled weights')."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect
-
-    arms, final, runs, setting, paired, study = _t05_shuffled()
+    _, _, runs, setting, paired, _ = _t05_shuffled()
     sh, seeds = "token_tis_shuffled", _NOISE_SEEDS
-    k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
-    for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
-        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    k3, (_, *rows), mde, _ = _shuffled_intel_figures(_t05_shuffled())
     cost = paired(sh, "none")
 
     _, _, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
     hot = {"T = 0.5": cost, "T = 1.5": hot_paired(sh, "none")}
     hot_k3 = _weights_k3(hot_runs, hot_setting, sh, seeds)
     t05 = _summary("sweep-temperature-t0.5", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"]
-    mde = minimal_detectable_effect(float(np.std(list(cost["diffs"].values()), ddof=1)), len(seeds))
     wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in seeds]
             for k, arms_ in (("shuffled", ("none", sh)), ("token TIS", ("token_tis",)))}
     tis = paired("token_tis", "none")
@@ -3122,7 +3117,7 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
         *(f"{len(wall[k])} runs, about {np.mean(wall[k]):.0f} s per run, {hours[k]:.1f} CPU-hours" for k in wall),
         f"token TIS cost {_quoted(tis)} against none on these seeds; the shuffled weights - token TIS "
         f"{_quoted(paired(sh, 'token_tis'))}",
-        *(_shuffled_intel_row(_t05_shuffled(), k3, a) for a in _T05_SHUFFLED_ARMS),
+        *rows,
         f"the shuffled weights cost {_quoted(cost)} against none at T = 0.5",
         f"100 seeds detect about {mde:.3f}",
         f"at T = 1.5 on the same seeds they cost {_quoted(hot['T = 1.5'])} (K3 of the weights {_e(hot_k3, 1)})",
@@ -3165,16 +3160,46 @@ def _t125_shuffled() -> tuple:
 
 
 @functools.cache
-def _placement() -> dict:
-    """Token TIS's weights in place and shuffled onto random tokens at the three rollout-only temperatures where
-    both ran on the Intel seeds 100-199 (T = 1.5: the token-weights report, :func:`_token_weights`):
-    ``{T: (the shuffled weights' K3, shuffled - none, token TIS - none, shuffled - token TIS)}``."""
+def _placement(temperatures: tuple[str, ...] = ("0.5", "1.25", "1.5")) -> dict:
+    """Token TIS's weights in place and shuffled onto random tokens at rollout-only temperatures where both ran on
+    the Intel seeds 100-199 (T = 1.5: the token-weights report, :func:`_token_weights`; the T = 1.25 section's
+    table: the default three): ``{T: (the shuffled weights' K3, shuffled - none, token TIS - none,
+    shuffled - token TIS)}``."""
+    reports = {"0.5": _t05_shuffled, "0.75": _t075_shuffled, "1.25": _t125_shuffled, "1.5": _token_weights}
     sh, out = "token_tis_shuffled", {}
-    for t, (_, _, runs, setting, paired, _) in (("0.5", _t05_shuffled()), ("1.25", _t125_shuffled()),
-                                                ("1.5", _token_weights())):
+    for t in temperatures:
+        _, _, runs, setting, paired, _ = reports[t]()
         out[t] = (_weights_k3(runs, setting, sh, _NOISE_SEEDS), paired(sh, "none"), paired("token_tis", "none"),
                   paired(sh, "token_tis"))
     return out
+
+
+def _shuffled_intel_figures(report: tuple) -> tuple[dict, list[str], float, float]:
+    """The figures a shuffled-intel report's section quotes of its own runs (``report``: :func:`_one_vm_report` of
+    :data:`_T05_SHUFFLED_ARMS` at seeds 100-199): each arm's K3 (checked against the report's), its lines
+    (the runs, their mean time and CPU-hours, and each arm's row), the MDE of the shuffled weights against
+    none and the CPU-hours."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    arms, _, runs, setting, paired, _ = report
+    seeds = _NOISE_SEEDS
+    k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
+    for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
+        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    diffs = paired("token_tis_shuffled", "none")["diffs"].values()
+    mde = minimal_detectable_effect(float(np.std(list(diffs), ddof=1)), len(seeds))
+    wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
+    hours = sum(wall) / 3600
+    return k3, [f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+                *(_shuffled_intel_row(report, k3, a) for a in _T05_SHUFFLED_ARMS)], mde, hours
+
+
+def _placement_rows(place: dict) -> list[str]:
+    """The rows of a placement table (:func:`_placement`): T, the shuffled weights' K3, their cost and token TIS's
+    against none, and shuffled - token TIS."""
+    return [f"| {t} | {_e(k, 1)} | {_quoted(s)} | {_quoted(i)} | {_quoted(g)} |" for t, (k, s, i, g) in place.items()]
 
 
 @functools.cache
@@ -3185,29 +3210,17 @@ def _t125_shuffled_quotes() -> tuple[list[str], dict, float]:
     AVX2 VM's seeds 0-59 (docs/study/sweep-temperature-t1.25), the shuffled weights' K3 beside the
     half dose's at T = 1.5 and that dose's cost over 200 seeds (:func:`_dose_curve_quotes`), and the
     runs' times; with :func:`_placement` and the runs' CPU-hours."""
-    import numpy as np
-
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect
-
     report = _t125_shuffled()
-    arms, _, runs, setting, paired, _ = report
     sh, half, seeds = "token_tis_shuffled", "token_tis_shuffled_half", _NOISE_SEEDS
-    k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
-    for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
-        assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
+    k3, table, mde, hours = _shuffled_intel_figures(report)
     place = _placement()
     assert place["1.25"][0] == k3[sh]
     cost, tis, gap = place["1.25"][1:]
-    mde = minimal_detectable_effect(float(np.std(list(cost["diffs"].values()), ddof=1)), len(seeds))
     avx2 = _summary("sweep-temperature-t1.25", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"]
     _, _, hot_runs, hot_setting, _, _ = _dose_curves()
     half_k3, half_cost = _weights_k3(hot_runs, hot_setting, half, seeds), _dose_curve_quotes()[1][half]
-    wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
-    hours = sum(wall) / 3600
     return [
-        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
-        *(_shuffled_intel_row(report, k3, a) for a in _T05_SHUFFLED_ARMS),
-        *(f"| {t} | {_e(k, 1)} | {_quoted(s)} | {_quoted(i)} | {_quoted(g)} |" for t, (k, s, i, g) in place.items()),
+        *table, *_placement_rows(place),
         f"the shuffled weights cost {_quoted(cost)} against none at T = 1.25 (100 seeds detect about {mde:.3f})",
         f"token TIS cost {_quoted(tis)} against none on these seeds ({_quoted(avx2)} on the AVX2 VM's seeds 0-59)",
         f"the shuffled weights - token TIS {_quoted(gap)}",
@@ -3236,3 +3249,12 @@ def test_the_weights_in_place_and_shuffled_at_1_25_come_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"at T = 1.25, on the same seeds, token TIS cost {tis} and its shuffled weights {sh}, level with each "
             f"other ({gap}), so above T = 1 its cost is that of weights of its spread") in readme
+
+
+#: docs/study/sweep-temperature-t0.75/shuffled-intel: the same three arms at a rollout-only temperature of 0.75, seeds
+#: 100-199 on the same Intel VM right after the T = 1.25 runs (2026-12-03), queued before those ended
+@functools.cache
+def _t075_shuffled() -> tuple:
+    """The shuffled-intel report at T = 0.75 (docs/study/sweep-temperature-t0.75/shuffled-intel;
+    :func:`_one_vm_report` on the Intel VM): none, the shuffled weights and token TIS at seeds 100-199."""
+    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t0.75")
