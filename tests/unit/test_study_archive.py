@@ -257,6 +257,9 @@ _REPORTS = [
     # and seeds 100-199 of the T = 0.5 shuffled-intel report's arms, a session after that one on an Intel VM of its kind
     ("sweep-temperature-t1.25", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
                                                                                 "token_tis")}),
+    # the same three arms at 0.75, right after those on the same VM: their own archive
+    ("sweep-temperature-t0.75", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
+                                                                                "token_tis")}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -3149,14 +3152,16 @@ def test_the_shuffled_weights_at_0_5_come_from_the_archive():
             f"something that offsets their noise") in readme
 
 
-#: docs/study/sweep-temperature-t1.25/shuffled-intel: the T = 0.5 report's arms (none, token TIS's weights shuffled
-#: onto random tokens, token TIS) at a rollout-only temperature of 1.25, seeds 100-199 on the same third Intel VM
-#: of family 6 model 167, a session later (2026-12-03)
+#: docs/study/sweep-temperature-t1.25/shuffled-intel and t0.75/shuffled-intel: the T = 0.5 report's arms (none,
+#: token TIS's weights shuffled onto random tokens, token TIS) at rollout-only temperatures of 1.25 and then 0.75,
+#: seeds 100-199 on the same third Intel VM of family 6 model 167, a session later (2026-12-03; 0.75 queued before
+#: any run of 1.25 ended)
 @functools.cache
-def _t125_shuffled() -> tuple:
-    """The shuffled-intel report at T = 1.25 (docs/study/sweep-temperature-t1.25/shuffled-intel;
+def _shuffled_intel(temperature: str) -> tuple:
+    """The shuffled-intel report at a rollout temperature (docs/study/sweep-temperature-tT/shuffled-intel;
     :func:`_one_vm_report` on the Intel VM): none, the shuffled weights and token TIS at seeds 100-199."""
-    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t1.25")
+    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL,
+                          f"sweep-temperature-t{temperature}")
 
 
 @functools.cache
@@ -3165,10 +3170,10 @@ def _placement(temperatures: tuple[str, ...] = ("0.5", "1.25", "1.5")) -> dict:
     the Intel seeds 100-199 (T = 1.5: the token-weights report, :func:`_token_weights`; the T = 1.25 section's
     table: the default three): ``{T: (the shuffled weights' K3, shuffled - none, token TIS - none,
     shuffled - token TIS)}``."""
-    reports = {"0.5": _t05_shuffled, "0.75": _t075_shuffled, "1.25": _t125_shuffled, "1.5": _token_weights}
     sh, out = "token_tis_shuffled", {}
     for t in temperatures:
-        _, _, runs, setting, paired, _ = reports[t]()
+        _, _, runs, setting, paired, _ = {"0.5": _t05_shuffled, "1.5": _token_weights}.get(
+            t, functools.partial(_shuffled_intel, t))()
         out[t] = (_weights_k3(runs, setting, sh, _NOISE_SEEDS), paired(sh, "none"), paired("token_tis", "none"),
                   paired(sh, "token_tis"))
     return out
@@ -3205,12 +3210,12 @@ def _placement_rows(place: dict) -> list[str]:
 @functools.cache
 def _t125_shuffled_quotes() -> tuple[list[str], dict, float]:
     """The figures of docs/study.md's section on the weights in place and shuffled at T = 1.25 (seeds
-    100-199 of the Intel VM; :func:`_t125_shuffled`), recomputed from the archives: each arm's row, the
+    100-199 of the Intel VM; :func:`_shuffled_intel`), recomputed from the archives: each arm's row, the
     three temperatures' placement table (:func:`_placement`), the MDE, token TIS at T = 1.25 on the
     AVX2 VM's seeds 0-59 (docs/study/sweep-temperature-t1.25), the shuffled weights' K3 beside the
     half dose's at T = 1.5 and that dose's cost over 200 seeds (:func:`_dose_curve_quotes`), and the
     runs' times; with :func:`_placement` and the runs' CPU-hours."""
-    report = _t125_shuffled()
+    report = _shuffled_intel("1.25")
     sh, half, seeds = "token_tis_shuffled", "token_tis_shuffled_half", _NOISE_SEEDS
     k3, table, mde, hours = _shuffled_intel_figures(report)
     place = _placement()
@@ -3251,10 +3256,45 @@ def test_the_weights_in_place_and_shuffled_at_1_25_come_from_the_archive():
             f"other ({gap}), so above T = 1 its cost is that of weights of its spread") in readme
 
 
-#: docs/study/sweep-temperature-t0.75/shuffled-intel: the same three arms at a rollout-only temperature of 0.75, seeds
-#: 100-199 on the same Intel VM right after the T = 1.25 runs (2026-12-03), queued before those ended
 @functools.cache
-def _t075_shuffled() -> tuple:
-    """The shuffled-intel report at T = 0.75 (docs/study/sweep-temperature-t0.75/shuffled-intel;
-    :func:`_one_vm_report` on the Intel VM): none, the shuffled weights and token TIS at seeds 100-199."""
-    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t0.75")
+def _t075_shuffled_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on the weights in place and shuffled at T = 0.75 (seeds
+    100-199 of the Intel VM; :func:`_shuffled_intel`), recomputed from the archives: each arm's row, the
+    four temperatures' placement table (:func:`_placement`), the MDE, the archive's size and the runs'
+    times; with the placement and the runs' CPU-hours."""
+    report = _shuffled_intel("0.75")
+    sh = "token_tis_shuffled"
+    k3, table, mde, hours = _shuffled_intel_figures(report)
+    place = _placement(("0.5", "0.75", "1.25", "1.5"))
+    cost, tis, gap = place["0.75"][1:]
+    runs = _archive_runs("sweep-temperature-t0.75")
+    return [
+        *table, *_placement_rows(place),
+        f"the shuffled weights cost {_quoted(cost)} against none at T = 0.75 (100 seeds detect about {mde:.3f})",
+        f"token TIS cost {_quoted(tis)} against none on these seeds; the shuffled weights - token TIS {_quoted(gap)}",
+        f"none's K3 here is {_e(k3['none'], 1)}, the shuffled weights' {_e(k3[sh], 1)}",
+        f"`docs/study/sweep-temperature-t0.75/runs` ({len(runs)} runs, "
+        f"{_archive_bytes('sweep-temperature-t0.75') / 1e6:.1f} MB)",
+    ], place, hours
+
+
+def test_the_weights_in_place_and_shuffled_at_0_75_come_from_the_archive():
+    """docs/study.md on token TIS's weights in place and shuffled at a rollout temperature of 0.75
+    (seeds 100-199 of the Intel VM, docs/study/sweep-temperature-t0.75/shuffled-intel): each arm's row,
+    the four temperatures' placement table, the archive and the runs' times, recomputed from the
+    archives; that nothing resolves at 0.75 while the shuffled weights there are more spread than at
+    1.25; the section before points to it, and the answers, the plan and the README quote it."""
+    quotes, place, hours = _t075_shuffled_quotes()
+    _assert_quoted(quotes, _section("Token TIS's weights in place and shuffled at T = 0.75"))
+    assert not any(place["0.75"][i]["excludes_zero"] for i in (1, 2, 3))
+    # more spread by K3 at 0.75 than at 1.25, yet cheaper there
+    assert place["0.75"][0] > place["1.25"][0] and place["0.75"][1]["mean"] > place["1.25"][1]["mean"] + 0.03
+    assert "The next section runs it." in _section("Token TIS's weights in place and shuffled at T = 1.25")
+    sh, tis = (_quoted(x) for x in place["0.75"][1:3])
+    _assert_quoted([f"and at T = 0.75 neither cost (the shuffled weights {sh}, token TIS {tis})"],
+                   _section("The answers so far, per mechanism"))
+    _assert_quoted([f"(Intel VM) and {hours:.1f} for the 300 of them at t0.75"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"and at T = 0.75 neither cost (token TIS {tis}, its shuffled weights {sh}) though the shuffled weights "
+            f"were more spread by K3 than at 1.25, so K3 alone does not set the weights' cost") in readme
