@@ -3069,13 +3069,6 @@ def test_both_grains_dose_curves_at_1_5_come_from_the_archive():
 _T05_SHUFFLED_ARMS = ("none", "token_tis_shuffled", "token_tis")
 
 
-@functools.cache
-def _t05_shuffled() -> tuple:
-    """The shuffled-intel report at T = 0.5 (docs/study/sweep-temperature-t0.5/shuffled-intel;
-    :func:`_one_vm_report` on the Intel VM): none, the shuffled weights and token TIS at seeds 100-199."""
-    return _one_vm_report("shuffled-intel", _T05_SHUFFLED_ARMS, _NOISE_SEEDS, _INTEL, "sweep-temperature-t0.5")
-
-
 def _shuffled_intel_row(report: tuple, k3: dict, arm: str) -> str:
     """``arm``'s row of a shuffled-intel section's table (``report``: :func:`_one_vm_report` of seeds 100-199;
     ``k3``: each arm's :func:`_weights_k3`): smallest / largest weight, K3, the final and the greedy reward
@@ -3096,16 +3089,17 @@ def _shuffled_intel_row(report: tuple, k3: dict, arm: str) -> str:
 @functools.cache
 def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
     """The figures of docs/study.md's section on the shuffled weights at T = 0.5 (seeds 100-199 of the
-    Intel VM; :func:`_t05_shuffled`), recomputed from the archive: each arm's row, the MDE, the same
+    Intel VM; :func:`_shuffled_intel`), recomputed from the archive: each arm's row, the MDE, the same
     arm at T = 1.5 on the same seeds (:func:`_dose_curves`), token TIS at T = 0.5 on the AVX2 VM's
     seeds 0-59 (docs/study/sweep-temperature-t0.5), token TIS on these seeds and the runs' times;
     with the shuffled weights' and token TIS's costs against none and the CPU-hours of their runs
     (``{"shuffled": h, "token TIS": h}``: none's runs with the shuffled weights')."""
     import numpy as np
 
-    _, _, runs, setting, paired, _ = _t05_shuffled()
+    report = _shuffled_intel("0.5")
+    _, _, runs, setting, paired, _ = report
     sh, seeds = "token_tis_shuffled", _NOISE_SEEDS
-    k3, (_, *rows), mde, _ = _shuffled_intel_figures(_t05_shuffled())
+    k3, (_, *rows), mde, _ = _shuffled_intel_figures(report)
     cost = paired(sh, "none")
 
     _, _, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
@@ -3138,7 +3132,7 @@ def test_the_shuffled_weights_at_0_5_come_from_the_archive():
     the archive; the section before points to it, and the answers and the README quote the cost."""
     quotes, cost, tis, hours = _t05_shuffled_quotes()
     _assert_quoted(quotes, _section("The shuffled weights at T = 0.5"))
-    assert cost["excludes_zero"] and _t05_shuffled()[4]("token_tis_shuffled", "token_tis")["excludes_zero"]
+    assert cost["excludes_zero"] and _shuffled_intel("0.5")[4]("token_tis_shuffled", "token_tis")["excludes_zero"]
     assert not tis["excludes_zero"]
     assert "The next section runs the shuffled weights at T = 0.5." in _section("Both grains' dose curves")
     _assert_quoted([f"at T = 0.5 token TIS's weights shuffled onto random tokens cost {_quoted(cost)} on 100 seeds of "
@@ -3152,10 +3146,9 @@ def test_the_shuffled_weights_at_0_5_come_from_the_archive():
             f"something that offsets their noise") in readme
 
 
-#: docs/study/sweep-temperature-t1.25/shuffled-intel and t0.75/shuffled-intel: the T = 0.5 report's arms (none,
-#: token TIS's weights shuffled onto random tokens, token TIS) at rollout-only temperatures of 1.25 and then 0.75,
-#: seeds 100-199 on the same third Intel VM of family 6 model 167, a session later (2026-12-03; 0.75 queued before
-#: any run of 1.25 ended)
+#: The shuffled-intel reports: T = 0.5's (above), and docs/study/sweep-temperature-t1.25/shuffled-intel and
+#: t0.75/shuffled-intel, its arms at rollout-only temperatures of 1.25 and then 0.75, seeds 100-199 on the same
+#: third Intel VM of family 6 model 167, a session later (2026-12-03; 0.75 queued before any run of 1.25 ended)
 @functools.cache
 def _shuffled_intel(temperature: str) -> tuple:
     """The shuffled-intel report at a rollout temperature (docs/study/sweep-temperature-tT/shuffled-intel;
@@ -3172,8 +3165,7 @@ def _placement(temperatures: tuple[str, ...] = ("0.5", "1.25", "1.5")) -> dict:
     shuffled - token TIS)}``."""
     sh, out = "token_tis_shuffled", {}
     for t in temperatures:
-        _, _, runs, setting, paired, _ = {"0.5": _t05_shuffled, "1.5": _token_weights}.get(
-            t, functools.partial(_shuffled_intel, t))()
+        _, _, runs, setting, paired, _ = _token_weights() if t == "1.5" else _shuffled_intel(t)
         out[t] = (_weights_k3(runs, setting, sh, _NOISE_SEEDS), paired(sh, "none"), paired("token_tis", "none"),
                   paired(sh, "token_tis"))
     return out
@@ -3263,11 +3255,10 @@ def _t075_shuffled_quotes() -> tuple[list[str], dict, float]:
     four temperatures' placement table (:func:`_placement`), the MDE, the archive's size and the runs'
     times; with the placement and the runs' CPU-hours."""
     report = _shuffled_intel("0.75")
-    sh = "token_tis_shuffled"
+    runs, sh = report[2], "token_tis_shuffled"
     k3, table, mde, hours = _shuffled_intel_figures(report)
     place = _placement(("0.5", "0.75", "1.25", "1.5"))
     cost, tis, gap = place["0.75"][1:]
-    runs = _archive_runs("sweep-temperature-t0.75")
     return [
         *table, *_placement_rows(place),
         f"the shuffled weights cost {_quoted(cost)} against none at T = 0.75 (100 seeds detect about {mde:.3f})",
