@@ -213,6 +213,9 @@ _REPORTS = [
     # and seeds 100-199 of none and the shuffled weights, a session later on an Intel VM (the dose-curves report's)
     ("sweep-temperature-t0.5", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
                                                                                "token_tis")}),
+    # and seeds 200-299 of the same three arms, a day later on a Zen 4 VM (AVX-512 kernels, other trajectories)
+    ("sweep-temperature-t0.5", "shuffled-zen4", {a: range(200, 300) for a in ("none", "token_tis_shuffled",
+                                                                              "token_tis")}),
     # and of 1.5, in a later session on the same VM
     ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60),
                                      # and the three token TIS diagnostics, a day later on a Zen 1 VM
@@ -1791,8 +1794,8 @@ def test_the_rollout_only_temperature_figures_come_from_the_archive():
     ]
     answers = [
         f"(+{none_ref['mean']:.3f} [{none_ref['low']:+.3f}, {none_ref['high']:+.3f}] at 0.5, {n} seeds; MDE {mde:.3f};",
-        f"at 0.5 no correction differs from none (token TIS {_quoted(tis['vs_none']['final_reward'])}, token MIS "
-        f"{_quoted(tmis['vs_none']['final_reward'])}, {n} seeds)",
+        f"at 0.5 on an AVX2 VM's seeds no correction differs from none (token TIS "
+        f"{_quoted(tis['vs_none']['final_reward'])}, token MIS {_quoted(tmis['vs_none']['final_reward'])}, {n} seeds)",
     ]
     _assert_temperature_quotes(summary, dose, runs, paired, step1, masked, local, answers)
     from megatron_mis.analysis.recommend import recommend
@@ -3069,14 +3072,20 @@ def test_both_grains_dose_curves_at_1_5_come_from_the_archive():
 _T05_SHUFFLED_ARMS = ("none", "token_tis_shuffled", "token_tis")
 
 
-def _shuffled_intel_row(report: tuple, k3: dict, arm: str) -> str:
-    """``arm``'s row of a shuffled-intel section's table (``report``: :func:`_one_vm_report` of seeds 100-199;
-    ``k3``: each arm's :func:`_weights_k3`): smallest / largest weight, K3, the final and the greedy reward
-    against none, the mean final reward, the runs that reached 0.5 and the collapses."""
+def _report_seeds(report: tuple) -> range:
+    """The seeds of a :func:`_one_vm_report` (every arm's, checked there to be the same consecutive range)."""
+    seeds = report[0]["none"]["seeds"]
+    return range(seeds[0], seeds[-1] + 1)
+
+
+def _shuffled_row(report: tuple, k3: dict, arm: str) -> str:
+    """``arm``'s row of a shuffled-intel or shuffled-zen4 section's table (``report``: :func:`_one_vm_report` of
+    :data:`_T05_SHUFFLED_ARMS`; ``k3``: each arm's :func:`_weights_k3`): smallest / largest weight, K3, the final and
+    the greedy reward against none, the mean final reward, the runs that reached 0.5 and the collapses."""
     import numpy as np
 
     arms, final, runs, setting, paired, _ = report
-    seeds = _NOISE_SEEDS
+    seeds = _report_seeds(report)
     lo, hi = _weight_extremes(setting, runs, arm, len(seeds), seeds[0])[:2]
     return "| " + " | ".join([
         f"`{arm}`", f"{lo:.2f} / {hi:.2f}", _e(k3[arm], 1),
@@ -3099,7 +3108,7 @@ def _t05_shuffled_quotes() -> tuple[list[str], dict, dict, dict]:
     report = _shuffled_intel("0.5")
     _, _, runs, setting, paired, _ = report
     sh, seeds = "token_tis_shuffled", _NOISE_SEEDS
-    k3, (_, *rows), mde, _ = _shuffled_intel_figures(report)
+    k3, (_, *rows), mde, _ = _shuffled_figures(report)
     cost = paired(sh, "none")
 
     _, _, hot_runs, hot_setting, hot_paired, _ = _dose_curves()
@@ -3171,9 +3180,9 @@ def _placement(temperatures: tuple[str, ...] = ("0.5", "1.25", "1.5")) -> dict:
     return out
 
 
-def _shuffled_intel_figures(report: tuple) -> tuple[dict, list[str], float, float]:
-    """The figures a shuffled-intel report's section quotes of its own runs (``report``: :func:`_one_vm_report` of
-    :data:`_T05_SHUFFLED_ARMS` at seeds 100-199): each arm's K3 (checked against the report's), its lines
+def _shuffled_figures(report: tuple) -> tuple[dict, list[str], float, float]:
+    """The figures a shuffled-intel or shuffled-zen4 report's section quotes of its own runs (``report``:
+    :func:`_one_vm_report` of :data:`_T05_SHUFFLED_ARMS`): each arm's K3 (checked against the report's), its lines
     (the runs, their mean time and CPU-hours, and each arm's row), the MDE of the shuffled weights against
     none and the CPU-hours."""
     import numpy as np
@@ -3181,7 +3190,7 @@ def _shuffled_intel_figures(report: tuple) -> tuple[dict, list[str], float, floa
     from megatron_mis.testbed.study.stats import minimal_detectable_effect
 
     arms, _, runs, setting, paired, _ = report
-    seeds = _NOISE_SEEDS
+    seeds = _report_seeds(report)
     k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
     for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
         assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
@@ -3190,7 +3199,7 @@ def _shuffled_intel_figures(report: tuple) -> tuple[dict, list[str], float, floa
     wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
     hours = sum(wall) / 3600
     return k3, [f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
-                *(_shuffled_intel_row(report, k3, a) for a in _T05_SHUFFLED_ARMS)], mde, hours
+                *(_shuffled_row(report, k3, a) for a in _T05_SHUFFLED_ARMS)], mde, hours
 
 
 def _placement_rows(place: dict) -> list[str]:
@@ -3209,7 +3218,7 @@ def _t125_shuffled_quotes() -> tuple[list[str], dict, float]:
     runs' times; with :func:`_placement` and the runs' CPU-hours."""
     report = _shuffled_intel("1.25")
     sh, half, seeds = "token_tis_shuffled", "token_tis_shuffled_half", _NOISE_SEEDS
-    k3, table, mde, hours = _shuffled_intel_figures(report)
+    k3, table, mde, hours = _shuffled_figures(report)
     place = _placement()
     assert place["1.25"][0] == k3[sh]
     cost, tis, gap = place["1.25"][1:]
@@ -3256,7 +3265,7 @@ def _t075_shuffled_quotes() -> tuple[list[str], dict, float]:
     times; with the placement and the runs' CPU-hours."""
     report = _shuffled_intel("0.75")
     runs, sh = report[2], "token_tis_shuffled"
-    k3, table, mde, hours = _shuffled_intel_figures(report)
+    k3, table, mde, hours = _shuffled_figures(report)
     place = _placement(("0.5", "0.75", "1.25", "1.5"))
     cost, tis, gap = place["0.75"][1:]
     return [
@@ -3289,3 +3298,102 @@ def test_the_weights_in_place_and_shuffled_at_0_75_come_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"and at T = 0.75 neither cost (token TIS {tis}, its shuffled weights {sh}) though the shuffled weights "
             f"were more spread by K3 than at 1.25, so K3 alone does not set the weights' cost") in readme
+
+
+#: docs/study/sweep-temperature-t0.5/shuffled-zen4: the shuffled-intel report's three arms at T = 0.5 on seeds
+#: 200-299 of a Zen 4 VM (family 25 model 17, AVX-512 kernels; 2026-12-04), a second kind of VM whose trajectories
+#: differ from the Intel VM's: the only temperature where the weights' placement resolved, repeated
+@functools.cache
+def _shuffled_zen4() -> tuple:
+    """The shuffled-zen4 report (:func:`_one_vm_report` on the Zen 4 VM): none, the shuffled weights and token TIS at
+    T = 0.5, seeds 200-299."""
+    return _one_vm_report("shuffled-zen4", _T05_SHUFFLED_ARMS, _LOW_SEEDS, _ZEN4, "sweep-temperature-t0.5")
+
+
+@functools.cache
+def _t05_zen4_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on the weights in place and shuffled at T = 0.5 on the Zen 4 VM's seeds
+    200-299 (:func:`_shuffled_zen4`), recomputed from the archive: each arm's row, the machines' table (the Intel
+    seeds 100-199, these, and both pooled over 200 seeds), the MDEs, the machines' gaps, the archive's size and the
+    runs' times; with ``{machine: (shuffled - none, token TIS - none, shuffled - token TIS)}`` (``"both"``: the two
+    pooled; ``"three"``: token TIS - none alone, over the AVX2 VM's seeds 0-59 too) and the CPU-hours."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    report = _shuffled_zen4()
+    _, final, runs, setting, paired, study = report
+    sh, tis = "token_tis_shuffled", "token_tis"
+    k3, table, mde, hours = _shuffled_figures(report)
+    both = _paired_over(final, runs, setting, study, range(100, 300))
+    intel = _shuffled_intel("0.5")[4]
+    intel_k3 = _shuffled_figures(_shuffled_intel("0.5"))[0]
+    pairs = ((sh, "none"), (tis, "none"), (sh, tis))
+    machines = {"Intel": tuple(intel(*p) for p in pairs), "Zen 4": tuple(paired(*p) for p in pairs),
+                "both": tuple(both(*p) for p in pairs)}
+    seeds = {"Intel": "100-199", "Zen 4": "200-299", "both": "100-299"}
+    pooled_mde = minimal_detectable_effect(float(np.std(list(machines["both"][0]["diffs"].values()), ddof=1)), 200)
+    cost, in_place, gap = machines["Zen 4"]
+    gaps = _cost_gap({"Intel": machines["Intel"][2], "Zen 4": gap}, "Intel", "Zen 4")
+    # token TIS with the AVX2 VM's seeds 0-59 too (the T = 0.5 report's, docs/study/sweep-temperature-t0.5): the
+    # same archive and dose, so one paired function covers all three machines' seeds
+    three = both(tis, "none", (*range(60), *range(100, 300)))
+    avx2 = _summary("sweep-temperature-t0.5", ".")["doses"][0]["arms"][tis]
+    return [
+        *table,
+        *(f"| {m} | {seeds[m]} | " + " | ".join(_quoted(d) for d in machines[m]) + " |" for m in machines),
+        f"the shuffled weights cost {_quoted(cost)} against none at T = 0.5 on these seeds (100 seeds detect about "
+        f"{mde:.3f}), not resolved; pooled they cost {machines['both'][0]['mean']:+.3f}, resolved",
+        f"token TIS - none was {_quoted(in_place)} on these seeds",
+        f"the shuffled weights - token TIS {_quoted(gap)}, about the Intel seeds' {machines['Intel'][2]['mean']:+.3f}",
+        f"With the AVX2 VM's seeds 0-59 ({_quoted(avx2['vs_none']['final_reward'])} there) token TIS - none is "
+        f"{_quoted(three)} over {len(three['diffs'])} seeds of three kinds of machine",
+        f"none - reference was {_quoted(_summary('sweep-temperature-t0.5', '.')['doses'][0]['none_vs_reference'])} and "
+        f"token TIS - reference {_quoted(avx2['vs_reference']['final_reward'])}",
+        f"Token TIS took off in {report[0][tis]['steps_to_threshold']['reached']} of 100 runs here (none "
+        f"{report[0]['none']['steps_to_threshold']['reached']}, the shuffled weights "
+        f"{report[0][sh]['steps_to_threshold']['reached']})",
+        f"they sit {-machines['both'][2]['mean']:.3f} above the same weights on random tokens and "
+        f"{machines['both'][1]['mean']:.3f} above no weight",
+        f"none's K3 here is {_e(k3['none'], 1)}, the shuffled weights' {_e(k3[sh], 1)} ({_e(intel_k3['none'], 1)} and "
+        f"{_e(intel_k3[sh], 1)} on the Intel seeds)",
+        f"the two machines' gaps differ by {gaps}",
+        f"over 200 seeds of both machines the shuffled weights cost {_quoted(machines['both'][0])} against none (200 "
+        f"seeds detect about {pooled_mde:.3f}), token TIS {_quoted(machines['both'][1])} and the shuffled weights - "
+        f"token TIS {_quoted(machines['both'][2])}",
+        f"`docs/study/sweep-temperature-t0.5/runs` ({len(runs)} runs, "
+        f"{_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
+    ], {**machines, "three": (three,)}, hours
+
+
+def test_the_weights_in_place_and_shuffled_at_0_5_on_the_zen4_seeds_come_from_the_archive():
+    """docs/study.md on token TIS's weights in place and shuffled at a rollout temperature of 0.5 on a second kind of
+    VM (seeds 200-299 of the Zen 4 VM, docs/study/sweep-temperature-t0.5/shuffled-zen4): each arm's row, the two
+    machines' table and their pooled 200 seeds, token TIS over 260 seeds of three machines, the archive and the runs'
+    times, recomputed from the archives; that the placement gap the Intel seeds showed repeats here, and which of
+    the other differences resolve; the section before points to it, and the answers, the plan and the README quote
+    it."""
+    quotes, machines, hours = _t05_zen4_quotes()
+    _assert_quoted(quotes, _section("Token TIS's weights in place and shuffled at T = 0.5, on a Zen 4 VM's seeds"))
+    (cost, tis, gap), pooled, (three,) = machines["Zen 4"], machines["both"], machines["three"]
+    # the pre-stated repeat: shuffled - token TIS below 0, excluding it, on these seeds as on the Intel seeds
+    assert gap["excludes_zero"] and gap["high"] < 0 and machines["Intel"][2]["high"] < 0
+    # here token TIS is ahead of none and the shuffled weights' cost is not resolved; pooled, all three are
+    assert tis["excludes_zero"] and tis["low"] > 0 and not cost["excludes_zero"]
+    assert all(d["excludes_zero"] for d in pooled) and pooled[0]["high"] < 0 < pooled[1]["low"]
+    assert three["excludes_zero"] and three["low"] > 0 and len(three["diffs"]) == 260
+    assert "The next section repeats T = 0.5 on a second kind of VM." in _section(
+        "Token TIS's weights in place and shuffled at T = 0.75")
+    q = {k: [_quoted(d) for d in v] for k, v in machines.items()}
+    _assert_quoted([f"and over 200 seeds of that and a Zen 4 VM the shuffled weights cost {q['both'][0]} and token TIS "
+                    f"in place {q['both'][1]} ({q['three'][0]} over 260 seeds of three kinds of machine), the shuffled "
+                    f"weights - token TIS {machines['Intel'][2]['mean']:+.3f} and {gap['mean']:+.3f} on each "
+                    f"machine's seeds",
+                    f"there no weight helped beyond token TIS's {q['three'][0]} at T = 0.5 (260 seeds of three kinds "
+                    f"of machine)"], _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 300 of them at t0.5 on seeds 200-299 (Zen 4 VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"and on 100 seeds of a Zen 4 VM the gap repeated ({q['Zen 4'][2]}), so that over 200 seeds of both "
+            f"machines the shuffled weights cost {q['both'][0]} and token TIS in place was ahead of none by "
+            f"{q['both'][1]}") in readme
