@@ -216,6 +216,9 @@ _REPORTS = [
     # and seeds 200-299 of the same three arms, a day later on a Zen 4 VM (AVX-512 kernels, other trajectories)
     ("sweep-temperature-t0.5", "shuffled-zen4", {a: range(200, 300) for a in ("none", "token_tis_shuffled",
                                                                               "token_tis")}),
+    # and the reference on those seeds, right after them on the same VM, beside them
+    ("sweep-temperature-t0.5", "reference-zen4", {a: range(200, 300) for a in ("none", "ref_fp32",
+                                                                               "token_tis_shuffled", "token_tis")}),
     # and of 1.5, in a later session on the same VM
     ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60),
                                      # and the three token TIS diagnostics, a day later on a Zen 1 VM
@@ -3314,9 +3317,9 @@ def _shuffled_zen4() -> tuple:
 def _t05_zen4_quotes() -> tuple[list[str], dict, float]:
     """The figures of docs/study.md's section on the weights in place and shuffled at T = 0.5 on the Zen 4 VM's seeds
     200-299 (:func:`_shuffled_zen4`), recomputed from the archive: each arm's row, the machines' table (the Intel
-    seeds 100-199, these, and both pooled over 200 seeds), the MDEs, the machines' gaps, the archive's size and the
-    runs' times; with ``{machine: (shuffled - none, token TIS - none, shuffled - token TIS)}`` (``"both"``: the two
-    pooled; ``"three"``: token TIS - none alone, over the AVX2 VM's seeds 0-59 too) and the CPU-hours."""
+    seeds 100-199, these, and both pooled over 200 seeds), the MDEs, the machines' gaps and the runs' times; with
+    ``{machine: (shuffled - none, token TIS - none, shuffled - token TIS)}`` (``"both"``: the two pooled;
+    ``"three"``: token TIS - none alone, over the AVX2 VM's seeds 0-59 too) and the CPU-hours."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import minimal_detectable_effect
@@ -3361,8 +3364,6 @@ def _t05_zen4_quotes() -> tuple[list[str], dict, float]:
         f"over 200 seeds of both machines the shuffled weights cost {_quoted(machines['both'][0])} against none (200 "
         f"seeds detect about {pooled_mde:.3f}), token TIS {_quoted(machines['both'][1])} and the shuffled weights - "
         f"token TIS {_quoted(machines['both'][2])}",
-        f"`docs/study/sweep-temperature-t0.5/runs` ({len(runs)} runs, "
-        f"{_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
     ], {**machines, "three": (three,)}, hours
 
 
@@ -3397,3 +3398,89 @@ def test_the_weights_in_place_and_shuffled_at_0_5_on_the_zen4_seeds_come_from_th
     assert (f"and on 100 seeds of a Zen 4 VM the gap repeated ({q['Zen 4'][2]}), so that over 200 seeds of both "
             f"machines the shuffled weights cost {q['both'][0]} and token TIS in place was ahead of none by "
             f"{q['both'][1]}") in readme
+
+
+#: docs/study/sweep-temperature-t0.5/reference-zen4: the reference (the trainer at the rollout's T = 0.5) on the
+#: Zen 4 VM's seeds 200-299, right after the shuffled-zen4 runs on the same VM, beside those three arms
+_T05_REFERENCE_ARMS = ("none", "ref_fp32", "token_tis_shuffled", "token_tis")
+
+
+@functools.cache
+def _reference_zen4() -> tuple:
+    """The reference-zen4 report (:func:`_one_vm_report` on the Zen 4 VM): :data:`_T05_REFERENCE_ARMS` at T = 0.5,
+    seeds 200-299."""
+    return _one_vm_report("reference-zen4", _T05_REFERENCE_ARMS, _LOW_SEEDS, _ZEN4, "sweep-temperature-t0.5")
+
+
+@functools.cache
+def _t05_reference_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on the reference at T = 0.5 on the Zen 4 VM's seeds 200-299
+    (:func:`_reference_zen4`), recomputed from the archive: each arm's row against the reference and none, the paired
+    SD of none - reference and the MDE and seeds a 0.05 difference needs, none and token TIS against the reference
+    over these seeds and the AVX2 VM's seeds 0-59 (160 seeds of two machines) and the runs' times; with ``{name:
+    paired difference}`` and the CPU-hours."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect, seeds_for_effect
+
+    arms, final, runs, setting, paired, study = _reference_zen4()
+    seeds, ref = _LOW_SEEDS, "ref_fp32"
+    two = (*range(60), *seeds)
+    figures = {"none - ref": paired("none", ref), "token TIS - ref": paired("token_tis", ref),
+               "none - ref, 160": paired("none", ref, two), "token TIS - ref, 160": paired("token_tis", ref, two)}
+    assert _quoted(figures["none - ref"]) == _quoted(_summary("sweep-temperature-t0.5", "reference-zen4")["doses"][0][
+        "none_vs_reference"])
+    sd = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1))
+    summary = _summary("sweep-temperature-t0.5", "reference-zen4")
+    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
+    assert minimal_detectable_effect(sd, len(seeds)) == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
+    assert seeds_for_effect(sd, 0.05) == summary["seeds_for_target"]
+    wall = [runs[setting, ref, s][1]["wall_s"] for s in seeds]
+    hours = sum(wall) / 3600
+
+    def row(arm: str) -> str:
+        vs_ref = "-" if arm == ref else _quoted(paired(arm, ref))
+        vs_none = "-" if arm == "none" else _quoted(paired(arm, "none"))
+        return "| " + " | ".join([
+            f"`{arm}`", _e(arms[arm]["k3_mean"][0], 1), vs_ref, vs_none,
+            f"{np.mean([final[arm, s] for s in seeds]):.3f}",
+            str(arms[arm]["steps_to_threshold"]["reached"]), str(arms[arm]["collapse"]["k"])]) + " |"
+
+    return [
+        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        *(row(a) for a in _T05_REFERENCE_ARMS),
+        f"none - reference was {_quoted(figures['none - ref'])} on these seeds and token TIS - reference "
+        f"{_quoted(figures['token TIS - ref'])}",
+        f"The paired SD of none - reference is {sd:.3f}, so 100 seeds detect about "
+        f"{minimal_detectable_effect(sd, len(seeds)):.3f} and a 0.05 difference needs {seeds_for_effect(sd, 0.05)}",
+        f"over 160 seeds of both machines none - reference is {_quoted(figures['none - ref, 160'])} and token TIS - "
+        f"reference {_quoted(figures['token TIS - ref, 160'])}",
+        f"into the T = 0.5 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
+        f"The reference never collapsed ({arms[ref]['collapse']['k']} of 100; none {arms['none']['collapse']['k']}, "
+        f"token TIS {arms['token_tis']['collapse']['k']})",
+    ], figures, hours
+
+
+def test_the_reference_at_0_5_on_the_zen4_seeds_comes_from_the_archive():
+    """docs/study.md on the reference at a rollout temperature of 0.5 on the Zen 4 VM's seeds 200-299
+    (docs/study/sweep-temperature-t0.5/reference-zen4): each arm against the reference and none, the paired SD, the
+    MDE, none and token TIS against the reference over 160 seeds of two machines, the archive and the runs' times,
+    recomputed from the archive; that none is level with the reference and token TIS above it; the section before
+    points to it, and the answers, the plan and the README quote it."""
+    quotes, figures, hours = _t05_reference_quotes()
+    _assert_quoted(quotes, _section("The reference at T = 0.5 on the Zen 4 VM's seeds"))
+    # the pre-stated questions: none does not fall behind the reference; token TIS lies above it, here and pooled
+    assert not figures["none - ref"]["excludes_zero"] and not figures["none - ref, 160"]["excludes_zero"]
+    assert figures["token TIS - ref"]["low"] > 0 and figures["token TIS - ref, 160"]["low"] > 0
+    assert len(figures["none - ref, 160"]["diffs"]) == 160
+    assert "The next section runs the reference on these seeds." in _section(
+        "Token TIS's weights in place and shuffled at T = 0.5, on a Zen 4 VM's seeds")
+    q = {k: _quoted(v) for k, v in figures.items()}
+    _assert_quoted([f"MDE 0.056; {q['none - ref, 160']} over 160 seeds of two machines;",
+                    f"and token TIS - reference {q['token TIS - ref, 160']} over 160 seeds of two machines"],
+                   _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 100 of the reference there"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"and on the Zen 4 seeds ahead of the reference too ({q['token TIS - ref']}), which none was level with "
+            f"({q['none - ref']}), so there token TIS is no correction of a harm") in readme
