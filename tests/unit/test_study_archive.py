@@ -3370,8 +3370,8 @@ def _t05_zen4_quotes() -> tuple[list[str], dict, float]:
 def test_the_weights_in_place_and_shuffled_at_0_5_on_the_zen4_seeds_come_from_the_archive():
     """docs/study.md on token TIS's weights in place and shuffled at a rollout temperature of 0.5 on a second kind of
     VM (seeds 200-299 of the Zen 4 VM, docs/study/sweep-temperature-t0.5/shuffled-zen4): each arm's row, the two
-    machines' table and their pooled 200 seeds, token TIS over 260 seeds of three machines, the archive and the runs'
-    times, recomputed from the archives; that the placement gap the Intel seeds showed repeats here, and which of
+    machines' table and their pooled 200 seeds, token TIS over 260 seeds of three machines and the runs' times,
+    recomputed from the archives; that the placement gap the Intel seeds showed repeats here, and which of
     the other differences resolve; the section before points to it, and the answers, the plan and the README quote
     it."""
     quotes, machines, hours = _t05_zen4_quotes()
@@ -3428,10 +3428,9 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
     two = (*range(60), *seeds)
     figures = {"none - ref": paired("none", ref), "token TIS - ref": paired("token_tis", ref),
                "none - ref, 160": paired("none", ref, two), "token TIS - ref, 160": paired("token_tis", ref, two)}
-    assert _quoted(figures["none - ref"]) == _quoted(_summary("sweep-temperature-t0.5", "reference-zen4")["doses"][0][
-        "none_vs_reference"])
-    sd = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1))
     summary = _summary("sweep-temperature-t0.5", "reference-zen4")
+    assert _quoted(figures["none - ref"]) == _quoted(summary["doses"][0]["none_vs_reference"])
+    sd = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1))
     assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
     assert minimal_detectable_effect(sd, len(seeds)) == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
     assert seeds_for_effect(sd, 0.05) == summary["seeds_for_target"]
