@@ -2654,6 +2654,18 @@ def _weights_k3(runs: dict, setting: str, arm: str, seeds: range) -> float:
     return float(np.mean([np.mean([r["mis_k3_kl"] for r in runs[setting, arm, s][0]]) for s in seeds]))
 
 
+def _paired_mde(d: dict) -> float:
+    """The minimal detectable effect of a paired difference (``d``: a
+    :func:`~megatron_mis.testbed.study.stats.paired_differences` result) at its own number of pairs, from the SD
+    of its per-seed differences."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import minimal_detectable_effect
+
+    diffs = list(d["diffs"].values())
+    return minimal_detectable_effect(float(np.std(diffs, ddof=1)), len(diffs))
+
+
 def _cost_gap(cost: dict, a: str, b: str) -> str:
     """Two arms' costs against their own none (``cost``: ``{arm: paired difference}``, on two machines'
     seeds or the same): the difference of their means and its size in standard errors of independent
@@ -2830,8 +2842,6 @@ def _group_wide_quotes() -> tuple[list[str], dict, dict, dict]:
     the wide doses' and of the half dose's runs (``{"wide": h, "half": h}``)."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect
-
     arms, final, runs, setting, paired, study = _group_wide()
     wide, wider = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider"
     tenth, quarter = "token_tis_shuffled_tenth", "token_tis_shuffled_quarter"
@@ -2867,8 +2877,7 @@ def _group_wide_quotes() -> tuple[list[str], dict, dict, dict]:
                 for a in (wide, wider)}
     wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in seeds]
             for k, arms_ in (("wide", (wide, wider)), ("half", (half,)))}
-    mde = {a: minimal_detectable_effect(float(np.std(list(paired(a, "none")["diffs"].values()), ddof=1)), len(seeds))
-           for a in (wide, wider)}
+    mde = {a: _paired_mde(paired(a, "none")) for a in (wide, wider)}
     blocks = {"Zen 5": paired(half, "none"), "Intel": low_cost[half]}
     # the half dose over both blocks, each pair from one kind of machine: the Intel VM's seeds 100-199 and these
     both = _paired_over({**_token_weights()[1], **final}, runs, setting, study, range(100, 300))(half, "none")
@@ -2968,8 +2977,6 @@ def _dose_curve_quotes() -> tuple[list[str], dict, dict, dict]:
     (``{"wide": h, "quarter": h}``) and the placebo doses' slope on p."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect
-
     arms, final, runs, setting, paired, study = _dose_curves()
     wide, wider = "token_tis_group_permuted_wide", "token_tis_group_permuted_wider"
     quarter, half, sh = "token_tis_shuffled_quarter", "token_tis_shuffled_half", "token_tis_shuffled"
@@ -3004,8 +3011,7 @@ def _dose_curve_quotes() -> tuple[list[str], dict, dict, dict]:
     pooled = {a: both(a, "none") for a in (*_CURVE_NEW, half)}
     blocks = {a: _cost_gap({"Intel": paired(a, "none"), "Zen": zen(a, "none")}, "Intel", "Zen")
               for a in _CURVE_NEW}
-    mde = {a: minimal_detectable_effect(float(np.std(list(pooled[a]["diffs"].values()), ddof=1)), 200)
-           for a in _CURVE_NEW}
+    mde = {a: _paired_mde(pooled[a]) for a in _CURVE_NEW}
     wall = {k: [runs[setting, a, s][1]["wall_s"] for a in arms_ for s in seeds]
             for k, arms_ in (("wide", (wide, wider)), ("quarter", (quarter,)))}
     hours = {k: sum(w) / 3600 for k, w in wall.items()}
@@ -3190,15 +3196,12 @@ def _shuffled_figures(report: tuple) -> tuple[dict, list[str], float, float]:
     none and the CPU-hours."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect
-
     arms, _, runs, setting, paired, _ = report
     seeds = _report_seeds(report)
     k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
     for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
         assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
-    diffs = paired("token_tis_shuffled", "none")["diffs"].values()
-    mde = minimal_detectable_effect(float(np.std(list(diffs), ddof=1)), len(seeds))
+    mde = _paired_mde(paired("token_tis_shuffled", "none"))
     wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
     hours = sum(wall) / 3600
     return k3, [f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
@@ -3320,22 +3323,18 @@ def _t05_zen4_quotes() -> tuple[list[str], dict, float]:
     seeds 100-199, these, and both pooled over 200 seeds), the MDEs, the machines' gaps and the runs' times; with
     ``{machine: (shuffled - none, token TIS - none, shuffled - token TIS)}`` (``"both"``: the two pooled;
     ``"three"``: token TIS - none alone, over the AVX2 VM's seeds 0-59 too) and the CPU-hours."""
-    import numpy as np
-
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect
-
     report = _shuffled_zen4()
     _, final, runs, setting, paired, study = report
     sh, tis = "token_tis_shuffled", "token_tis"
     k3, table, mde, hours = _shuffled_figures(report)
     both = _paired_over(final, runs, setting, study, range(100, 300))
-    intel = _shuffled_intel("0.5")[4]
-    intel_k3 = _shuffled_figures(_shuffled_intel("0.5"))[0]
+    _, _, intel_runs, intel_setting, intel, _ = _shuffled_intel("0.5")
+    intel_k3 = {a: _weights_k3(intel_runs, intel_setting, a, _NOISE_SEEDS) for a in ("none", sh)}
     pairs = ((sh, "none"), (tis, "none"), (sh, tis))
     machines = {"Intel": tuple(intel(*p) for p in pairs), "Zen 4": tuple(paired(*p) for p in pairs),
                 "both": tuple(both(*p) for p in pairs)}
-    seeds = {"Intel": "100-199", "Zen 4": "200-299", "both": "100-299"}
-    pooled_mde = minimal_detectable_effect(float(np.std(list(machines["both"][0]["diffs"].values()), ddof=1)), 200)
+    labels = {"Intel": "100-199", "Zen 4": "200-299", "both": "100-299"}
+    pooled_mde = _paired_mde(machines["both"][0])
     cost, in_place, gap = machines["Zen 4"]
     gaps = _cost_gap({"Intel": machines["Intel"][2], "Zen 4": gap}, "Intel", "Zen 4")
     # token TIS with the AVX2 VM's seeds 0-59 too (the T = 0.5 report's, docs/study/sweep-temperature-t0.5): the
@@ -3344,7 +3343,7 @@ def _t05_zen4_quotes() -> tuple[list[str], dict, float]:
     avx2 = _summary("sweep-temperature-t0.5", ".")["doses"][0]["arms"][tis]
     return [
         *table,
-        *(f"| {m} | {seeds[m]} | " + " | ".join(_quoted(d) for d in machines[m]) + " |" for m in machines),
+        *(f"| {m} | {labels[m]} | " + " | ".join(_quoted(d) for d in machines[m]) + " |" for m in machines),
         f"the shuffled weights cost {_quoted(cost)} against none at T = 0.5 on these seeds (100 seeds detect about "
         f"{mde:.3f}), not resolved; pooled they cost {machines['both'][0]['mean']:+.3f}, resolved",
         f"token TIS - none was {_quoted(in_place)} on these seeds",
@@ -3421,7 +3420,7 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
     paired difference}`` and the CPU-hours."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import minimal_detectable_effect, seeds_for_effect
+    from megatron_mis.testbed.study.stats import seeds_for_effect
 
     arms, final, runs, setting, paired, study = _reference_zen4()
     seeds, ref = _LOW_SEEDS, "ref_fp32"
@@ -3430,9 +3429,9 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
                "none - ref, 160": paired("none", ref, two), "token TIS - ref, 160": paired("token_tis", ref, two)}
     summary = _summary("sweep-temperature-t0.5", "reference-zen4")
     assert _quoted(figures["none - ref"]) == _quoted(summary["doses"][0]["none_vs_reference"])
-    sd = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1))
+    sd, mde = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1)), _paired_mde(figures["none - ref"])
     assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
-    assert minimal_detectable_effect(sd, len(seeds)) == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
+    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
     assert seeds_for_effect(sd, 0.05) == summary["seeds_for_target"]
     wall = [runs[setting, ref, s][1]["wall_s"] for s in seeds]
     hours = sum(wall) / 3600
@@ -3450,8 +3449,8 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
         *(row(a) for a in _T05_REFERENCE_ARMS),
         f"none - reference was {_quoted(figures['none - ref'])} on these seeds and token TIS - reference "
         f"{_quoted(figures['token TIS - ref'])}",
-        f"The paired SD of none - reference is {sd:.3f}, so 100 seeds detect about "
-        f"{minimal_detectable_effect(sd, len(seeds)):.3f} and a 0.05 difference needs {seeds_for_effect(sd, 0.05)}",
+        f"The paired SD of none - reference is {sd:.3f}, so 100 seeds detect about {mde:.3f} and a 0.05 difference "
+        f"needs {seeds_for_effect(sd, 0.05)}",
         f"over 160 seeds of both machines none - reference is {_quoted(figures['none - ref, 160'])} and token TIS - "
         f"reference {_quoted(figures['token TIS - ref, 160'])}",
         f"into the T = 0.5 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
