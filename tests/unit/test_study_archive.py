@@ -219,6 +219,9 @@ _REPORTS = [
     # and the reference on those seeds, right after them on the same VM, beside them
     ("sweep-temperature-t0.5", "reference-zen4", {a: range(200, 300) for a in ("none", "ref_fp32",
                                                                                "token_tis_shuffled", "token_tis")}),
+    # and token TIS's raise alone and its discount alone on those seeds, a session later on a VM of the same kind
+    ("sweep-temperature-t0.5", "floor-cap-zen4", {a: range(200, 300) for a in ("none", "ref_fp32", "token_tis",
+                                                                               "token_tis_floor1", "token_tis_cap1")}),
     # and of 1.5, in a later session on the same VM
     ("sweep-temperature-t1.5", ".", {"none": range(60), "token_tis": range(60), "token_mis": range(60),
                                      # and the three token TIS diagnostics, a day later on a Zen 1 VM
@@ -3453,7 +3456,6 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
         f"needs {seeds_for_effect(sd, 0.05)}",
         f"over 160 seeds of both machines none - reference is {_quoted(figures['none - ref, 160'])} and token TIS - "
         f"reference {_quoted(figures['token TIS - ref, 160'])}",
-        f"into the T = 0.5 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
         f"The reference never collapsed ({arms[ref]['collapse']['k']} of 100; none {arms['none']['collapse']['k']}, "
         f"token TIS {arms['token_tis']['collapse']['k']})",
     ], figures, hours
@@ -3462,7 +3464,7 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
 def test_the_reference_at_0_5_on_the_zen4_seeds_comes_from_the_archive():
     """docs/study.md on the reference at a rollout temperature of 0.5 on the Zen 4 VM's seeds 200-299
     (docs/study/sweep-temperature-t0.5/reference-zen4): each arm against the reference and none, the paired SD, the
-    MDE, none and token TIS against the reference over 160 seeds of two machines, the archive and the runs' times,
+    MDE, none and token TIS against the reference over 160 seeds of two machines and the runs' times,
     recomputed from the archive; that none is level with the reference and token TIS above it; the section before
     points to it, and the answers, the plan and the README quote it."""
     quotes, figures, hours = _t05_reference_quotes()
@@ -3482,3 +3484,96 @@ def test_the_reference_at_0_5_on_the_zen4_seeds_comes_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"and on the Zen 4 seeds ahead of the reference too ({q['token TIS - ref']}), which none was level with "
             f"({q['none - ref']}), so there token TIS is no correction of a harm") in readme
+
+
+#: docs/study/sweep-temperature-t0.5/floor-cap-zen4: token TIS's raise alone (``token_tis_floor1``) and its discount
+#: alone (``token_tis_cap1``) at T = 0.5 on the Zen 4 VM's seeds 200-299, a session after the reference-zen4 runs on a
+#: VM of the same kind, beside none, the reference and token TIS
+_T05_FLOOR_CAP_ARMS = ("none", "ref_fp32", "token_tis", "token_tis_floor1", "token_tis_cap1")
+#: each weighed arm's weight, as the T = 1.5 diagnostics' table writes it
+_FLOOR_CAP_FORMULAS = {"token_tis": "min(r, 2)", "token_tis_floor1": "clamp(r, 1, 2)", "token_tis_cap1": "min(r, 1)"}
+
+
+@functools.cache
+def _floor_cap_zen4() -> tuple:
+    """The floor-cap-zen4 report (:func:`_one_vm_report` on the Zen 4 VM): :data:`_T05_FLOOR_CAP_ARMS` at T = 0.5,
+    seeds 200-299."""
+    return _one_vm_report("floor-cap-zen4", _T05_FLOOR_CAP_ARMS, _LOW_SEEDS, _ZEN4, "sweep-temperature-t0.5")
+
+
+@functools.cache
+def _t05_floor_cap_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on token TIS's raise and discount apart at T = 0.5 on the Zen 4 VM's
+    seeds 200-299 (:func:`_floor_cap_zen4`), recomputed from the archive: each weighed arm's row (its weight, its
+    weights' mean smallest and largest value and per-run mean, its final reward against none, token TIS and the
+    reference, its greedy reward against none, the runs that reached 0.5 and the collapses), the differences between
+    the two halves, the MDE and the runs' times; with ``{name: paired difference}`` and the CPU-hours."""
+    import numpy as np
+
+    arms, final, runs, setting, paired, study = _floor_cap_zen4()
+    seeds, fl, cap, tis = _LOW_SEEDS, "token_tis_floor1", "token_tis_cap1", "token_tis"
+    extremes = {a: _weight_extremes(setting, runs, a, len(seeds), seeds[0]) for a in _FLOOR_CAP_FORMULAS}
+
+    def row(arm: str) -> str:
+        lo, hi, m_lo, m_hi = extremes[arm]
+        return "| " + " | ".join([
+            f"`{arm}`", _FLOOR_CAP_FORMULAS[arm], f"{lo:.2f} / {hi:.2f}", f"{m_lo:.3f}-{m_hi:.3f}",
+            _quoted(paired(arm, "none")), "-" if arm == tis else _quoted(paired(arm, tis)),
+            _quoted(paired(arm, "ref_fp32")), _quoted(paired(arm, "none", key="greedy_reward")),
+            f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"])]) + " |"
+
+    figures = {"floor - none": paired(fl, "none"), "cap - none": paired(cap, "none"),
+               "floor - cap": paired(fl, cap), "floor - TIS": paired(fl, tis), "cap - TIS": paired(cap, tis),
+               "TIS - none": paired(tis, "none")}
+    wall = [runs[setting, a, s][1]["wall_s"] for a in (fl, cap) for s in seeds]
+    hours = sum(wall) / 3600
+    return [
+        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        *(row(a) for a in _FLOOR_CAP_FORMULAS),
+        f"into the T = 0.5 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
+        f"(100 seeds detect about {_paired_mde(figures['floor - none']):.3f} and "
+        f"{_paired_mde(figures['cap - none']):.3f})",
+        f"token_tis_floor1 - token_tis_cap1 {_quoted(figures['floor - cap'])}",
+        f"the raise alone is ahead of none by {_quoted(figures['floor - none'])} and the discount alone by "
+        f"{_quoted(figures['cap - none'])}",
+        f"Neither is measurably behind token TIS ({_quoted(figures['floor - TIS'])} and {_quoted(figures['cap - TIS'])})",
+        f"token TIS's gain over none ({_quoted(figures['TIS - none'])} on these seeds)",
+        f"its mean weight per run is {extremes[fl][2]:.3f}-{extremes[fl][3]:.3f}, its largest weight "
+        f"{extremes[fl][1]:.2f}), the discount moves many a little ({extremes[cap][2]:.3f}-{extremes[cap][3]:.3f} per "
+        f"run, smallest {extremes[cap][0]:.2f})",
+        f"none: {np.mean([final['none', s] for s in seeds]):.3f} mean final reward, "
+        f"{arms['none']['steps_to_threshold']['reached']} runs reached 0.5, {arms['none']['collapse']['k']} collapsed; "
+        f"the reference {np.mean([final['ref_fp32', s] for s in seeds]):.3f}, "
+        f"{arms['ref_fp32']['steps_to_threshold']['reached']} and {arms['ref_fp32']['collapse']['k']}",
+    ], figures, hours
+
+
+def test_token_tis_s_raise_and_discount_apart_at_0_5_on_the_zen4_seeds_come_from_the_archive():
+    """docs/study.md on token TIS's raise alone (clamp(r, 1, 2)) and its discount alone (min(r, 1)) at a rollout
+    temperature of 0.5 on the Zen 4 VM's seeds 200-299 (docs/study/sweep-temperature-t0.5/floor-cap-zen4): each arm's
+    row, the differences between the halves and to token TIS, the MDEs, the archive and the runs' times, recomputed
+    from the archive; the outcome of the rule fixed before the sweep (both halves ahead of none, neither behind token
+    TIS), the T = 1.5 diagnostics' costs it is set beside; the section before points to it, and the answers, the plan
+    and the README quote it."""
+    quotes, figures, hours = _t05_floor_cap_quotes()
+    section = _section("Token TIS's raise and its discount apart at T = 0.5")
+    _assert_quoted(quotes, section)
+    # the rule fixed before the sweep: "both" when both halves' intervals against none exclude 0 above it
+    assert figures["floor - none"]["low"] > 0 and figures["cap - none"]["low"] > 0
+    assert "**Both halves carry it**, by the rule fixed before the sweep" in section
+    # "neither is measurably behind token TIS, nor are they apart"
+    assert not any(figures[k]["excludes_zero"] for k in ("floor - TIS", "cap - TIS", "floor - cap"))
+    t15 = _summary("sweep-temperature-t1.5", ".")["doses"][0]["arms"]
+    _assert_quoted([f"(the raise {t15['token_tis_floor1']['vs_none']['final_reward']['mean']:+.3f}, the discount "
+                    f"{t15['token_tis_cap1']['vs_none']['final_reward']['mean']:+.3f} against none, 60 seeds)"], section)
+    assert "the next section takes the weight apart on these seeds." in _section(
+        "The reference at T = 0.5 on the Zen 4 VM's seeds")
+    q = {k: _quoted(v) for k, v in figures.items()}
+    _assert_quoted([f"token TIS's raise alone {q['floor - none']} and its discount alone {q['cap - none']} against "
+                    f"none on 100 seeds of a Zen 4 VM"], _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 200 of token TIS's raise and discount apart there"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"token TIS's raise of the unlikely tokens alone and its discount of the likely ones alone were each "
+            f"about as far ahead of none ({q['floor - none']} and {q['cap - none']})") in readme
