@@ -266,7 +266,9 @@ _REPORTS = [
     # and seeds 100-199 of the T = 0.5 shuffled-intel report's arms, a session after that one on an Intel VM of its kind
     ("sweep-temperature-t1.25", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
                                                                                 "token_tis")}),
-    # the same three arms at 0.75, right after those on the same VM: their own archive
+    # and none and the reference on seeds 200-299, a day later on a Zen 4 VM
+    ("sweep-temperature-t1.25", "reference-zen4", {a: range(200, 300) for a in ("none", "ref_fp32")}),
+    # the shuffled-intel arms at 0.75, right after those at 1.25 on the same Intel VM: their own archive
     ("sweep-temperature-t0.75", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
                                                                                 "token_tis")}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
@@ -3577,3 +3579,92 @@ def test_token_tis_s_raise_and_discount_apart_at_0_5_on_the_zen4_seeds_come_from
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"token TIS's raise of the unlikely tokens alone and its discount of the likely ones alone were each "
             f"about as far ahead of none ({q['floor - none']} and {q['cap - none']})") in readme
+
+
+#: docs/study/sweep-temperature-t1.25/reference-zen4: none and the reference (the trainer at the rollout's T = 1.25) on
+#: a Zen 4 VM's seeds 200-299, the pre-registered test of whether the mismatch costs none at T = 1.25 on new seeds
+_T125_REFERENCE_ARMS = ("none", "ref_fp32")
+#: the seeds of that sweep, as registered before it ran (run in two parts, two sessions apart: docs/study.md says why)
+_T125_ZEN4_SEEDS = range(200, 300)
+
+
+@functools.cache
+def _t125_reference_zen4() -> tuple:
+    """The T = 1.25 reference-zen4 report (:func:`_one_vm_report` on the Zen 4 VM): none and the reference at
+    T = 1.25, seeds 200-299."""
+    return _one_vm_report("reference-zen4", _T125_REFERENCE_ARMS, _T125_ZEN4_SEEDS, _ZEN4,
+                          "sweep-temperature-t1.25")
+
+
+@functools.cache
+def _t125_reference_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on the reference at T = 1.25 on the Zen 4 VM's seeds 200-299
+    (:func:`_t125_reference_zen4`), recomputed from the archive: each arm's row, none - reference in final and greedy
+    reward, its paired SD, the MDE and the seeds a 0.05 difference needs, none - reference over these seeds and the
+    AVX2 VM's seeds 0-59 (160 seeds of two machines), the archive and the runs' times; with ``{name: paired
+    difference}`` and the CPU-hours."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import seeds_for_effect
+
+    arms, final, runs, setting, paired, study = _t125_reference_zen4()
+    seeds, ref = _T125_ZEN4_SEEDS, "ref_fp32"
+    two = (*range(60), *seeds)
+    figures = {"none - ref": paired("none", ref), "none - ref, greedy": paired("none", ref, key="greedy_reward"),
+               "none - ref, 160": paired("none", ref, two), "none - ref, 0-59": paired("none", ref, range(60))}
+    summary = _summary("sweep-temperature-t1.25", "reference-zen4")
+    assert _quoted(figures["none - ref"]) == _quoted(summary["doses"][0]["none_vs_reference"])
+    sd, mde = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1)), _paired_mde(figures["none - ref"])
+    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
+    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
+    assert seeds_for_effect(sd, 0.05) == summary["seeds_for_target"]
+    wall = [runs[setting, a, s][1]["wall_s"] for a in _T125_REFERENCE_ARMS for s in seeds]
+    hours = sum(wall) / 3600
+
+    def row(arm: str) -> str:
+        vs_ref = "-" if arm == ref else _quoted(paired(arm, ref))
+        vs_none = "-" if arm == "none" else _quoted(paired(arm, "none"))
+        return "| " + " | ".join([
+            f"`{arm}`", _e(arms[arm]["k3_mean"][0], 1), vs_ref, vs_none,
+            f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
+            str(arms[arm]["collapse"]["k"]), str(arms[arm]["ended_low"]["k"])]) + " |"
+
+    return [
+        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        f"into the T = 1.25 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t1.25') / 1e6:.1f} MB)",
+        *(row(a) for a in _T125_REFERENCE_ARMS),
+        f"none - reference was {_quoted(figures['none - ref'])} on these seeds (greedy reward "
+        f"{_quoted(figures['none - ref, greedy'])})",
+        f"The paired SD of none - reference is {sd:.3f}, so {len(seeds)} seeds detect about {mde:.3f} and a 0.05 "
+        f"difference needs {seeds_for_effect(sd, 0.05)}",
+        f"over 160 seeds of both machines none - reference is {_quoted(figures['none - ref, 160'])}",
+    ], figures, hours
+
+
+def test_the_reference_at_1_25_on_the_zen4_seeds_comes_from_the_archive():
+    """docs/study.md on none against the reference at a rollout temperature of 1.25 on the Zen 4 VM's seeds 200-299
+    (docs/study/sweep-temperature-t1.25/reference-zen4): each arm's row, none - reference in final and greedy reward,
+    the paired SD, the MDE, none - reference over 160 seeds of two machines, the archive and the runs' times,
+    recomputed from the archive; the outcome of the question fixed before the sweep; the 60-seed section points to
+    it, and the answers, the plan and the README quote it."""
+    quotes, figures, hours = _t125_reference_quotes()
+    section = _section("The reference at T = 1.25 on the Zen 4 VM's seeds")
+    _assert_quoted(quotes, section)
+    assert len(figures["none - ref, 160"]["diffs"]) == 160
+    # the 60-seed figure the question was set against is the AVX2 VM's
+    assert _quoted(figures["none - ref, 0-59"]) == _quoted(
+        _summary("sweep-temperature-t1.25", ".")["doses"][0]["none_vs_reference"])
+    # the question fixed before the sweep: does none - reference exclude 0 below it?
+    harm = figures["none - ref"]["high"] < 0
+    assert ("**The mismatch cost none" if harm else "**No harm shown, again**") in section
+    assert "see \"The reference at T = 1.25 on the Zen 4 VM's seeds\" below" in _section(
+        "A rollout-only temperature of 1.25 at 60 seeds")
+    q = {k: _quoted(v) for k, v in figures.items()}
+    _assert_quoted([f"MDE 0.065; {q['none - ref']} on 100 seeds of a Zen 4 VM; {q['none - ref, 160']} over 160 seeds "
+                    "of two machines;"],
+                   _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 200 of none and the reference at t1.25 on seeds 200-299 (Zen 4 VM)"],
+                   _section("What has been run, and what the rest would cost"))
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    assert (f"(on 100 seeds of a Zen 4 VM none was level again, {q['none - ref']}, and {q['none - ref, 160']} over "
+            "160 seeds of both)") in readme
