@@ -268,9 +268,13 @@ _REPORTS = [
                                                                                 "token_tis")}),
     # and none and the reference on seeds 200-299, a day later on a Zen 4 VM
     ("sweep-temperature-t1.25", "reference-zen4", {a: range(200, 300) for a in ("none", "ref_fp32")}),
+    # and token TIS on those seeds, on a VM of the same kind by the session after, beside them
+    ("sweep-temperature-t1.25", "token-tis-zen4", {a: range(200, 300) for a in ("none", "ref_fp32", "token_tis")}),
     # the shuffled-intel arms at 0.75, right after those at 1.25 on the same Intel VM: their own archive
     ("sweep-temperature-t0.75", "shuffled-intel", {a: range(100, 200) for a in ("none", "token_tis_shuffled",
                                                                                 "token_tis")}),
+    # and none, the reference and token TIS on seeds 200-299 of a Zen 4 VM, by the session after its T = 1.25 reference
+    ("sweep-temperature-t0.75", "reference-zen4", {a: range(200, 300) for a in ("none", "ref_fp32", "token_tis")}),
     # none and the reference for 600 steps (third VM): their own archive, a --steps variant
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-10", {"none": (9, 10)}),
     ("sweep-long-tail-stale-256-600-steps", "seeds-9-11", {"none": (9, 10, 11)}),
@@ -3404,6 +3408,38 @@ def test_the_weights_in_place_and_shuffled_at_0_5_on_the_zen4_seeds_come_from_th
             f"{q['both'][1]}") in readme
 
 
+def _reference_table(report: tuple, sweep: str, name: str, arm_names, seeds, ended_low: bool = True) -> tuple:
+    """The table and noise of a reference-zen4 report (``report``: :func:`_one_vm_report` of ``arm_names`` at
+    ``seeds``, docs/study/``sweep``/``name``): each arm's row (K3, against the reference and none, mean final reward,
+    runs that reached 0.5, collapsed and, with ``ended_low``, ended low), none - reference, its paired SD, the MDE
+    and the seeds a 0.05 difference needs, each checked against the report's summary.json; as ``(rows,
+    none - reference, SD, MDE, seeds for 0.05)``."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import seeds_for_effect
+
+    arms, final, _, _, paired, _ = report
+    ref = "ref_fp32"
+    none_ref = paired("none", ref)
+    summary = _summary(sweep, name)
+    assert _quoted(none_ref) == _quoted(summary["doses"][0]["none_vs_reference"])
+    sd, mde = float(np.std(list(none_ref["diffs"].values()), ddof=1)), _paired_mde(none_ref)
+    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
+    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
+    needed = seeds_for_effect(sd, 0.05)
+    assert needed == summary["seeds_for_target"]
+
+    def row(arm: str) -> str:
+        vs_ref = "-" if arm == ref else _quoted(paired(arm, ref))
+        vs_none = "-" if arm == "none" else _quoted(paired(arm, "none"))
+        counts = [arms[arm]["steps_to_threshold"]["reached"], arms[arm]["collapse"]["k"]]
+        counts += [arms[arm]["ended_low"]["k"]] if ended_low else []
+        return "| " + " | ".join([f"`{arm}`", _e(arms[arm]["k3_mean"][0], 1), vs_ref, vs_none,
+                                  f"{np.mean([final[arm, s] for s in seeds]):.3f}", *map(str, counts)]) + " |"
+
+    return [row(a) for a in arm_names], none_ref, sd, mde, needed
+
+
 #: docs/study/sweep-temperature-t0.5/reference-zen4: the reference (the trainer at the rollout's T = 0.5) on the
 #: Zen 4 VM's seeds 200-299, right after the shuffled-zen4 runs on the same VM, beside those three arms
 _T05_REFERENCE_ARMS = ("none", "ref_fp32", "token_tis_shuffled", "token_tis")
@@ -3425,37 +3461,23 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
     paired difference}`` and the CPU-hours."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import seeds_for_effect
-
-    arms, final, runs, setting, paired, study = _reference_zen4()
+    report = _reference_zen4()
+    arms, _, runs, setting, paired, _ = report
     seeds, ref = _LOW_SEEDS, "ref_fp32"
     two = (*range(60), *seeds)
-    figures = {"none - ref": paired("none", ref), "token TIS - ref": paired("token_tis", ref),
+    rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-temperature-t0.5", "reference-zen4",
+                                                       _T05_REFERENCE_ARMS, seeds, ended_low=False)
+    figures = {"none - ref": none_ref, "token TIS - ref": paired("token_tis", ref),
                "none - ref, 160": paired("none", ref, two), "token TIS - ref, 160": paired("token_tis", ref, two)}
-    summary = _summary("sweep-temperature-t0.5", "reference-zen4")
-    assert _quoted(figures["none - ref"]) == _quoted(summary["doses"][0]["none_vs_reference"])
-    sd, mde = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1)), _paired_mde(figures["none - ref"])
-    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
-    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
-    assert seeds_for_effect(sd, 0.05) == summary["seeds_for_target"]
     wall = [runs[setting, ref, s][1]["wall_s"] for s in seeds]
     hours = sum(wall) / 3600
-
-    def row(arm: str) -> str:
-        vs_ref = "-" if arm == ref else _quoted(paired(arm, ref))
-        vs_none = "-" if arm == "none" else _quoted(paired(arm, "none"))
-        return "| " + " | ".join([
-            f"`{arm}`", _e(arms[arm]["k3_mean"][0], 1), vs_ref, vs_none,
-            f"{np.mean([final[arm, s] for s in seeds]):.3f}",
-            str(arms[arm]["steps_to_threshold"]["reached"]), str(arms[arm]["collapse"]["k"])]) + " |"
-
     return [
         f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
-        *(row(a) for a in _T05_REFERENCE_ARMS),
+        *rows,
         f"none - reference was {_quoted(figures['none - ref'])} on these seeds and token TIS - reference "
         f"{_quoted(figures['token TIS - ref'])}",
         f"The paired SD of none - reference is {sd:.3f}, so 100 seeds detect about {mde:.3f} and a 0.05 difference "
-        f"needs {seeds_for_effect(sd, 0.05)}",
+        f"needs {needed}",
         f"over 160 seeds of both machines none - reference is {_quoted(figures['none - ref, 160'])} and token TIS - "
         f"reference {_quoted(figures['token TIS - ref, 160'])}",
         f"The reference never collapsed ({arms[ref]['collapse']['k']} of 100; none {arms['none']['collapse']['k']}, "
@@ -3605,38 +3627,23 @@ def _t125_reference_quotes() -> tuple[list[str], dict, float]:
     difference}`` and the CPU-hours."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import seeds_for_effect
-
-    arms, final, runs, setting, paired, study = _t125_reference_zen4()
+    report = _t125_reference_zen4()
+    _, _, runs, setting, paired, _ = report
     seeds, ref = _T125_ZEN4_SEEDS, "ref_fp32"
-    two = (*range(60), *seeds)
-    figures = {"none - ref": paired("none", ref), "none - ref, greedy": paired("none", ref, key="greedy_reward"),
-               "none - ref, 160": paired("none", ref, two), "none - ref, 0-59": paired("none", ref, range(60))}
-    summary = _summary("sweep-temperature-t1.25", "reference-zen4")
-    assert _quoted(figures["none - ref"]) == _quoted(summary["doses"][0]["none_vs_reference"])
-    sd, mde = float(np.std(list(figures["none - ref"]["diffs"].values()), ddof=1)), _paired_mde(figures["none - ref"])
-    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
-    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
-    assert seeds_for_effect(sd, 0.05) == summary["seeds_for_target"]
+    rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-temperature-t1.25", "reference-zen4",
+                                                       _T125_REFERENCE_ARMS, seeds)
+    figures = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
+               "none - ref, 160": paired("none", ref, (*range(60), *seeds)),
+               "none - ref, 0-59": paired("none", ref, range(60))}
     wall = [runs[setting, a, s][1]["wall_s"] for a in _T125_REFERENCE_ARMS for s in seeds]
     hours = sum(wall) / 3600
-
-    def row(arm: str) -> str:
-        vs_ref = "-" if arm == ref else _quoted(paired(arm, ref))
-        vs_none = "-" if arm == "none" else _quoted(paired(arm, "none"))
-        return "| " + " | ".join([
-            f"`{arm}`", _e(arms[arm]["k3_mean"][0], 1), vs_ref, vs_none,
-            f"{np.mean([final[arm, s] for s in seeds]):.3f}", str(arms[arm]["steps_to_threshold"]["reached"]),
-            str(arms[arm]["collapse"]["k"]), str(arms[arm]["ended_low"]["k"])]) + " |"
-
     return [
         f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
-        f"into the T = 1.25 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t1.25') / 1e6:.1f} MB)",
-        *(row(a) for a in _T125_REFERENCE_ARMS),
+        *rows,
         f"none - reference was {_quoted(figures['none - ref'])} on these seeds (greedy reward "
         f"{_quoted(figures['none - ref, greedy'])})",
         f"The paired SD of none - reference is {sd:.3f}, so {len(seeds)} seeds detect about {mde:.3f} and a 0.05 "
-        f"difference needs {seeds_for_effect(sd, 0.05)}",
+        f"difference needs {needed}",
         f"over 160 seeds of both machines none - reference is {_quoted(figures['none - ref, 160'])}",
     ], figures, hours
 
@@ -3668,3 +3675,163 @@ def test_the_reference_at_1_25_on_the_zen4_seeds_comes_from_the_archive():
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert (f"(on 100 seeds of a Zen 4 VM none was level again, {q['none - ref']}, and {q['none - ref, 160']} over "
             "160 seeds of both)") in readme
+
+
+#: docs/study/sweep-temperature-t0.75/reference-zen4 and sweep-temperature-t1.25/token-tis-zen4: none, the reference
+#: (the trainer at the rollout's T) and token TIS at T = 0.75, and token TIS at T = 1.25 beside that temperature's
+#: none and reference, on the Zen 4 VM's seeds 200-299: runs a session left in the archives uncommitted after the
+#: T = 1.25 reference sweep (2026-12-04), committed unchanged on 2026-12-06
+_ZEN4_TEMPERATURE_ARMS = ("none", "ref_fp32", "token_tis")
+
+
+@functools.cache
+def _t075_reference_zen4() -> tuple:
+    """The T = 0.75 reference-zen4 report (:func:`_one_vm_report` on the Zen 4 VM): none, the reference and token TIS
+    at T = 0.75, seeds 200-299."""
+    return _one_vm_report("reference-zen4", _ZEN4_TEMPERATURE_ARMS, _LOW_SEEDS, _ZEN4, "sweep-temperature-t0.75")
+
+
+@functools.cache
+def _t125_token_tis_zen4() -> tuple:
+    """The T = 1.25 token-tis-zen4 report (:func:`_one_vm_report` on the Zen 4 VM): none, the reference and token TIS
+    at T = 1.25, seeds 200-299 (none's and the reference's runs those of the reference-zen4 report)."""
+    return _one_vm_report("token-tis-zen4", _ZEN4_TEMPERATURE_ARMS, _LOW_SEEDS, _ZEN4, "sweep-temperature-t1.25")
+
+
+def _runs_line(runs: dict, setting: str, arm_names, seeds) -> tuple[str, float]:
+    """``"N runs, about S s per run, H CPU-hours"`` of ``arm_names`` at ``seeds`` (their end records' ``wall_s``),
+    and the CPU-hours."""
+    import numpy as np
+
+    wall = [runs[setting, a, s][1]["wall_s"] for a in arm_names for s in seeds]
+    hours = sum(wall) / 3600
+    return f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours", hours
+
+
+@functools.cache
+def _t075_reference_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on none, the reference and token TIS at T = 0.75 on the Zen 4 VM's seeds
+    200-299 (:func:`_t075_reference_zen4`), recomputed from the archive: each arm's row, none - reference in final
+    and greedy reward, its paired SD, the MDE and the seeds a 0.05 difference needs, token TIS against the reference
+    and none, token TIS - none over these seeds and the Intel VM's seeds 100-199 (200 seeds of two machines), the
+    archive and the runs' times; with ``{name: paired difference}`` and the CPU-hours."""
+    report = _t075_reference_zen4()
+    _, _, runs, setting, paired, _ = report
+    seeds, ref = _LOW_SEEDS, "ref_fp32"
+    rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-temperature-t0.75", "reference-zen4",
+                                                       _ZEN4_TEMPERATURE_ARMS, seeds)
+    figures = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
+               "token TIS - ref": paired("token_tis", ref), "token TIS - none": paired("token_tis", "none"),
+               "token TIS - none, Intel": paired("token_tis", "none", _NOISE_SEEDS),
+               "token TIS - none, 200": paired("token_tis", "none", (*_NOISE_SEEDS, *seeds))}
+    line, hours = _runs_line(runs, setting, _ZEN4_TEMPERATURE_ARMS, seeds)
+    q = {k: _quoted(v) for k, v in figures.items()}
+    return [
+        line,
+        f"into the T = 0.75 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t0.75') / 1e6:.1f} MB)",
+        *rows,
+        f"none - reference was {q['none - ref']} on these seeds (greedy reward {q['none - ref, greedy']})",
+        f"The paired SD of none - reference is {sd:.3f}, so {len(seeds)} seeds detect about {mde:.3f} and a 0.05 "
+        f"difference needs {needed}",
+        f"token TIS - reference {q['token TIS - ref']}, token TIS - none {q['token TIS - none']}",
+        f"on the Intel seeds 100-199 token TIS - none was {q['token TIS - none, Intel']}; over the 200 seeds of both "
+        f"machines it is {q['token TIS - none, 200']}",
+    ], figures, hours
+
+
+def test_the_reference_and_token_tis_at_0_75_on_the_zen4_seeds_come_from_the_archive():
+    """docs/study.md on none, the reference and token TIS at a rollout temperature of 0.75 on the Zen 4 VM's seeds
+    200-299 (docs/study/sweep-temperature-t0.75/reference-zen4): each arm's row, none - reference in final and greedy
+    reward, the paired SD, the MDE, token TIS against both, token TIS - none over 200 seeds of two machines, the
+    archive and the runs' times, recomputed from the archive; the reading follows the figures (harm only where
+    none - reference excludes 0 below it); the answers and the plan quote it."""
+    quotes, figures, hours = _t075_reference_quotes()
+    section = _section("none, the reference and token TIS at T = 0.75 on the Zen 4 VM's seeds")
+    _assert_quoted(quotes, section)
+    assert len(figures["token TIS - none, 200"]["diffs"]) == 200
+    harm = figures["none - ref"]["high"] < 0
+    assert ("**The mismatch cost none" if harm else "**No harm shown at T = 0.75 either**") in section
+    q = {k: _quoted(v) for k, v in figures.items()}
+    _assert_quoted([f"T = 0.75: none - reference {q['none - ref']} on 100 seeds of a Zen 4 VM (MDE "
+                    f"{_paired_mde(figures['none - ref']):.3f})"], _section("The answers so far, per mechanism"))
+    _assert_quoted([f"{hours:.1f} for the 300 of none, the reference and token TIS at t0.75 on seeds 200-299 "
+                    "(Zen 4 VM)"], _section("What has been run, and what the rest would cost"))
+
+
+@functools.cache
+def _t125_token_tis_quotes() -> tuple[list[str], dict, float]:
+    """The figures of docs/study.md's section on token TIS at T = 1.25 on the Zen 4 VM's seeds 200-299
+    (:func:`_t125_token_tis_zen4`), recomputed from the archive: each arm's row, token TIS against none (final and
+    greedy reward) and the reference, token TIS - none on each machine's seeds (the AVX2 VM's 0-59, the Intel VM's
+    100-199, these) and over all 260, token TIS - reference over the 160 seeds with a reference, the archive and the
+    runs' times; with ``{name: paired difference}`` and the CPU-hours."""
+    import numpy as np
+
+    report = _t125_token_tis_zen4()
+    _, _, runs, setting, paired, _ = report
+    seeds, ref = _LOW_SEEDS, "ref_fp32"
+    rows, none_ref, _, _, _ = _reference_table(report, "sweep-temperature-t1.25", "token-tis-zen4",
+                                               _ZEN4_TEMPERATURE_ARMS, seeds)
+    # the reference-zen4 report's none - reference, by the same runs
+    assert _quoted(none_ref) == _quoted(_t125_reference_quotes()[1]["none - ref"])
+    every = (*range(60), *_NOISE_SEEDS, *seeds)
+    figures = {"token TIS - none": paired("token_tis", "none"),
+               "token TIS - none, greedy": paired("token_tis", "none", key="greedy_reward"),
+               "token TIS - ref": paired("token_tis", ref),
+               "token TIS - none, 0-59": paired("token_tis", "none", range(60)),
+               "token TIS - none, Intel": paired("token_tis", "none", _NOISE_SEEDS),
+               "token TIS - none, 260": paired("token_tis", "none", every),
+               "token TIS - ref, 160": paired("token_tis", ref, (*range(60), *seeds))}
+    # the other machines' figures are those their reports quote
+    assert _quoted(figures["token TIS - none, 0-59"]) == _quoted(
+        _summary("sweep-temperature-t1.25", ".")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"])
+    assert _quoted(figures["token TIS - none, Intel"]) == _quoted(
+        _summary("sweep-temperature-t1.25", "shuffled-intel")["doses"][0]["arms"]["token_tis"]["vs_none"]["final_reward"])
+    line, hours = _runs_line(runs, setting, ("token_tis",), seeds)
+    q = {k: _quoted(v) for k, v in figures.items()}
+
+    def se(d: dict) -> float:  # the standard error of a paired mean
+        return float(np.std(list(d["diffs"].values()), ddof=1) / np.sqrt(len(d["diffs"])))
+
+    zen4, intel = figures["token TIS - none"], figures["token TIS - none, Intel"]
+    gap = zen4["mean"] - intel["mean"]
+    return [
+        line,
+        f"The Zen 4 seeds' estimate lies {gap:.3f} above the Intel seeds', {gap / np.hypot(se(zen4), se(intel)):.1f} "
+        "times the standard error of that difference",
+        f"into the T = 1.25 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t1.25') / 1e6:.1f} MB)",
+        *rows,
+        f"token TIS - none {q['token TIS - none']} (greedy reward {q['token TIS - none, greedy']}), token TIS - "
+        f"reference {q['token TIS - ref']}",
+        f"| AVX2 VM, 0-59 | {q['token TIS - none, 0-59']} |",
+        f"| Intel VM, 100-199 | {q['token TIS - none, Intel']} |",
+        f"| Zen 4 VM, 200-299 | {q['token TIS - none']} |",
+        f"| all 260 | {q['token TIS - none, 260']} |",
+        f"over the 160 seeds with a reference token TIS - reference is {q['token TIS - ref, 160']}",
+    ], figures, hours
+
+
+def test_token_tis_at_1_25_on_the_zen4_seeds_comes_from_the_archive():
+    """docs/study.md on token TIS at a rollout temperature of 1.25 on the Zen 4 VM's seeds 200-299
+    (docs/study/sweep-temperature-t1.25/token-tis-zen4): each arm's row, token TIS against none and the reference,
+    token TIS - none on the three machines' seeds and over 260, recomputed from the archive; the reading follows
+    the figures (whether token TIS's cost repeats on these seeds, and whether it holds over 260); the answers, the
+    plan and the 60-seed section point to or quote it."""
+    quotes, figures, hours = _t125_token_tis_quotes()
+    section = _section("Token TIS at T = 1.25 on the Zen 4 VM's seeds")
+    _assert_quoted(quotes, section)
+    assert len(figures["token TIS - none, 260"]["diffs"]) == 260
+    repeats = figures["token TIS - none"]["high"] < 0
+    assert ("**Token TIS's cost repeats**" if repeats else "**Token TIS's cost does not repeat on these seeds**") in section
+    holds = figures["token TIS - none, 260"]["high"] < 0
+    assert ("the cost still excludes 0 over all 260 seeds" if holds else "over all 260 seeds the cost no longer "
+            "excludes 0") in section
+    q = {k: _quoted(v) for k, v in figures.items()}
+    _assert_quoted([f"at T = 1.25 token TIS - none was {q['token TIS - none']} on 100 seeds of a Zen 4 VM and "
+                    f"{q['token TIS - none, 260']} over 260 seeds of three kinds of machine",
+                    f"over 260 seeds of three kinds of machine token TIS's cost there was {q['token TIS - none, 260']}"],
+                   _section("The answers so far, per mechanism"))
+    assert "see \"Token TIS at T = 1.25 on the Zen 4 VM's seeds\" below" in _section(
+        "A rollout-only temperature of 1.25 at 60 seeds")
+    _assert_quoted([f"{hours:.1f} for the 100 of token TIS at t1.25 on seeds 200-299 (Zen 4 VM)"],
+                   _section("What has been run, and what the rest would cost"))
