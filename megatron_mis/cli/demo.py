@@ -98,8 +98,8 @@ def add_parser(sub) -> None:
         epilog=(
             "examples:\n"
             "  megatron-mis demo                                   # token TIS against bf16 rollouts\n"
-            "  megatron-mis demo --compare                         # none vs the study's correction in its setting\n"
-            "  megatron-mis demo --compare --preset bf16           # the same in another study setting\n"
+            "  megatron-mis demo --compare                         # stale rollouts (k=4): none vs bypass PPO\n"
+            "  megatron-mis demo --compare --preset int4           # none vs token TIS under int4 rollouts\n"
             "  megatron-mis demo --true-on-policy                  # bitwise-equal log-probs, checked every step\n"
             "  megatron-mis demo --rollout-precision int8 --correction seed000_default\n"
             "  megatron-mis demo --tp 2 --steps 20                 # the same run over 2 processes (gloo)\n"
@@ -127,14 +127,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] =
                 flag, dest=field, action="store_const", const=value, default=argparse.SUPPRESS,
                 help=(text or docs[field][2]).replace("%", "%%"),
             )
-    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
+    from megatron_mis.testbed.study.config import DEMO_COMPARE_SETTING, SETTINGS
 
+    compare = SETTINGS[DEMO_COMPARE_SETTING]
     parser.add_argument(
         "--preset",
         choices=tuple(SETTINGS),
         default=None,
-        help="A study setting (task + mismatch source, docs/study.md) as the starting values; explicit flags "
-        f"win. --compare without --preset uses '{DEFAULT_SETTING}' (the setting the study found).",
+        help="A study setting (task + mismatch source, docs/study.md) as the starting values, with its "
+        f"demo correction; explicit flags win. --compare without --preset uses '{DEMO_COMPARE_SETTING}' "
+        f"(staleness {compare.overrides['staleness']}: none vs {compare.demo_correction}, the first setting where "
+        "the study measured the uncorrected run falling behind and a correction closing the gap).",
     )
     parser.add_argument(
         "--quick",
@@ -145,22 +148,27 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] =
 
 
 def build_config(args: argparse.Namespace, **overrides):
-    """The :class:`DemoConfig` of the parsed flags (``--quick`` values first, then explicit flags,
-    then ``overrides``).
+    """The :class:`DemoConfig` of the parsed flags: the ``--preset`` setting's values first (with
+    ``compare`` and no ``--preset``: :data:`~megatron_mis.testbed.study.config.DEMO_COMPARE_SETTING`;
+    under ``true_on_policy`` without the setting's rollout precision and mismatch mechanisms), then
+    ``--quick``'s, then explicit flags, then ``overrides``.
 
     Raises:
         ConfigError: every problem with the flags at once.
     """
     from megatron_mis.testbed.demo.config import QUICK, DemoConfig
-    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
+    from megatron_mis.testbed.study.config import DEMO_COMPARE_SETTING, NO_MECHANISM, SETTINGS
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "run", "quick", "preset")}
     preset = getattr(args, "preset", None)
     if preset is None and {**given, **overrides}.get("compare"):
-        preset = DEFAULT_SETTING
+        preset = DEMO_COMPARE_SETTING
     base = dict(SETTINGS[preset].demo_values()) if preset else {}
     if {**given, **overrides}.get("true_on_policy"):
-        base.pop("rollout_precision", None)  # true on-policy is its own (fp32) rollout path
+        # true on-policy is its own mismatch-free (fp32) rollout path: the preset's mismatch source
+        # (its rollout precision, staleness, temperature, truncation, router noise) yields to it
+        for key in ("rollout_precision", *NO_MECHANISM):
+            base.pop(key, None)
     if getattr(args, "quick", False):
         base.update(QUICK)
     return DemoConfig.from_dict({**base, **given, **overrides}, source="megatron-mis demo")
@@ -206,6 +214,9 @@ def report(cfg, results) -> None:
         print("\n" + format_table(summaries))
     if cfg.plot:
         rollout = "true on-policy" if cfg.true_on_policy else f"{cfg.precision} rollouts"
+        if cfg.staleness:
+            share = "" if cfg.stale_fraction == 1 else f" for {cfg.stale_fraction:g} of the groups"
+            rollout += f" from the weights {cfg.staleness} step(s) earlier{share}"
         title = f"megatron-mis demo '{cfg.name}': {rollout}, TP={cfg.tp} CP={cfg.cp} PP={cfg.pp} DP={cfg.dp}, seed {cfg.seed}"
         png = plot_report({r.label: r.records for r in results}, run_dir / "report.png", title=title)
         print(f"\nreport:  {png}")

@@ -84,9 +84,14 @@ def test_fp32_rollouts_mismatch_is_rounding_and_runs_are_deterministic(tmp_path)
 
 
 def test_true_on_policy_compare_is_exactly_zero_and_prints_the_table(tmp_path):
+    from megatron_mis.testbed.study.config import DEMO_COMPARE_SETTING, SETTINGS
+
     rc, out, err, recs = run_demo(tmp_path, "--true-on-policy", "--compare")
     assert rc == 0, err
-    assert [r["run"] for r in recs] == ["none"] * 3 + ["token_tis"] * 3
+    # the default compare setting's correction, its staleness dropped (true on-policy has no mismatch)
+    correction = SETTINGS[DEMO_COMPARE_SETTING].demo_correction
+    assert [r["run"] for r in recs] == ["none"] * 3 + [correction] * 3
+    assert all(r["policy_lag"] == 0 for r in recs)
     for r in recs:
         assert r["logprob_bitwise_equal"] is True and r["logprob_abs_diff_max"] == 0.0
         assert r["mis_k3_kl"] == 0.0 and r["mis_k3_kl_max"] == 0.0 and r["mis_log_ppl_abs_diff"] == 0.0
@@ -96,7 +101,7 @@ def test_true_on_policy_compare_is_exactly_zero_and_prints_the_table(tmp_path):
     # both runs start from the same weights and seed: the same first batch
     assert recs[0]["reward_mean"] == recs[3]["reward_mean"]
     table = out[out.index("reward (first 10%)") - 200 :]
-    assert "none" in table and "token_tis" in table
+    assert "none" in table and correction in table
     for title in ("peak reward", "K3 KL mean", "K3 KL max", "log-ppl abs diff", "rejected tokens", "wall time"):
         assert title in table
     assert "bitwise equal at every step" in out
@@ -194,13 +199,21 @@ def test_bad_flags_are_reported_together(tmp_path, capsys):
 def test_preset_and_compare_start_from_the_study_setting():
     from megatron_mis.cli.demo import build_config
     from megatron_mis.cli import build_parser
-    from megatron_mis.testbed.study.config import DEFAULT_SETTING, SETTINGS
+    from megatron_mis.testbed.study.config import DEFAULT_SETTING, DEMO_COMPARE_SETTING, SETTINGS
 
     parse = build_parser().parse_args
-    found = SETTINGS[DEFAULT_SETTING]
+    # --compare without --preset runs the setting where the study found a correction closing a gap
+    # (stale rollouts), not the study's default setting (int4, where no correction changed anything)
+    assert parse(["demo", "--preset", DEMO_COMPARE_SETTING]).preset == DEMO_COMPARE_SETTING  # a valid --preset
+    found = SETTINGS[DEMO_COMPARE_SETTING]
+    assert DEMO_COMPARE_SETTING != DEFAULT_SETTING and found.demo_correction != "none"
+    assert found.overrides["staleness"] > 0
     cfg = build_config(parse(["demo", "--compare"]))
     assert cfg.compare and cfg.correction == found.demo_correction
     assert all(getattr(cfg, k) == v for k, v in found.overrides.items())
+    assert cfg.arms == ["none", found.demo_correction]
+    cfg = build_config(parse(["demo", "--compare", "--preset", DEFAULT_SETTING]))  # the int4 comparison
+    assert cfg.precision == "int4" and cfg.staleness == 0 and cfg.correction == SETTINGS[DEFAULT_SETTING].demo_correction
     cfg = build_config(parse(["demo", "--preset", "bf16", "--rollout-precision", "fp16", "--steps", "7", "--quick"]))
     assert cfg.precision == "fp16" and cfg.steps == 7 and cfg.prompts_per_step == 4 and not cfg.compare
     cfg = build_config(parse(["demo", "--compare", "--true-on-policy"]))  # the preset's precision yields

@@ -10,8 +10,8 @@ from typing import Any
 from megatron_mis.config.base import ConfigBase, doc
 from megatron_mis.testbed.demo.config import DIAGNOSTIC_TIS, DemoConfig, available_cpus
 
-__all__ = ["ARMS", "DEFAULT_ARMS", "OUTCOMES", "QUICK", "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig",
-           "arm_overrides_of_extra", "run_config"]
+__all__ = ["ARMS", "DEFAULT_ARMS", "DEFAULT_SETTING", "DEMO_COMPARE_SETTING", "NO_MECHANISM", "OUTCOMES", "QUICK",
+           "SETTINGS", "SWEEPS", "Arm", "Setting", "Sweep", "StudyConfig", "arm_overrides_of_extra", "run_config"]
 
 
 #: A setting's steps-to-threshold reward unless it names its own (:attr:`Setting.threshold`).
@@ -133,6 +133,8 @@ SETTINGS: dict[str, Setting] = {
         ),
     )
 }
+#: The setting ``megatron-mis study`` runs without ``--setting`` (``demo --compare`` runs
+#: :data:`DEMO_COMPARE_SETTING`).
 DEFAULT_SETTING = "int4"
 
 
@@ -374,10 +376,21 @@ for _w in SWEEPS.values():
             arms=_w.arms, demo_correction=_w.demo_correction, threshold=_w.threshold, outcome=_w.outcome,
             **{**_w.base, **_values},
         )
+
+#: The setting ``megatron-mis demo --compare`` (and ``make demo``) runs without ``--preset``: the
+#: staleness sweep at k = 4 (rollouts from the weights 4 optimizer steps earlier), none against its
+#: demo correction bypass PPO. It is the first setting where the study measured the uncorrected run
+#: falling behind and a correction closing the gap (docs/study.md); under :data:`DEFAULT_SETTING`
+#: (int4) no correction changes the outcome, so a comparison there shows nothing.
+DEMO_COMPARE_SETTING = "staleness-k4"
+if DEMO_COMPARE_SETTING not in SETTINGS or SETTINGS[DEMO_COMPARE_SETTING].demo_correction == "none":  # pragma: no cover
+    raise RuntimeError(f"DEMO_COMPARE_SETTING={DEMO_COMPARE_SETTING!r} must name a setting with a correction")
+
 #: The DemoConfig fields of every mechanism, at their harmless values: a no-mismatch reference
-#: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation).
-_NO_MECHANISM: dict[str, Any] = {"staleness": 0, "stale_fraction": 1.0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
-                                 "rollout_logprobs": "raw", "trainer_truncation": False, "rollout_router_noise": 0.0}
+#: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation), and
+#: ``megatron-mis demo --true-on-policy`` drops a preset's values of them.
+NO_MECHANISM: dict[str, Any] = {"staleness": 0, "stale_fraction": 1.0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
+                                "rollout_logprobs": "raw", "trainer_truncation": False, "rollout_router_noise": 0.0}
 
 
 def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:
@@ -453,9 +466,9 @@ ARMS: dict[str, Arm] = {
              correction="token_tis", routing_replay=True),
         _arm("ref_fp32", "no-mismatch reference: fast fp32 rollouts (only reduction-order differences), fresh weights, "
              "the rollout's temperature in the trainer, no truncation; none", True,
-             correction="none", rollout_precision="fp32", **_NO_MECHANISM),
+             correction="none", rollout_precision="fp32", **NO_MECHANISM),
         _arm("ref_true_on_policy", "no-mismatch reference: true on-policy rollouts (bitwise equal log-probs), none", True,
-             correction="none", rollout_precision="fp32", true_on_policy=True, **_NO_MECHANISM),
+             correction="none", rollout_precision="fp32", true_on_policy=True, **NO_MECHANISM),
     )
 }
 #: The arms of a dense setting (the routing-replay arms need an MoE model).
