@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "format_table", "load_metrics", "plot_report"]
+__all__ = ["COLUMNS", "draw_report", "format_table", "load_metrics", "plot_report"]
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 
@@ -88,10 +88,10 @@ def _smooth(ys: list[float], window: int) -> list[float]:
     return out
 
 
-def _scale(ax, values: list[float]) -> None:
-    """Log axis for positive values spanning more than a decade; linear (labelled) when every
-    value is exactly 0."""
-    if values and all(v == 0.0 for v in values):
+def _scale(ax, values: list[float], *, label_zero: bool = True) -> None:
+    """Log axis for positive values spanning more than a factor of 20; linear (labelled, with
+    ``label_zero``) when every value is exactly 0."""
+    if label_zero and values and all(v == 0.0 for v in values):
         ax.text(0.5, 0.7, "exactly 0", transform=ax.transAxes, ha="center", va="center", fontsize=11, color="#555")
         return
     positive = [v for v in values if v > 0]
@@ -101,6 +101,18 @@ def _scale(ax, values: list[float]) -> None:
 
 def plot_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, *, title: str = "") -> Path:
     """Draw the six-panel report of one or more runs (``{label: records}``) into ``path`` (PNG)."""
+    fig = draw_report(runs, title=title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def draw_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], *, title: str = ""):
+    """The six-panel report of :func:`plot_report` as a matplotlib ``Figure`` (axes row by row:
+    reward, K3, log-ppl gap; IS weights, rejected fraction, learning rate). A panel of positive
+    values spanning more than a factor of 20 (K3, the log-ppl gap, the IS weights and raw ratios:
+    stale rollouts put raw ratios in the thousands) gets a log axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -109,7 +121,7 @@ def plot_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pat
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3)
     (ax_r, ax_k, ax_p), (ax_w, ax_rej, ax_lr) = axes
-    collected: dict[Any, list[float]] = {ax: [] for ax in (ax_k, ax_p, ax_rej)}
+    collected: dict[Any, list[float]] = {ax: [] for ax in (ax_k, ax_p, ax_w, ax_rej)}
     for i, (label, records) in enumerate(runs.items()):
         c = _COLORS[i % len(_COLORS)]
         n = max(1, len(records) // 20)
@@ -129,12 +141,15 @@ def plot_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pat
         _, hi = _series(records, "mis_ratio_max")
         if xs and len(lo) == len(hi):
             ax_w.fill_between(xs, lo, hi, color=c, alpha=0.15, lw=0, label=f"{label} raw ratio min-max")
+            collected[ax_w] += lo + hi
         xs, ys = _series(records, "is_weight_mean")
         ax_w.plot(xs, ys, color=c, lw=1.6, label=f"{label} applied weight mean")
+        collected[ax_w] += ys
         xs, lo = _series(records, "is_weight_min")
         _, hi = _series(records, "is_weight_max")
         ax_w.plot(xs, lo, color=c, lw=0.8, ls=":")
         ax_w.plot(xs, hi, color=c, lw=0.8, ls=":")
+        collected[ax_w] += lo + hi
         xs, ys = _series(records, "rejected_token_fraction")
         ax_rej.plot(xs, ys, color=c, lw=1.6, label=label)
         collected[ax_rej] += ys
@@ -142,6 +157,7 @@ def plot_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pat
         ax_lr.plot(xs, ys, color=c, lw=1.6, label=label)
     for ax in (ax_k, ax_p):
         _scale(ax, collected[ax])
+    _scale(ax_w, collected[ax_w], label_zero=False)
     if collected[ax_rej] and all(v == 0.0 for v in collected[ax_rej]):
         ax_rej.text(0.5, 0.7, "nothing rejected", transform=ax_rej.transAxes, ha="center", va="center", fontsize=11, color="#555")
     lrs = [float(r["lr"]) for records in runs.values() for r in records if r.get("lr") is not None]
@@ -162,7 +178,4 @@ def plot_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Pat
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return fig
