@@ -4,6 +4,7 @@ worker processes, the JSONL files, resuming (finished runs reused), the report, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +79,43 @@ def test_study_smoke_runs_resumes_and_reports(tmp_path, capsys):
                  "--jobs", "1", "--no-plot"]
     assert main(argv_more) == 0
     assert "ran 1 runs, reused 0" in capsys.readouterr().err
+
+
+def test_a_study_worker_is_replaced_after_runs_per_worker_runs(tmp_path, capsys, monkeypatch):
+    """A long-lived worker leaked with MoE runs (runner.RUNS_PER_WORKER), so a worker is retired after that many
+    runs and a fresh one takes its slot: with a limit of 2, five runs on one slot take three workers (also with
+    --jobs 1, which runs in the study's own process only up to the limit), every run is written, every worker has
+    exited and no scratch folder is left."""
+    import tempfile
+
+    from megatron_mis.testbed.study import runner
+
+    started = []
+    real = runner.mp.get_context
+
+    class Counting:
+        def __init__(self, ctx):
+            self._ctx = ctx
+
+        def Pipe(self, *args, **kwargs):
+            return self._ctx.Pipe(*args, **kwargs)
+
+        def Process(self, *args, **kwargs):
+            started.append(self._ctx.Process(*args, **kwargs))
+            return started[-1]
+
+    monkeypatch.setattr(runner.mp, "get_context", lambda method=None: Counting(real(method)))
+    monkeypatch.setattr(runner, "RUNS_PER_WORKER", 2)
+    scratch_before = {p.name for p in Path(tempfile.gettempdir()).glob("megatron_mis_study_*")}
+    argv = ["study", "--arms", "none", "--seeds", "5", "--steps", "2", "--jobs", "1", "--quick", "--out-dir",
+            str(tmp_path), "--bootstrap", "200", "--last-k", "1", "--no-progress", "--no-plot"]
+    assert main(argv) == 0
+    assert "ran 5 runs, reused 0" in capsys.readouterr().err
+    assert len(started) == 3 and not any(p.is_alive() for p in started)
+    for seed in range(5):
+        lines = (tmp_path / "int4" / "none" / f"seed-{seed}.jsonl").read_text().splitlines()
+        assert json.loads(lines[0])["seed"] == seed and json.loads(lines[-1])["type"] == "end"
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("megatron_mis_study_*")} == scratch_before
 
 
 def test_study_cli_errors_and_list(capsys):

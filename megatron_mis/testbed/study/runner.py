@@ -26,7 +26,15 @@ from typing import Any
 from megatron_mis.testbed.demo.launch import stop_processes, thread_lock_for_tqdm
 from megatron_mis.testbed.study.config import SWEEPS, StudyConfig, run_config
 
-__all__ = ["RunJob", "StudyError", "load_run", "plan_sweep", "run_jobs", "run_path", "run_study", "run_sweep"]
+__all__ = ["RUNS_PER_WORKER", "RunJob", "StudyError", "load_run", "plan_sweep", "run_jobs", "run_path", "run_study",
+           "run_sweep"]
+
+#: Runs a study worker process makes before a fresh one takes its place. A long-lived process
+#: leaks with MoE runs: each left its GPT model and ~48 gloo threads behind (measured 2026-12-06:
+#: 54, 102, 150, 198 threads after 1-4 quick MoE runs; dense runs stay at 6), and a sweep process
+#: held 2,468 threads after ~37 runs of 150 steps, by when a run took 300 s instead of 44 s on the
+#: same machine. A new worker costs seconds (importing Megatron-Core); 8 runs bound the leak.
+RUNS_PER_WORKER = 8
 
 
 class StudyError(RuntimeError):
@@ -314,7 +322,7 @@ def run_jobs(study: StudyConfig, jobs: list[RunJob], desc: str, sources: Sequenc
     bar = tqdm(total=len(jobs), initial=reused, desc=desc, unit="run",
                disable=not study.progress, dynamic_ncols=True)
     try:
-        if todo and study.num_jobs == 1:
+        if todo and study.num_jobs == 1 and len(todo) <= RUNS_PER_WORKER:  # a few runs: in this process
             scratch = tempfile.mkdtemp(prefix="megatron_mis_study_")
             try:
                 for job in todo:
@@ -385,7 +393,8 @@ def _copy_run(source: RunJob, job: RunJob) -> None:
 
 def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
     """Run ``todo`` on ``min(study.num_jobs, len(todo))`` spawned workers, one job at a time each,
-    sent over a duplex pipe per worker. Pipes, not ``multiprocessing`` queues: a queue holds named
+    sent over a duplex pipe per worker; a worker that has made :data:`RUNS_PER_WORKER` runs is
+    retired (it gets ``None`` and exits) and a fresh one takes its slot while jobs wait. Pipes, not ``multiprocessing`` queues: a queue holds named
     semaphores whose cleanup, run by its feeder thread at the interpreter's exit after a stop,
     could be cut between the unlink and the resource tracker's unregister (the tracker then warned
     of a "leaked semaphore" it could not unlink), and a queue filled with every job up front
@@ -400,6 +409,8 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
     conns: list[Any] = []
     scratches: list[str] = []
     running: dict[int, RunJob] = {}  # worker index -> the job it runs
+    made: list[int] = []  # worker index -> runs it has finished
+    retired: list[Any] = []  # workers sent None, exiting
     pending = len(todo)
 
     def died(i: int) -> StudyError:
@@ -415,14 +426,32 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
         if job is not None:
             running[i] = job
 
+    def start(i: int) -> None:
+        """A fresh worker in slot ``i`` (appended when ``i`` is a new slot)."""
+        scratch = tempfile.mkdtemp(prefix="megatron_mis_study_")
+        ours, theirs = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_worker, args=(theirs, study.threads, scratch), daemon=True)
+        if i == len(procs):
+            procs.append(proc)
+            conns.append(ours)
+            scratches.append(scratch)
+            made.append(0)
+        else:
+            procs[i], conns[i], scratches[i], made[i] = proc, ours, scratch, 0
+        proc.start()
+        theirs.close()
+
+    def retire(i: int) -> None:
+        """Send worker ``i`` its ``None`` (it exits when it reads it) and start a fresh one in its slot;
+        the old one's scratch folder goes once it has exited (below, or in ``finally``)."""
+        with contextlib.suppress(OSError):
+            conns[i].send(None)
+        retired.append((procs[i], conns[i], scratches[i]))
+        start(i)
+
     try:  # from the first start on: a Ctrl-C while the workers start (seconds on a loaded machine) is handled too
         for i in range(n):
-            scratches.append(tempfile.mkdtemp(prefix="megatron_mis_study_"))
-            ours, theirs = ctx.Pipe(duplex=True)
-            conns.append(ours)
-            procs.append(ctx.Process(target=_worker, args=(theirs, study.threads, scratches[-1]), daemon=True))
-            procs[-1].start()
-            theirs.close()
+            start(i)
             send_next(i)
         while pending:
             wait([conns[i] for i in running] + [procs[i].sentinel for i in running], timeout=1.0)
@@ -438,14 +467,23 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
                     pending -= 1
                     bar.set_postfix_str(f"{job.arm} seed {job.seed}", refresh=False)
                     bar.update(1)
+                    made[i] += 1
+                    if made[i] >= RUNS_PER_WORKER and waiting:
+                        retire(i)
                     send_next(i)
                 elif not procs[i].is_alive():
                     raise died(i)
+            for old in [r for r in retired if not r[0].is_alive()]:  # retired workers that have exited
+                old[0].join(timeout=0)
+                old[1].close()
+                shutil.rmtree(old[2], ignore_errors=True)
+                retired.remove(old)
     finally:
         # stopped early (an error, Ctrl-C, SIGTERM): kill the workers at once; else each has its
         # None and exits
-        stop_processes([p for p in procs if p.pid is not None], graceful=not pending)
-        for conn in conns:
+        old_procs, old_conns, old_scratches = (list(x) for x in zip(*retired)) if retired else ([], [], [])
+        stop_processes([p for p in procs + old_procs if p.pid is not None], graceful=not pending)
+        for conn in conns + old_conns:
             conn.close()
-        for scratch in scratches:  # also a killed worker's (its half-written run, its file store)
+        for scratch in scratches + old_scratches:  # also a killed worker's (its half-written run, its file store)
             shutil.rmtree(scratch, ignore_errors=True)
