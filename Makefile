@@ -1,6 +1,6 @@
 # Two entry points that work on a fresh machine (Python 3.11, no GPU, no torch installed):
 #   make demo   -- set up .venv and run the main job (megatron-mis demo --compare: stale rollouts,
-#                  none vs bypass PPO, table and runs/demo/report.png; about 1.5 min on 2 idle cores)
+#                  none vs bypass PPO, table and runs/demo/report.png; about 2 min on 2 idle cores)
 #   make test   -- set up .venv and run the whole test suite
 # torch==2.13.0 is installed first, on its own, so that nothing pulls a CUDA build of torch.
 # The package goes in with its [demo] extra (matplotlib, tqdm: the demo, study, plots and analyze)
