@@ -394,11 +394,12 @@ def _copy_run(source: RunJob, job: RunJob) -> None:
 def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
     """Run ``todo`` on ``min(study.num_jobs, len(todo))`` spawned workers, one job at a time each,
     sent over a duplex pipe per worker; a worker that has made :data:`RUNS_PER_WORKER` runs is
-    retired (it gets ``None`` and exits) and a fresh one takes its slot while jobs wait. Pipes, not ``multiprocessing`` queues: a queue holds named
-    semaphores whose cleanup, run by its feeder thread at the interpreter's exit after a stop,
-    could be cut between the unlink and the resource tracker's unregister (the tracker then warned
-    of a "leaked semaphore" it could not unlink), and a queue filled with every job up front
-    needed that thread not to block on a full pipe. Here nothing outlives the call: on a stop the
+    retired (it gets ``None`` and exits) and a fresh one takes its slot while jobs wait. Pipes,
+    not ``multiprocessing`` queues: a queue holds named semaphores whose cleanup, run by its
+    feeder thread at the interpreter's exit after a stop, could be cut between the unlink and the
+    resource tracker's unregister (the tracker then warned of a "leaked semaphore" it could not
+    unlink), and a queue filled with every job up front needed that thread not to block on a full
+    pipe. Here nothing outlives the call: on a stop the
     workers are killed and the pipes closed."""
     from multiprocessing.connection import wait
 
@@ -410,7 +411,7 @@ def _run_pool(study: StudyConfig, todo: list[RunJob], bar: Any) -> None:
     scratches: list[str] = []
     running: dict[int, RunJob] = {}  # worker index -> the job it runs
     made: list[int] = []  # worker index -> runs it has finished
-    retired: list[Any] = []  # workers sent None, exiting
+    retired: list[tuple[Any, Any, str]] = []  # (process, pipe, scratch) of workers sent None, exiting
     pending = len(todo)
 
     def died(i: int) -> StudyError:
