@@ -297,15 +297,23 @@ def _committed_finals(sweep: str, summary: dict) -> dict:
 def _archive_finals(sweep: str, setting: str, steps: int, last_k: int, threshold: float,
                     collapse_fraction: float) -> dict:
     """:func:`_committed_finals` by value: an archive is read and its metrics computed once per
-    sweep and report parameters, not once per report that quotes it."""
+    sweep and report parameters, not once per report that quotes it. An archive holds one setting
+    (the report's), except those of :data:`_MULTI_DOSE_ARCHIVES`, whose other doses' runs are left out."""
     from megatron_mis.testbed.study.stats import run_metrics
 
     final = {}
     for (run_setting, arm, seed), (records, end) in _archive_runs(sweep).items():
+        if run_setting != setting and sweep in _MULTI_DOSE_ARCHIVES:
+            continue
         assert run_setting == setting and len(records) == steps, (run_setting, arm, seed)
         final[arm, seed] = run_metrics(records, end, last_k=last_k, threshold=threshold,
                                        collapse_fraction=collapse_fraction)["final_reward"]
     return final
+
+
+#: The archives that hold several doses of a sweep (one report per dose): their runs are filed under their own
+#: setting, and a report's figures read only its dose's
+_MULTI_DOSE_ARCHIVES = frozenset({"sweep-moe-noise"})
 
 
 @functools.cache
@@ -3786,36 +3794,6 @@ _ZEN3 = ("25/1", "AVX2")
 
 
 @functools.cache
-def _moe_noise_report(dose: str) -> tuple:
-    """docs/study/sweep-moe-noise/DOSE-seeds-100 (one dose) and its runs in the sweep's archive, which holds both doses
-    (so its runs are filtered by the report's setting instead of :func:`_committed_finals`' one-setting check), as
-    :func:`_one_vm_report` returns a report: the arms, every run's final reward, the runs, the setting, the paired
-    function on :data:`_MOE_NOISE_SEEDS` and the study settings; the arms and seeds checked, every run complete and
-    made on the Zen 3 VM, and the vs-none differences the recomputed ones."""
-    from megatron_mis.testbed.study.stats import run_metrics
-
-    summary = _summary("sweep-moe-noise", f"{dose}-seeds-100")
-    (d,) = summary["doses"]
-    arms, study, setting = d["arms"], summary["study"], d["setting"]
-    assert sorted(arms) == sorted(_MOE_NOISE_ARMS)
-    assert all(list(arms[a]["seeds"]) == list(_MOE_NOISE_SEEDS) for a in arms)
-    runs = {k: v for k, v in _archive_runs("sweep-moe-noise").items() if k[0] == setting}
-    headers = _archive_headers("sweep-moe-noise")
-    final = {}
-    for (_, arm, seed), (records, end) in runs.items():
-        assert len(records) == summary["steps"], (arm, seed)
-        machine = headers[setting, arm, seed]["machine"]
-        assert (machine["cpu_family_model"], machine["cpu_capability"]) == _ZEN3, (arm, seed)
-        final[arm, seed] = run_metrics(records, end, last_k=study["last_k"], threshold=summary["threshold"],
-                                       collapse_fraction=study["collapse_fraction"])["final_reward"]
-    paired = _paired_over(final, runs, setting, study, _MOE_NOISE_SEEDS)
-    for arm in arms:
-        if arm != "none":
-            assert _quoted(paired(arm, "none")) == _quoted(arms[arm]["vs_none"]["final_reward"]), arm
-    return arms, final, runs, setting, paired, study
-
-
-@functools.cache
 def _moe_noise_quotes() -> tuple[list[str], dict]:
     """The figures of docs/study.md's section on the MoE router noise at sigma 0.4 and 0.2 on seeds
     :data:`_MOE_NOISE_SEEDS` (one report per dose, :func:`_one_vm_report` on the Zen 3 VM), recomputed from the
@@ -3827,7 +3805,7 @@ def _moe_noise_quotes() -> tuple[list[str], dict]:
     quotes, figures, walls = [], {}, []
     for dose, sigma in (("n0.4", "0.4"), ("n0.2", "0.2")):
         name = f"{dose}-seeds-100"
-        report = _moe_noise_report(dose)
+        report = _one_vm_report(name, _MOE_NOISE_ARMS, _MOE_NOISE_SEEDS, _ZEN3, "sweep-moe-noise")
         arms, _, runs, setting, paired, _ = report
         rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-moe-noise", name, _MOE_NOISE_ARMS,
                                                            _MOE_NOISE_SEEDS)
