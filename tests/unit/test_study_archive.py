@@ -3132,17 +3132,14 @@ def _shuffled_figures(report: tuple) -> tuple[dict, list[str], float, float]:
     :func:`_one_vm_report` of :data:`_T05_SHUFFLED_ARMS`): each arm's K3 (checked against the report's), its lines
     (the runs, their mean time and CPU-hours, and each arm's row), the MDE of the shuffled weights against
     none and the CPU-hours."""
-    import numpy as np
-
     arms, _, runs, setting, paired, _ = report
     seeds = _report_seeds(report)
     k3 = {a: _weights_k3(runs, setting, a, seeds) for a in _T05_SHUFFLED_ARMS}
     for a in _T05_SHUFFLED_ARMS:  # the report's own K3, averaged the same way
         assert k3[a] == pytest.approx(arms[a]["k3_mean"][0], rel=1e-9), a
     mde = _paired_mde(paired("token_tis_shuffled", "none"))
-    wall = [runs[setting, a, s][1]["wall_s"] for a in _T05_SHUFFLED_ARMS for s in seeds]
-    hours = sum(wall) / 3600
-    return k3, [f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+    line, hours = _runs_line(runs, setting, _T05_SHUFFLED_ARMS, seeds)
+    return k3, [line,
                 *(_shuffled_row(report, k3, a) for a in _T05_SHUFFLED_ARMS)], mde, hours
 
 
@@ -3377,8 +3374,6 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
     SD of none - reference and the MDE and seeds a 0.05 difference needs, none and token TIS against the reference
     over these seeds and the AVX2 VM's seeds 0-59 (160 seeds of two machines) and the runs' times; with ``{name:
     paired difference}`` and the CPU-hours."""
-    import numpy as np
-
     report = _reference_zen4()
     arms, _, runs, setting, paired, _ = report
     seeds, ref = _LOW_SEEDS, "ref_fp32"
@@ -3387,10 +3382,9 @@ def _t05_reference_quotes() -> tuple[list[str], dict, float]:
                                                        _T05_REFERENCE_ARMS, seeds, ended_low=False)
     figures = {"none - ref": none_ref, "token TIS - ref": paired("token_tis", ref),
                "none - ref, 160": paired("none", ref, two), "token TIS - ref, 160": paired("token_tis", ref, two)}
-    wall = [runs[setting, ref, s][1]["wall_s"] for s in seeds]
-    hours = sum(wall) / 3600
+    line, hours = _runs_line(runs, setting, (ref,), seeds)
     return [
-        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        line,
         *rows,
         f"none - reference was {_quoted(figures['none - ref'])} on these seeds and token TIS - reference "
         f"{_quoted(figures['token TIS - ref'])}",
@@ -3465,10 +3459,9 @@ def _t05_floor_cap_quotes() -> tuple[list[str], dict, float]:
     figures = {"floor - none": paired(fl, "none"), "cap - none": paired(cap, "none"),
                "floor - cap": paired(fl, cap), "floor - TIS": paired(fl, tis), "cap - TIS": paired(cap, tis),
                "TIS - none": paired(tis, "none")}
-    wall = [runs[setting, a, s][1]["wall_s"] for a in (fl, cap) for s in seeds]
-    hours = sum(wall) / 3600
+    line, hours = _runs_line(runs, setting, (fl, cap), seeds)
     return [
-        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        line,
         *(row(a) for a in _FLOOR_CAP_FORMULAS),
         f"into the T = 0.5 archive ({len(runs)} runs, {_archive_bytes('sweep-temperature-t0.5') / 1e6:.1f} MB)",
         f"(100 seeds detect about {_paired_mde(figures['floor - none']):.3f} and "
@@ -3537,8 +3530,6 @@ def _t125_reference_quotes() -> tuple[list[str], dict, float]:
     reward, its paired SD, the MDE and the seeds a 0.05 difference needs, none - reference over these seeds and the
     AVX2 VM's seeds 0-59 (160 seeds of two machines), the archive and the runs' times; with ``{name: paired
     difference}`` and the CPU-hours."""
-    import numpy as np
-
     report = _t125_reference_zen4()
     _, _, runs, setting, paired, _ = report
     seeds, ref = _T125_ZEN4_SEEDS, "ref_fp32"
@@ -3547,10 +3538,9 @@ def _t125_reference_quotes() -> tuple[list[str], dict, float]:
     figures = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
                "none - ref, 160": paired("none", ref, (*range(60), *seeds)),
                "none - ref, 0-59": paired("none", ref, range(60))}
-    wall = [runs[setting, a, s][1]["wall_s"] for a in _T125_REFERENCE_ARMS for s in seeds]
-    hours = sum(wall) / 3600
+    line, hours = _runs_line(runs, setting, _T125_REFERENCE_ARMS, seeds)
     return [
-        f"{len(wall)} runs, about {np.mean(wall):.0f} s per run, {hours:.1f} CPU-hours",
+        line,
         *rows,
         f"none - reference was {_quoted(figures['none - ref'])} on these seeds (greedy reward "
         f"{_quoted(figures['none - ref, greedy'])})",
