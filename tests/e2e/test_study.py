@@ -82,8 +82,8 @@ def test_study_smoke_runs_resumes_and_reports(tmp_path, capsys):
 
 
 def test_a_study_worker_is_replaced_after_runs_per_worker_runs(tmp_path, capsys, monkeypatch):
-    """A long-lived worker leaked with MoE runs (runner.RUNS_PER_WORKER), so a worker is retired after that many
-    runs and a fresh one takes its slot: with a limit of 2, five runs on one slot take three workers (also with
+    """A long-lived worker leaked with MoE runs (runner.RUNS_PER_WORKER; that holder is fixed, the next test), so a
+    worker is retired after that many runs and a fresh one takes its slot: with a limit of 2, five runs on one slot take three workers (also with
     --jobs 1, which runs in the study's own process only up to the limit), every run is written, every worker has
     exited and no scratch folder is left."""
     import tempfile
@@ -116,6 +116,30 @@ def test_a_study_worker_is_replaced_after_runs_per_worker_runs(tmp_path, capsys,
         lines = (tmp_path / "int4" / "none" / f"seed-{seed}.jsonl").read_text().splitlines()
         assert json.loads(lines[0])["seed"] == seed and json.loads(lines[-1])["type"] == "end"
     assert {p.name for p in Path(tempfile.gettempdir()).glob("megatron_mis_study_*")} == scratch_before
+
+
+def test_an_moe_run_leaves_no_model_behind(tmp_path):
+    """A study worker makes many runs in one process, so a run must free its model (and through it its destroyed
+    process groups' gloo threads). Megatron-Core's MoE token dispatcher keeps its last forward's autograd graph,
+    whose AccumulateGrad hooks (the DDP's, held in C++) close over the model: a cycle the garbage collector cannot
+    see, which kept every MoE run's model until the trainer's routes dropped that graph on close."""
+    import gc
+
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_mis.testbed.study import runner
+
+    def models() -> int:
+        gc.collect()
+        return sum(isinstance(o, GPTModel) for o in gc.get_objects())
+
+    before = models()
+    study = StudyConfig(sweep="moe-noise", doses=["n0.4"], arms=["none"], seeds=1, steps=2, quick=True,
+                        out_dir=str(tmp_path)).for_dose("n0.4")
+    (job,) = runner.plan(study)
+    runner._execute(job, str(tmp_path))
+    assert json.loads(Path(job.path).read_text().splitlines()[-1])["type"] == "end"
+    assert models() == before
 
 
 def test_study_cli_errors_and_list(capsys):

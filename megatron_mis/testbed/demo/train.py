@@ -818,6 +818,7 @@ class _MoERoutes:
         self.spec = shard_spec_from_megatron(model.config)
         self.routers = {int(m.layer_number) - 1: m for m in model.modules() if isinstance(m, TopKRouter)}
         self.topk = int(model.config.moe_router_topk)
+        self._dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
         self._maps: list[dict[int, torch.Tensor]] = []
         self._capture = False
         self._hooks = [r.register_forward_hook(self._hook(layer)) for layer, r in self.routers.items()]
@@ -834,12 +835,25 @@ class _MoERoutes:
         return hook
 
     def close(self) -> None:
+        """Remove the hooks and the replay, and drop the autograd graphs the token dispatchers keep.
+
+        Megatron-Core's MoE token dispatcher keeps tensors of its last forward (the all-gather
+        dispatcher's ``local_probs``, 0.16.1) with their ``grad_fn``. That graph reaches the
+        parameters' ``AccumulateGrad`` nodes, whose hooks (the DDP's backward post-hooks, held in
+        C++ where the garbage collector cannot see them) close over the DDP and so the model: a
+        cycle that is never collected. Every MoE run made in a long-lived process (the study's
+        workers) kept its model and, through it, its destroyed process groups' ~48 gloo threads."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         if self.replay is not None:
             self.replay.remove()
             self.replay = None
+        for dispatcher in self._dispatchers:
+            for name, value in list(vars(dispatcher).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(dispatcher, name, None)
+        self._dispatchers = []
 
     def shards(self, batch: Any, micro_batches: list[list[int]]) -> list[Any]:
         from megatron_mis.routing import shard_routes

@@ -33,7 +33,11 @@ __all__ = ["RUNS_PER_WORKER", "RunJob", "StudyError", "load_run", "plan_sweep", 
 #: leaks with MoE runs: each left its GPT model and ~48 gloo threads behind (measured 2026-12-06:
 #: 54, 102, 150, 198 threads after 1-4 quick MoE runs; dense runs stay at 6), and a sweep process
 #: held 2,468 threads after ~37 runs of 150 steps, by when a run took 300 s instead of 44 s on the
-#: same machine. A new worker costs seconds (importing Megatron-Core); 8 runs bound the leak.
+#: same machine. The holder, found later: Megatron-Core's MoE token dispatcher keeps its last
+#: forward's autograd graph, whose AccumulateGrad hooks (the DDP's, in C++) close over the model;
+#: the demo trainer now drops that graph on close (``_MoERoutes.close``), and an MoE run frees its
+#: model (tests/e2e/test_study.py). Recycling stays as the bound on a holder not yet known (another
+#: Megatron-Core version's): a new worker costs seconds (importing Megatron-Core).
 RUNS_PER_WORKER = 8
 
 
