@@ -3846,3 +3846,62 @@ def test_the_moe_router_noise_at_more_seeds_comes_from_the_archive():
     readme = _readme_study_section()
     assert (f"none - reference {q['n0.2', 'none - ref']} at sigma 0.2 and {q['n0.4', 'none - ref']} at sigma 0.4 "
             f"({n} seeds each") in readme
+
+
+#: docs/study/sweep-moe-noise/n0.4-none-ref: none and the reference at router noise sigma 0.4 on seeds 100 on of the
+#: Zen 3 VM, the 30 seeds above (:data:`_MOE_NOISE_SEEDS`) and the seeds added by the next session (2026-12-06, from
+#: 130, with the question fixed before they ran) toward a 0.05 resolution; cut where that session's time ended
+_MOE_NOISE_N04_ARMS = ("none", "ref_fp32")
+_MOE_NOISE_N04_SEEDS = range(100, 100 + 130)
+
+
+@functools.cache
+def _moe_noise_n04_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on none and the reference at router noise sigma 0.4 on
+    :data:`_MOE_NOISE_N04_SEEDS` (the report n0.4-none-ref, :func:`_one_vm_report` on the Zen 3 VM), recomputed from
+    the archive: the arms' rows, none - reference in final and greedy reward over every seed and over the added seeds
+    alone, the expert flips and K3 of none, the paired SD, the MDE, the seeds a 0.05 difference needs and the added
+    runs' times; with ``{name: paired difference}``."""
+    import numpy as np
+
+    seeds, new = _MOE_NOISE_N04_SEEDS, range(_MOE_NOISE_SEEDS.stop, _MOE_NOISE_N04_SEEDS.stop)
+    report = _one_vm_report("n0.4-none-ref", _MOE_NOISE_N04_ARMS, seeds, _ZEN3, "sweep-moe-noise")
+    arms, _, runs, setting, paired, _ = report
+    rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-moe-noise", "n0.4-none-ref", _MOE_NOISE_N04_ARMS,
+                                                       seeds)
+    ref = "ref_fp32"
+    figures = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
+               "none - ref, added": paired("none", ref, new),
+               "none - ref, added, greedy": paired("none", ref, new, key="greedy_reward")}
+    # the reference resets the noise: a seed's reference ran at one dose, the other's is a copy of it
+    headers = _archive_headers("sweep-moe-noise")
+    ran = [(d, s) for s in new for d in ("n0.2", "n0.4")
+           if (f"moe-noise-{d}", ref, s) in headers and headers[f"moe-noise-{d}", ref, s].get("copied_from") is None]
+    assert sorted(s for _, s in ran) == list(new), ran
+    walls = [runs[setting, "none", s][1]["wall_s"] for s in new]
+    walls += [_archive_runs("sweep-moe-noise")[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in ran]
+    q = {k: _quoted(v) for k, v in figures.items()}
+    return [
+        *rows,
+        f"| 0.4 | {len(seeds)} | {100 * arms['none']['route_flip_mean'][0]:.1f}% | "
+        f"{_e(arms['none']['k3_mean'][0], 1)} | {q['none - ref']} | {q['none - ref, greedy']} | {mde:.3f} |",
+        f"on the {len(new)} added seeds alone {q['none - ref, added']} (greedy {q['none - ref, added, greedy']})",
+        f"the paired SD of none - reference is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
+        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)",
+    ], figures
+
+
+def test_the_moe_router_noise_at_sigma_0_4_on_more_seeds_comes_from_the_archive():
+    """docs/study.md's section on none and the reference at router noise sigma 0.4 past 30 seeds: every figure
+    recomputed from the archive; the outcome of the question fixed before the added seeds ran (harm only where
+    none - reference excludes 0 below it, with the MDE reported); the answers, the plan and the README quote it."""
+    quotes, figures = _moe_noise_n04_quotes()
+    n = len(_MOE_NOISE_N04_SEEDS)
+    section = _section(f"MoE router noise at sigma 0.4 on {n} seeds")
+    _assert_quoted(quotes, section)
+    harm = figures["none - ref"]["high"] < 0
+    assert ("**Harm at sigma 0.4**" if harm else "**No harm shown at sigma 0.4**") in section
+    q = {k: _quoted(v) for k, v in figures.items()}
+    _assert_quoted([f"none - reference {q['none - ref']} at sigma 0.4 ({n} seeds"],
+                   _section("The answers so far, per mechanism"))
+    assert f"none - reference {q['none - ref']} at sigma 0.4 ({n} seeds" in _readme_study_section()
