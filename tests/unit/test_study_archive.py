@@ -3831,77 +3831,79 @@ def _moe_noise_quotes() -> tuple[list[str], dict]:
 def test_the_moe_router_noise_at_more_seeds_comes_from_the_archive():
     """docs/study.md's section on the MoE router noise past 4 seeds: every figure recomputed from the archive; the
     outcome of the question fixed before any result was read (harm at a dose only where none - reference excludes
-    0 below it); the answers, the README and the plan quote it."""
+    0 below it); the answers quote its R3 figures."""
     quotes, figures = _moe_noise_quotes()
     section = _section(f"MoE router noise at {len(_MOE_NOISE_SEEDS)} seeds")
     _assert_quoted(quotes, section)
     for dose, sigma in (("n0.4", "0.4"), ("n0.2", "0.2")):
         harm = figures[dose, "none - ref"]["high"] < 0
         assert (f"**Harm at sigma {sigma}**" if harm else f"**No harm shown at sigma {sigma}**") in section
-    n = len(_MOE_NOISE_SEEDS)
+    # the answers and the README quote R3 from here, none - reference from the section on more seeds (next test)
     q = {k: _quoted(v) for k, v in figures.items()}
-    answers = (f"none - reference {q['n0.4', 'none - ref']} at sigma 0.4 and {q['n0.2', 'none - ref']} at sigma 0.2 "
-               f"({n} seeds each;")
-    _assert_quoted([answers], _section("The answers so far, per mechanism"))
-    readme = _readme_study_section()
-    assert (f"none - reference {q['n0.2', 'none - ref']} at sigma 0.2 and {q['n0.4', 'none - ref']} at sigma 0.4 "
-            f"({n} seeds each") in readme
+    r3 = f"R3 - none {q['n0.4', 'r3 - none']} at sigma 0.4 and {q['n0.2', 'r3 - none']} at sigma 0.2 ({len(_MOE_NOISE_SEEDS)} seeds"
+    assert r3 in _section("The answers so far, per mechanism")
 
 
-#: docs/study/sweep-moe-noise/n0.4-none-ref: none and the reference at router noise sigma 0.4 on seeds 100 on of the
-#: Zen 3 VM, the 30 seeds above (:data:`_MOE_NOISE_SEEDS`) and the seeds added by the next session (2026-12-06, from
-#: 130, with the question fixed before they ran) toward a 0.05 resolution; cut where that session's time ended
-_MOE_NOISE_N04_ARMS = ("none", "ref_fp32")
-_MOE_NOISE_N04_SEEDS = range(100, 100 + 130)
+#: docs/study/sweep-moe-noise/n0.4-none-ref and n0.2-none-ref: none and the reference at router noise sigma 0.4 and
+#: 0.2 on seeds 100 on of the Zen 3 VM, the 30 seeds above (:data:`_MOE_NOISE_SEEDS`) and the seeds the next session
+#: added (2026-12-06, from 130, each dose's question fixed before its added runs started) toward a 0.05
+#: resolution; cut where that session's time ended
+_MOE_NOISE_MORE_ARMS = ("none", "ref_fp32")
+_MOE_NOISE_MORE_SEEDS = {"n0.4": range(100, 100 + 130), "n0.2": range(100, 100 + 130)}
 
 
 @functools.cache
-def _moe_noise_n04_quotes() -> tuple[list[str], dict]:
-    """The figures of docs/study.md's section on none and the reference at router noise sigma 0.4 on
-    :data:`_MOE_NOISE_N04_SEEDS` (the report n0.4-none-ref, :func:`_one_vm_report` on the Zen 3 VM), recomputed from
-    the archive: the arms' rows, none - reference in final and greedy reward over every seed and over the added seeds
-    alone, the expert flips and K3 of none, the paired SD, the MDE, the seeds a 0.05 difference needs and the added
-    runs' times; with ``{name: paired difference}``."""
+def _moe_noise_more_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on
+    :data:`_MOE_NOISE_MORE_SEEDS` (the reports DOSE-none-ref, :func:`_one_vm_report` on the Zen 3 VM), recomputed from
+    the archive: per dose the arms' rows, none - reference in final and greedy reward over every seed and over the
+    added seeds alone, the expert flips and K3 of none, the paired SD, the MDE and the seeds a 0.05 difference needs;
+    the added runs' times; with ``{(dose, name): paired difference}``."""
     import numpy as np
 
-    seeds, new = _MOE_NOISE_N04_SEEDS, range(_MOE_NOISE_SEEDS.stop, _MOE_NOISE_N04_SEEDS.stop)
-    report = _one_vm_report("n0.4-none-ref", _MOE_NOISE_N04_ARMS, seeds, _ZEN3, "sweep-moe-noise")
-    arms, _, runs, setting, paired, _ = report
-    rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-moe-noise", "n0.4-none-ref", _MOE_NOISE_N04_ARMS,
-                                                       seeds)
-    ref = "ref_fp32"
-    figures = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
-               "none - ref, added": paired("none", ref, new),
-               "none - ref, added, greedy": paired("none", ref, new, key="greedy_reward")}
-    # the reference resets the noise: a seed's reference ran at one dose, the other's is a copy of it
-    headers = _archive_headers("sweep-moe-noise")
-    ran = [(d, s) for s in new for d in ("n0.2", "n0.4")
+    quotes, figures, walls, ref = [], {}, [], "ref_fp32"
+    headers, archive = _archive_headers("sweep-moe-noise"), _archive_runs("sweep-moe-noise")
+    for dose, seeds in _MOE_NOISE_MORE_SEEDS.items():
+        sigma, new = dose[1:], range(_MOE_NOISE_SEEDS.stop, seeds.stop)
+        name = f"{dose}-none-ref"
+        report = _one_vm_report(name, _MOE_NOISE_MORE_ARMS, seeds, _ZEN3, "sweep-moe-noise")
+        arms, _, runs, setting, paired, _ = report
+        rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-moe-noise", name, _MOE_NOISE_MORE_ARMS,
+                                                           seeds)
+        f = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
+             "none - ref, added": paired("none", ref, new),
+             "none - ref, added, greedy": paired("none", ref, new, key="greedy_reward")}
+        figures.update({(dose, k): v for k, v in f.items()})
+        q = {k: _quoted(v) for k, v in f.items()}
+        quotes += [
+            *(f"| {sigma} {row[2:]}" for row in rows),
+            f"| {sigma} | {len(seeds)} | {100 * arms['none']['route_flip_mean'][0]:.1f}% | "
+            f"{_e(arms['none']['k3_mean'][0], 1)} | {q['none - ref']} | {q['none - ref, greedy']} | {mde:.3f} |",
+            f"at sigma {sigma}, on the {len(new)} added seeds alone, {q['none - ref, added']} (greedy "
+            f"{q['none - ref, added, greedy']})",
+            f"at sigma {sigma} the paired SD of none - reference is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
+        ]
+        walls += [runs[setting, "none", s][1]["wall_s"] for s in new]
+    # the reference resets the noise: a seed's reference ran at one dose and the other's is a copy of it
+    added = range(_MOE_NOISE_SEEDS.stop, max(s.stop for s in _MOE_NOISE_MORE_SEEDS.values()))
+    ran = [(d, s) for s in added for d in ("n0.2", "n0.4")
            if (f"moe-noise-{d}", ref, s) in headers and headers[f"moe-noise-{d}", ref, s].get("copied_from") is None]
-    assert sorted(s for _, s in ran) == list(new), ran
-    walls = [runs[setting, "none", s][1]["wall_s"] for s in new]
-    walls += [_archive_runs("sweep-moe-noise")[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in ran]
-    q = {k: _quoted(v) for k, v in figures.items()}
-    return [
-        *rows,
-        f"| 0.4 | {len(seeds)} | {100 * arms['none']['route_flip_mean'][0]:.1f}% | "
-        f"{_e(arms['none']['k3_mean'][0], 1)} | {q['none - ref']} | {q['none - ref, greedy']} | {mde:.3f} |",
-        f"on the {len(new)} added seeds alone {q['none - ref, added']} (greedy {q['none - ref, added, greedy']})",
-        f"the paired SD of none - reference is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
-        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)",
-    ], figures
+    assert sorted(s for _, s in ran) == list(added), ran
+    walls += [archive[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in ran]
+    quotes.append(f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)")
+    return quotes, figures
 
 
-def test_the_moe_router_noise_at_sigma_0_4_on_more_seeds_comes_from_the_archive():
-    """docs/study.md's section on none and the reference at router noise sigma 0.4 past 30 seeds: every figure
-    recomputed from the archive; the outcome of the question fixed before the added seeds ran (harm only where
-    none - reference excludes 0 below it, with the MDE reported); the answers, the plan and the README quote it."""
-    quotes, figures = _moe_noise_n04_quotes()
-    n = len(_MOE_NOISE_N04_SEEDS)
-    section = _section(f"MoE router noise at sigma 0.4 on {n} seeds")
+def test_the_moe_router_noise_toward_a_0_05_resolution_comes_from_the_archive():
+    """docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 past 30 seeds: every
+    figure recomputed from the archive; the outcome of each dose's question, fixed before its added seeds ran (harm
+    only where none - reference excludes 0 below it, with the MDE reported); the answers and the README quote it."""
+    quotes, figures = _moe_noise_more_quotes()
+    section = _section("MoE router noise toward a 0.05 resolution")
     _assert_quoted(quotes, section)
-    harm = figures["none - ref"]["high"] < 0
-    assert ("**Harm at sigma 0.4**" if harm else "**No harm shown at sigma 0.4**") in section
-    q = {k: _quoted(v) for k, v in figures.items()}
-    _assert_quoted([f"none - reference {q['none - ref']} at sigma 0.4 ({n} seeds"],
-                   _section("The answers so far, per mechanism"))
-    assert f"none - reference {q['none - ref']} at sigma 0.4 ({n} seeds" in _readme_study_section()
+    answers, readme = _section("The answers so far, per mechanism"), _readme_study_section()
+    for dose, seeds in _MOE_NOISE_MORE_SEEDS.items():
+        sigma, d = dose[1:], figures[dose, "none - ref"]
+        assert (f"**Harm at sigma {sigma}**" if d["high"] < 0 else f"**No harm shown at sigma {sigma}**") in section
+        quoted = f"{_quoted(d)} at sigma {sigma} ({len(seeds)} seeds"  # in the rows of none - reference
+        assert quoted in answers and quoted in readme, quoted
