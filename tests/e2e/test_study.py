@@ -83,9 +83,9 @@ def test_study_smoke_runs_resumes_and_reports(tmp_path, capsys):
 
 def test_a_study_worker_is_replaced_after_runs_per_worker_runs(tmp_path, capsys, monkeypatch):
     """A long-lived worker leaked with MoE runs (runner.RUNS_PER_WORKER; that holder is fixed, the next test), so a
-    worker is retired after that many runs and a fresh one takes its slot: with a limit of 2, five runs on one slot take three workers (also with
-    --jobs 1, which runs in the study's own process only up to the limit), every run is written, every worker has
-    exited and no scratch folder is left."""
+    worker is retired after that many runs and a fresh one takes its slot: with a limit of 2, five runs on one slot
+    take three workers (also with --jobs 1, which runs in the study's own process only up to the limit), every run
+    is written, every worker has exited and no scratch folder is left."""
     import tempfile
 
     from megatron_mis.testbed.study import runner
