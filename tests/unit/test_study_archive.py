@@ -3891,6 +3891,19 @@ def _moe_noise_more_quotes() -> tuple[list[str], dict]:
     assert sorted(s for _, s in ran) == list(added), ran
     walls += [archive[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in ran]
     quotes.append(f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)")
+    # the reference's mean K3 is one run's: the only reference step with a flipped expert, fp32 rounding at a tie
+    (seeds,) = {tuple(v) for v in _MOE_NOISE_MORE_SEEDS.values()}
+    steps = {s: archive["moe-noise-n0.4", ref, s][0] for s in seeds}
+    flipped = [(s, r["step"]) for s, records in steps.items() for r in records if r["route_flip_fraction"] > 0]
+    (seed, step), = flipped
+    (record,) = [r for r in steps[seed] if r["step"] == step]
+    k3 = {s: np.mean([r["mis_k3_kl"] for r in records]) for s, records in steps.items()}
+    rest = [v for s, v in k3.items() if s != seed]
+    assert max(k3, key=k3.get) == seed
+    quotes.append(f"seed {seed}, where at step {step} fp32 rounding flipped one expert choice near a tie "
+                  f"({100 * record['route_flip_fraction']:.2f}% of the routes, that step's K3 "
+                  f"{_e(record['mis_k3_kl'], 1)}); the other {len(rest)} reference runs stay at {_e(min(rest), 0)} to "
+                  f"{_e(max(rest), 0)} and never flip")
     return quotes, figures
 
 
