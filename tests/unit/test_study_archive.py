@@ -3783,6 +3783,16 @@ _MOE_NOISE_SEEDS = range(100, 100 + 30)
 _ZEN3 = ("25/1", "AVX2")
 
 
+def _moe_noise_references_made(seeds) -> list[tuple[str, int]]:
+    """``(dose, seed)`` of the reference runs made at router noise sigma 0.2 and 0.4 on ``seeds``: the reference
+    resets the noise, so for each seed it ran at one dose and the other dose's is a copy of it (checked)."""
+    headers = _archive_headers("sweep-moe-noise")
+    made = [(d, s) for s in seeds for d in ("n0.2", "n0.4")
+            if headers[f"moe-noise-{d}", "ref_fp32", s].get("copied_from") is None]
+    assert [s for _, s in made] == list(seeds), made
+    return made
+
+
 @functools.cache
 def _moe_noise_quotes() -> tuple[list[str], dict]:
     """The figures of docs/study.md's section on the MoE router noise at sigma 0.4 and 0.2 on seeds
@@ -3814,14 +3824,8 @@ def _moe_noise_quotes() -> tuple[list[str], dict]:
         # R3 replays the rollout's experts: its mismatch is rounding
         assert arms["r3"]["k3_mean"][0] < 1e-10
         walls += [(s, runs[setting, a, s][1]["wall_s"]) for a in ("none", "r3") for s in _MOE_NOISE_SEEDS]
-    # the reference resets the noise: per seed it ran at one dose and the other's is a copy of it, equal final rewards
-    headers = _archive_headers("sweep-moe-noise")
-    refs = {s: [headers[f"moe-noise-{d}", "ref_fp32", s].get("copied_from") for d in ("n0.2", "n0.4")]
-            for s in _MOE_NOISE_SEEDS}
-    assert all(sum(c is not None for c in pair) == 1 for pair in refs.values()), refs
-    ran = [(s, _archive_runs("sweep-moe-noise")[f"moe-noise-{d}", "ref_fp32", s][1]["wall_s"])
-           for s, pair in refs.items() for d, c in zip(("n0.2", "n0.4"), pair) if c is None]
-    walls += ran
+    walls += [(s, _archive_runs("sweep-moe-noise")[f"moe-noise-{d}", "ref_fp32", s][1]["wall_s"])
+              for d, s in _moe_noise_references_made(_MOE_NOISE_SEEDS)]
     late = [w for s, w in walls if s >= 120]  # made by workers replaced every RUNS_PER_WORKER runs
     quotes.append(f"{len(walls)} runs, {sum(w for _, w in walls) / 3600:.1f} CPU-hours")
     quotes.append(f"{len(late)} runs of seeds 120-129, {np.median(late):.0f} s per run (median)")
@@ -3847,25 +3851,26 @@ def test_the_moe_router_noise_at_more_seeds_comes_from_the_archive():
 #: docs/study/sweep-moe-noise/n0.4-none-ref and n0.2-none-ref: none and the reference at router noise sigma 0.4 and
 #: 0.2 on seeds 100 on of the Zen 3 VM, the 30 seeds above (:data:`_MOE_NOISE_SEEDS`) and the seeds the next session
 #: added (2026-12-06, from 130, each dose's question fixed before its added runs started) toward a 0.05
-#: resolution; cut where that session's time ended
+#: resolution; cut where that session's time ended. Both doses have the same seeds: the reference is shared
 _MOE_NOISE_MORE_ARMS = ("none", "ref_fp32")
-_MOE_NOISE_MORE_SEEDS = {"n0.4": range(100, 100 + 130), "n0.2": range(100, 100 + 130)}
+_MOE_NOISE_MORE_DOSES = ("n0.4", "n0.2")
+_MOE_NOISE_MORE_SEEDS = range(100, 100 + 130)
 
 
 @functools.cache
 def _moe_noise_more_quotes() -> tuple[list[str], dict]:
     """The figures of docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on
-    :data:`_MOE_NOISE_MORE_SEEDS` (the reports DOSE-none-ref, :func:`_one_vm_report` on the Zen 3 VM), recomputed from
+    :data:`_MOE_NOISE_MORE_SEEDS` (the reports DOSE-none-ref of :data:`_MOE_NOISE_MORE_DOSES`, :func:`_one_vm_report` on the Zen 3 VM), recomputed from
     the archive: per dose the arms' rows, none - reference in final and greedy reward over every seed and over the
     added seeds alone, the expert flips and K3 of none, the paired SD, the MDE and the seeds a 0.05 difference needs;
     the added runs' times; with ``{(dose, name): paired difference}``."""
     import numpy as np
 
     quotes, figures, walls, ref = [], {}, [], "ref_fp32"
-    headers, archive = _archive_headers("sweep-moe-noise"), _archive_runs("sweep-moe-noise")
-    for dose, seeds in _MOE_NOISE_MORE_SEEDS.items():
-        sigma, new = dose[1:], range(_MOE_NOISE_SEEDS.stop, seeds.stop)
-        name = f"{dose}-none-ref"
+    archive, seeds = _archive_runs("sweep-moe-noise"), _MOE_NOISE_MORE_SEEDS
+    new = range(_MOE_NOISE_SEEDS.stop, seeds.stop)
+    for dose in _MOE_NOISE_MORE_DOSES:
+        sigma, name = dose[1:], f"{dose}-none-ref"
         report = _one_vm_report(name, _MOE_NOISE_MORE_ARMS, seeds, _ZEN3, "sweep-moe-noise")
         arms, _, runs, setting, paired, _ = report
         rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-moe-noise", name, _MOE_NOISE_MORE_ARMS,
@@ -3884,15 +3889,9 @@ def _moe_noise_more_quotes() -> tuple[list[str], dict]:
             f"at sigma {sigma} the paired SD of none - reference is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
         ]
         walls += [runs[setting, "none", s][1]["wall_s"] for s in new]
-    # the reference resets the noise: a seed's reference ran at one dose and the other's is a copy of it
-    added = range(_MOE_NOISE_SEEDS.stop, max(s.stop for s in _MOE_NOISE_MORE_SEEDS.values()))
-    ran = [(d, s) for s in added for d in ("n0.2", "n0.4")
-           if (f"moe-noise-{d}", ref, s) in headers and headers[f"moe-noise-{d}", ref, s].get("copied_from") is None]
-    assert sorted(s for _, s in ran) == list(added), ran
-    walls += [archive[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in ran]
+    walls += [archive[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in _moe_noise_references_made(new)]
     quotes.append(f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)")
     # the reference's mean K3 is one run's: the only reference step with a flipped expert, fp32 rounding at a tie
-    (seeds,) = {tuple(v) for v in _MOE_NOISE_MORE_SEEDS.values()}
     steps = {s: archive["moe-noise-n0.4", ref, s][0] for s in seeds}
     flipped = [(s, r["step"]) for s, records in steps.items() for r in records if r["route_flip_fraction"] > 0]
     (seed, step), = flipped
@@ -3915,8 +3914,8 @@ def test_the_moe_router_noise_toward_a_0_05_resolution_comes_from_the_archive():
     section = _section("MoE router noise toward a 0.05 resolution")
     _assert_quoted(quotes, section)
     answers, readme = _section("The answers so far, per mechanism"), _readme_study_section()
-    for dose, seeds in _MOE_NOISE_MORE_SEEDS.items():
+    for dose in _MOE_NOISE_MORE_DOSES:
         sigma, d = dose[1:], figures[dose, "none - ref"]
         assert (f"**Harm at sigma {sigma}**" if d["high"] < 0 else f"**No harm shown at sigma {sigma}**") in section
-        quoted = f"{_quoted(d)} at sigma {sigma} ({len(seeds)} seeds"  # in the rows of none - reference
+        quoted = f"{_quoted(d)} at sigma {sigma} ({len(_MOE_NOISE_MORE_SEEDS)} seeds"  # in the rows of none - reference
         assert quoted in answers and quoted in readme, quoted
