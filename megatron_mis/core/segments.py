@@ -22,7 +22,6 @@ __all__ = [
     "as_cu_seqlens",
     "concat_sequences",
     "cu_seqlens_from_lengths",
-    "expand",
     "SegmentLayout",
     "chunk_size",
     "segment_layout",
