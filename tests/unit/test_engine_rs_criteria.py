@@ -399,6 +399,8 @@ def test_fixed_geometric_band_is_length_biased_and_k3_mean_is_not():
         p = 1 - cdf(math.log(1.001)) + cdf(math.log(0.99))
         assert got == pytest.approx(p, abs=4 * math.sqrt(p * (1 - p) / num)), (t, got, p)
     assert g_short > 5 * g_long
+    # mean k3 ~ K3 chi2_T / T with K3 = 1e-3: P(mean > 5 K3) = P(chi2_50 > 250) ~ 0, at either length
+    assert m_short == 0.0 and m_long == 0.0
     # P(k3_t > .005) = P(|log r + 1e-3| >~ .1): 2.5% per token; 1 - .975^T: 0.72 at 50, 1.0 at 1000
     assert 0.6 < x_short < 0.85 and x_long == 1.0
 
