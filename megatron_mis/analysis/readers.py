@@ -41,7 +41,6 @@ import json
 import math
 import pickle
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -243,7 +243,7 @@ def _token_stage(
     masks become float32 factors once and are multiplied in (every multiplied value is finite:
     non-finite log-probs are zeroed first), columns shared by two statistics are reduced once,
     and nothing is stacked into ``[T, K]`` blocks."""
-    f32, f64 = torch.float32, torch.float64
+    f64 = torch.float64
     metrics_on = plan.metrics != "none"
     num_seqs = layout.num_segments
     # Flags are float32 0/1 factors, made by comparisons that write float32 (torch's CPU kernels

@@ -122,7 +122,7 @@ def test_validate_host_reports_an_inert_preset_with_status_0(capsys, host, sourc
     assert main(["validate", "--host", host, str(old)]) == 0
     out = capsys.readouterr().out
     assert "valid" in out and "0 error(s)" in out
-    assert "overrides_flag: use_tis:" in out and f"inert: use_tis:" in out and source in out
+    assert "overrides_flag: use_tis:" in out and "inert: use_tis:" in out and source in out
 
 
 OLD_GEOMETRIC_RS = "use_tis: false\nuse_rs: true\nrs_level: geometric\nrs_lower_bound: 0.999\nrs_upper_bound: 1.001\n"

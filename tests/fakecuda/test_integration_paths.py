@@ -157,7 +157,6 @@ def one_rank_group(tmp_path):
 def test_megatron_rl_loss_step_has_no_host_synchronisation(probe, one_rank_group, loss):
     from megatron_mis import MISConfig
     from megatron_mis.config.loss import LossConfig
-    from megatron_mis.core.aggregation import Denominators
     from megatron_mis.integrations.megatron_loss import MegatronRLLoss
     from megatron_mis.integrations.rl_metrics import reduce_metric_store
 

@@ -156,7 +156,7 @@ def test_icepop_is_token_level_only(level):
         MISConfig(use_tis=True, tis_mode="icepop", tis_level=level, tis_upper_bound=0.5)
     text = str(info.value)
     # the bad value and the allowed set, and every other problem of the config at once
-    assert f"tis_mode='icepop' is token-level only" in text and f"tis_level={level!r} is not allowed" in text
+    assert "tis_mode='icepop' is token-level only" in text and f"tis_level={level!r} is not allowed" in text
     assert "allowed tis_level: 'token'" in text
     assert "tis_lower_bound=2.0 must be < tis_upper_bound=0.5" in text
     assert len(info.value.problems) == 2

@@ -36,7 +36,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -1175,7 +1174,7 @@ def analyze_cases(draw) -> Case:
         if draw(st.booleans()):
             row["loss_mask"] = draw(st.lists(st.sampled_from([0, 1, 1]), min_size=n, max_size=n))
         rows.append(row)
-    expect, names = "ok", ()
+    expect = "ok"
     suffix = ".jsonl"
     if kind == "jsonl":
         content = "\n".join(json.dumps(r) for r in rows).encode() + b"\n"
@@ -1199,7 +1198,7 @@ def analyze_cases(draw) -> Case:
         else:
             content = (json.dumps(dict(rows[0], loss_mask=[[1]] * len(rows[0]["train_log_probs"]))) + "\n").encode()
         # an empty JSONL has no samples: refusing it or reporting nothing are both defensible
-        expect, names = ("either" if bad == "empty" else "error"), ()
+        expect = ("either" if bad == "empty" else "error")
     elif kind == "pt":
         suffix = ".pt"
         buf = io.BytesIO()
@@ -1219,11 +1218,11 @@ def analyze_cases(draw) -> Case:
                        "strings": {"rollout_log_probs": ["a"], "train_log_probs": ["b"]}}[bad]
             torch.save(payload, buf)
             content = buf.getvalue()
-        expect, names = "error", ()
+        expect = "error"
     else:
         content = draw(st.binary(max_size=60))
         suffix = draw(st.sampled_from([".jsonl", ".pt"]))
-        expect, names = "either", ()
+        expect = "either"
     path, cleanup = _write_case_file(content, "", suffix)
     label = f"{suffix} {content[:160]!r}"
 
