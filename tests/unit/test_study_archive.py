@@ -2657,8 +2657,6 @@ def _low_dose_quotes() -> tuple[list[str], dict, dict, dict]:
     (``{arm: (varies per, paired function, runs, seeds, machine)}``)."""
     import numpy as np
 
-    from megatron_mis.testbed.demo.config import REWRITE_EXPONENT
-
     arms, final, runs, setting, paired, study = _low_doses()
     tenth, quarter = "token_tis_shuffled_tenth", "token_tis_shuffled_quarter"
     order = ("none", tenth, quarter)
@@ -3855,67 +3853,88 @@ def test_the_moe_router_noise_at_more_seeds_comes_from_the_archive():
 _MOE_NOISE_MORE_ARMS = ("none", "ref_fp32")
 _MOE_NOISE_MORE_DOSES = ("n0.4", "n0.2")
 _MOE_NOISE_MORE_SEEDS = range(100, 100 + 130)
+#: docs/study/sweep-moe-noise/n0.4-none-ref-180 and n0.2-none-ref-180: the same arms and doses with the seeds the
+#: session after added (2026-12-06, from 230, the question fixed before any of them ran), cut where its time ended
+_MOE_NOISE_180_SEEDS = range(100, 100 + 180)
 
 
 @functools.cache
-def _moe_noise_more_quotes() -> tuple[list[str], dict]:
-    """The figures of docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on
-    :data:`_MOE_NOISE_MORE_SEEDS` (the reports DOSE-none-ref of :data:`_MOE_NOISE_MORE_DOSES`, :func:`_one_vm_report` on the Zen 3 VM), recomputed from
-    the archive: per dose the arms' rows, none - reference in final and greedy reward over every seed and over the
-    added seeds alone, the expert flips and K3 of none, the paired SD, the MDE and the seeds a 0.05 difference needs;
-    the added runs' times; with ``{(dose, name): paired difference}``."""
+def _moe_noise_none_ref_quotes(seeds: range, added: range, suffix: str) -> tuple[list[str], dict]:
+    """The figures of a docs/study.md section on none and the reference at router noise sigma 0.4 and 0.2 on
+    ``seeds`` (the reports DOSE-``suffix`` of :data:`_MOE_NOISE_MORE_DOSES`, :func:`_one_vm_report` on the Zen 3
+    VM), recomputed from the archive: per dose the arms' rows, none - reference in final and greedy reward over
+    every seed and over the ``added`` seeds alone, the expert flips and K3 of none, the paired SD, the MDE and the
+    seeds a 0.05 difference needs; the added runs' times; the reference runs whose routing flipped at fp32
+    rounding; with ``{(dose, name): paired difference}``."""
     import numpy as np
 
     quotes, figures, walls, ref = [], {}, [], "ref_fp32"
-    archive, seeds = _archive_runs("sweep-moe-noise"), _MOE_NOISE_MORE_SEEDS
-    new = range(_MOE_NOISE_SEEDS.stop, seeds.stop)
+    archive = _archive_runs("sweep-moe-noise")
     for dose in _MOE_NOISE_MORE_DOSES:
-        sigma, name = dose[1:], f"{dose}-none-ref"
+        sigma, name = dose[1:], f"{dose}-{suffix}"
         report = _one_vm_report(name, _MOE_NOISE_MORE_ARMS, seeds, _ZEN3, "sweep-moe-noise")
         arms, _, runs, setting, paired, _ = report
         rows, none_ref, sd, mde, needed = _reference_table(report, "sweep-moe-noise", name, _MOE_NOISE_MORE_ARMS,
                                                            seeds)
         f = {"none - ref": none_ref, "none - ref, greedy": paired("none", ref, key="greedy_reward"),
-             "none - ref, added": paired("none", ref, new),
-             "none - ref, added, greedy": paired("none", ref, new, key="greedy_reward")}
+             "none - ref, added": paired("none", ref, added),
+             "none - ref, added, greedy": paired("none", ref, added, key="greedy_reward")}
         figures.update({(dose, k): v for k, v in f.items()})
+        figures[dose, "sd"], figures[dose, "mde"], figures[dose, "needed"] = sd, mde, needed
         q = {k: _quoted(v) for k, v in f.items()}
         quotes += [
             *(f"| {sigma} {row[2:]}" for row in rows),
             f"| {sigma} | {len(seeds)} | {100 * arms['none']['route_flip_mean'][0]:.1f}% | "
             f"{_e(arms['none']['k3_mean'][0], 1)} | {q['none - ref']} | {q['none - ref, greedy']} | {mde:.3f} |",
-            f"at sigma {sigma}, on the {len(new)} added seeds alone, {q['none - ref, added']} (greedy "
+            f"at sigma {sigma}, on the {len(added)} added seeds alone, {q['none - ref, added']} (greedy "
             f"{q['none - ref, added, greedy']})",
             f"at sigma {sigma} the paired SD of none - reference is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
         ]
-        walls += [runs[setting, "none", s][1]["wall_s"] for s in new]
-    walls += [archive[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in _moe_noise_references_made(new)]
+        walls += [runs[setting, "none", s][1]["wall_s"] for s in added]
+    walls += [archive[f"moe-noise-{d}", ref, s][1]["wall_s"] for d, s in _moe_noise_references_made(added)]
     quotes.append(f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)")
-    # the reference's mean K3 is one run's: the only reference step with a flipped expert, fp32 rounding at a tie
+    # the reference's mean K3 comes from the few runs where fp32 rounding flipped an expert choice at a tie
     steps = {s: archive["moe-noise-n0.4", ref, s][0] for s in seeds}
-    flipped = [(s, r["step"]) for s, records in steps.items() for r in records if r["route_flip_fraction"] > 0]
-    (seed, step), = flipped
-    (record,) = [r for r in steps[seed] if r["step"] == step]
+    flipped = [(s, r) for s, records in steps.items() for r in records if r["route_flip_fraction"] > 0]
     k3 = {s: np.mean([r["mis_k3_kl"] for r in records]) for s, records in steps.items()}
-    rest = [v for s, v in k3.items() if s != seed]
-    assert max(k3, key=k3.get) == seed
-    quotes.append(f"seed {seed}, where at step {step} fp32 rounding flipped one expert choice near a tie "
-                  f"({100 * record['route_flip_fraction']:.2f}% of the routes, that step's K3 "
-                  f"{_e(record['mis_k3_kl'], 1)}); the other {len(rest)} reference runs stay at {_e(min(rest), 0)} to "
-                  f"{_e(max(rest), 0)} and never flip")
+    rest = [v for s, v in k3.items() if s not in {s for s, _ in flipped}]
+    assert sorted(k3, key=k3.get)[len(rest):] == sorted({s for s, _ in flipped}, key=k3.get)
+    figures["ref flips"] = [(s, r["step"]) for s, r in flipped]
+    quotes += [f"seed {s}, where at step {r['step']} fp32 rounding flipped one expert choice near a tie "
+               f"({100 * r['route_flip_fraction']:.2f}% of the routes, that step's K3 {_e(r['mis_k3_kl'], 1)})"
+               for s, r in flipped]
+    quotes.append(f"the other {len(rest)} reference runs stay at {_e(min(rest), 0)} to {_e(max(rest), 0)} and never flip")
     return quotes, figures
 
 
-def test_the_moe_router_noise_toward_a_0_05_resolution_comes_from_the_archive():
-    """docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 past 30 seeds: every
-    figure recomputed from the archive; the outcome of each dose's question, fixed before its added seeds ran (harm
-    only where none - reference excludes 0 below it, with the MDE reported); the answers and the README quote it."""
-    quotes, figures = _moe_noise_more_quotes()
-    section = _section("MoE router noise toward a 0.05 resolution")
+def _assert_moe_noise_none_ref_section(seeds: range, added: range, suffix: str, title: str) -> dict:
+    """Every figure of the docs/study.md section ``title`` recomputed (:func:`_moe_noise_none_ref_quotes`) and the
+    outcome of each dose's question, fixed before its added seeds ran (harm only where none - reference excludes 0
+    below it, with the MDE reported); returns the figures."""
+    quotes, figures = _moe_noise_none_ref_quotes(seeds, added, suffix)
+    section = _section(title)
     _assert_quoted(quotes, section)
-    answers, readme = _section("The answers so far, per mechanism"), _readme_study_section()
     for dose in _MOE_NOISE_MORE_DOSES:
         sigma, d = dose[1:], figures[dose, "none - ref"]
         assert (f"**Harm at sigma {sigma}**" if d["high"] < 0 else f"**No harm shown at sigma {sigma}**") in section
-        quoted = f"{_quoted(d)} at sigma {sigma} ({len(_MOE_NOISE_MORE_SEEDS)} seeds"  # in the rows of none - reference
+    return figures
+
+
+def test_the_moe_router_noise_toward_a_0_05_resolution_comes_from_the_archive():
+    """docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on 130 seeds: every
+    figure recomputed from the archive, with each dose's outcome."""
+    figures = _assert_moe_noise_none_ref_section(_MOE_NOISE_MORE_SEEDS, range(_MOE_NOISE_SEEDS.stop, 230),
+                                                 "none-ref", "MoE router noise toward a 0.05 resolution")
+    assert figures["ref flips"] == [(213, 12)]  # "The reference's mean K3 of 4.6e-11 is one run"
+
+
+def test_the_moe_router_noise_at_180_seeds_comes_from_the_archive():
+    """docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on 180 seeds: every
+    figure recomputed from the archive, with each dose's outcome; the answers and the README quote it."""
+    seeds = _MOE_NOISE_180_SEEDS
+    figures = _assert_moe_noise_none_ref_section(seeds, range(_MOE_NOISE_MORE_SEEDS.stop, seeds.stop), "none-ref-180",
+                                                 f"MoE router noise at {len(seeds)} seeds")
+    answers, readme = _section("The answers so far, per mechanism"), _readme_study_section()
+    for dose in _MOE_NOISE_MORE_DOSES:
+        quoted = f"{_quoted(figures[dose, 'none - ref'])} at sigma {dose[1:]} ({len(seeds)} seeds"
         assert quoted in answers and quoted in readme, quoted
