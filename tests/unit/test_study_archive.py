@@ -313,7 +313,7 @@ def _archive_finals(sweep: str, setting: str, steps: int, last_k: int, threshold
 
 #: The archives that hold several doses of a sweep (one report per dose): their runs are filed under their own
 #: setting, and a report's figures read only its dose's
-_MULTI_DOSE_ARCHIVES = frozenset({"sweep-moe-noise"})
+_MULTI_DOSE_ARCHIVES = frozenset({"sweep-moe-noise", "sweep-top-p"})
 
 
 @functools.cache
@@ -798,6 +798,78 @@ def _greedy(end: dict) -> float:
     return end["evaluation"]["greedy_reward"]
 
 
+#: docs/study/sweep-top-p/top-p-raw-p0.8-more: none and the reference at top-p 0.8 with raw log-probs on seeds 0 on:
+#: the raw sweep's 16 (the Zen 4 VM, 2026-11-29) and those a session added on the Zen 3 VM (2026-12-06, its question
+#: fixed before any of them ran), cut where that session's time ended
+_TOP_P_MORE = "top-p-raw-p0.8-more"
+_TOP_P_MORE_SEEDS = range(0, 49)
+_TOP_P_FIRST_SEEDS = range(16)
+#: {archive: {report over more seeds than the sweep's own report: its seeds}}
+_TOP_P_MORE_REPORTS = {"sweep-top-p": {_TOP_P_MORE: _TOP_P_MORE_SEEDS}}
+
+
+@functools.cache
+def _top_p_more_quotes() -> tuple[list[str], dict]:
+    """The figures of docs/study.md's section on top-p 0.8 on more seeds (the report :data:`_TOP_P_MORE`),
+    recomputed from the archive: none - reference on the greedy reward (what the truncation sweeps compare) over
+    every seed, the added seeds alone and the first 16, on the final training reward beside it, the paired SD of
+    the greedy differences, the MDE and the seeds a 0.05 difference needs (each checked against the report's
+    summary.json), the runs that ended low, and the added runs' machine and times; with the paired differences."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import seeds_for_effect
+
+    archive, seeds = "sweep-top-p", _TOP_P_MORE_SEEDS
+    added = range(_TOP_P_FIRST_SEEDS.stop, seeds.stop)
+    summary = _summary(archive, _TOP_P_MORE)
+    (dose,) = summary["doses"]
+    arms, study, setting = dose["arms"], summary["study"], dose["setting"]
+    assert summary["sweep"] == "top-p-raw" and dose["label"] == "p0.8" and summary["outcome"] == "greedy_reward"
+    assert sorted(arms) == ["none", "ref_fp32"] and all(list(arms[a]["seeds"]) == list(seeds) for a in arms)
+    runs, headers = _archive_runs(archive), _archive_headers(archive)
+    machines = {(s >= added.start, headers[setting, a, s]["machine"]["cpu_family_model"],
+                 headers[setting, a, s]["machine"]["cpu_capability"]) for a in arms for s in seeds}
+    assert machines == {(False, "25/17", "AVX512"), (True, *_ZEN3)}, machines  # Zen 4, then the Zen 3 VM
+    paired = _paired_over(_committed_finals(archive, summary), runs, setting, study, seeds)
+    ref, greedy = "ref_fp32", "greedy_reward"
+    f = {"greedy": paired("none", ref, key=greedy), "added": paired("none", ref, added, key=greedy),
+         "first": paired("none", ref, _TOP_P_FIRST_SEEDS, key=greedy), "final": paired("none", ref)}
+    assert _quoted(f["greedy"]) == _quoted(dose["none_vs_reference"])
+    assert {str(k): v for k, v in f["greedy"]["diffs"].items()} == dose["none_vs_reference"]["diffs"]
+    assert _quoted(f["first"]) == _quoted(_dose(archive, "top-p-raw", "p0.8")["none_vs_reference"])
+    sd, mde = float(np.std(list(f["greedy"]["diffs"].values()), ddof=1)), _paired_mde(f["greedy"])
+    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
+    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
+    needed = seeds_for_effect(sd, 0.05)
+    assert needed == summary["seeds_for_target"]
+    q = {k: _quoted(v) for k, v in f.items()}
+    walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added]
+    assert not any(headers[setting, a, s].get("copied_from") for a in arms for s in added)  # all made here
+    mean = {a: np.mean([_greedy(runs[setting, a, s][1]) for s in seeds]) for a in arms}
+    quotes = [
+        f"| {len(seeds)} | {mean['none']:.3f} | {mean[ref]:.3f} | {q['greedy']} | {q['final']} | {sd:.3f} | "
+        f"{mde:.3f} | {needed} |",
+        f"on the {len(added)} added seeds alone {q['added']}; on the first 16 {q['first']}",
+        f"Ended low (training reward): none {arms['none']['ended_low']['k']} of {len(seeds)}, the reference "
+        f"{arms[ref]['ended_low']['k']}",
+        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)",
+    ]
+    return quotes, f
+
+
+def test_top_p_0_8_on_more_seeds_comes_from_the_archive():
+    """docs/study.md's section on top-p 0.8 past 16 seeds: every figure recomputed from the archive, and the
+    outcome of its question, fixed before its added seeds ran (harm only where none - reference on the greedy
+    reward excludes 0 below it, with the MDE reported); the answers quote it."""
+    quotes, f = _top_p_more_quotes()
+    section = _section("Top-p 0.8 on more seeds")
+    _assert_quoted(quotes, section)
+    harm = f["greedy"]["high"] < 0
+    assert ("**Harm at p = 0.8**" if harm else "**No harm shown at p = 0.8**") in section
+    quoted = f"{_quoted(f['greedy'])} at p = 0.8 ({len(_TOP_P_MORE_SEEDS)} seeds"
+    assert quoted in _section("The answers so far, per mechanism"), quoted
+
+
 def _dose(archive: str, report: str, label: str) -> dict:
     """The dose ``label`` of docs/study/ARCHIVE/REPORT/summary.json."""
     (d,) = [d for d in _summary(archive, report)["doses"] if d["label"] == label]
@@ -827,6 +899,9 @@ def test_the_top_p_archive_gives_its_reports_greedy_figures(archive):
                 assert all(len(runs[setting, arm, s][0]) == summary["steps"] for s in seeds)
                 quoted |= {(setting, a, s) for a in (arm, "ref_fp32") for s in seeds}
             assert dose["none_vs_reference"] == dose["arms"]["none"]["vs_reference"]["greedy_reward"]
+    for report, seeds in _TOP_P_MORE_REPORTS.get(archive, {}).items():  # checked in their own test
+        (dose,) = _summary(archive, report)["doses"]
+        quoted |= {(dose["setting"], a, s) for a in ("none", "ref_fp32") for s in seeds}
     assert set(runs) == quoted
 
 
@@ -918,9 +993,13 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     (the raw sweep), and over processed top-k log-probs on the long tail token TIS against the reference at top-k 16
     and token MIS at top-k 64 (greedy reward, as those sweeps compare)."""
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    none_vs_reference = _dose("sweep-top-p", "top-p-raw", "p0.8")["none_vs_reference"]
+    none_vs_reference = _dose("sweep-top-p", _TOP_P_MORE, "p0.8")["none_vs_reference"]
     n = len(none_vs_reference["diffs"])
-    assert f"{_quoted(none_vs_reference)} at p = 0.8 ({n} seeds, 300 steps)" in readme
+    assert n == len(_TOP_P_MORE_SEEDS)
+    mde = _paired_mde(none_vs_reference)
+    assert f"{_quoted(none_vs_reference)} at p = 0.8 ({n} seeds, 300 steps), an MDE of {mde:.3f}" in readme
+    needed = _summary("sweep-top-p", _TOP_P_MORE)["seeds_for_target"]
+    assert f"top-p ({n} seeds at p = 0.8 resolve {mde:.3f}; {needed} needed)" in readme
     archive = "sweep-long-tail-truncation"
     tis = _dose(archive, "long-tail-top-k-processed", "k16")["arms"]["token_tis"]
     assert (f"token TIS hurts, {_quoted(tis['vs_reference']['greedy_reward'])} at top-k 16 ({tis['n']} "
