@@ -845,6 +845,8 @@ def _top_p_more_quotes() -> tuple[list[str], dict]:
     q = {k: _quoted(v) for k, v in f.items()}
     walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added]
     assert not any(headers[setting, a, s].get("copied_from") for a in arms for s in added)  # all made here
+    # one thread per run, as the first 16 (seed 48's reference, run alone after the stop, too)
+    assert {headers[setting, a, s]["config"]["threads"] for a in arms for s in seeds} == {1}
     mean = {a: np.mean([_greedy(runs[setting, a, s][1]) for s in seeds]) for a in arms}
     quotes = [
         f"| {len(seeds)} | {mean['none']:.3f} | {mean[ref]:.3f} | {q['greedy']} | {q['final']} | {sd:.3f} | "
