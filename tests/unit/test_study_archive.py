@@ -804,8 +804,8 @@ def _greedy(end: dict) -> float:
 _TOP_P_MORE = "top-p-raw-p0.8-more"
 _TOP_P_MORE_SEEDS = range(0, 49)
 _TOP_P_FIRST_SEEDS = range(16)
-#: {archive: {report over more seeds than the sweep's own report: its seeds}}
-_TOP_P_MORE_REPORTS = {"sweep-top-p": {_TOP_P_MORE: _TOP_P_MORE_SEEDS}}
+#: {archive: the reports over more seeds than a sweep's own report (none and the reference at one dose)}
+_TOP_P_MORE_REPORTS = {"sweep-top-p": (_TOP_P_MORE,)}
 
 
 @functools.cache
@@ -816,8 +816,6 @@ def _top_p_more_quotes() -> tuple[list[str], dict]:
     the greedy differences, the MDE and the seeds a 0.05 difference needs (each checked against the report's
     summary.json), the runs that ended low, and the added runs' machine and times; with the paired differences."""
     import numpy as np
-
-    from megatron_mis.testbed.study.stats import seeds_for_effect
 
     archive, seeds = "sweep-top-p", _TOP_P_MORE_SEEDS
     added = range(_TOP_P_FIRST_SEEDS.stop, seeds.stop)
@@ -837,11 +835,7 @@ def _top_p_more_quotes() -> tuple[list[str], dict]:
     assert _quoted(f["greedy"]) == _quoted(dose["none_vs_reference"])
     assert {str(k): v for k, v in f["greedy"]["diffs"].items()} == dose["none_vs_reference"]["diffs"]
     assert _quoted(f["first"]) == _quoted(_dose(archive, "top-p-raw", "p0.8")["none_vs_reference"])
-    sd, mde = float(np.std(list(f["greedy"]["diffs"].values()), ddof=1)), _paired_mde(f["greedy"])
-    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
-    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
-    needed = seeds_for_effect(sd, 0.05)
-    assert needed == summary["seeds_for_target"]
+    sd, mde, needed = _paired_noise(f["greedy"], summary)
     q = {k: _quoted(v) for k, v in f.items()}
     walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added]
     assert not any(headers[setting, a, s].get("copied_from") for a in arms for s in added)  # all made here
@@ -901,9 +895,9 @@ def test_the_top_p_archive_gives_its_reports_greedy_figures(archive):
                 assert all(len(runs[setting, arm, s][0]) == summary["steps"] for s in seeds)
                 quoted |= {(setting, a, s) for a in (arm, "ref_fp32") for s in seeds}
             assert dose["none_vs_reference"] == dose["arms"]["none"]["vs_reference"]["greedy_reward"]
-    for report, seeds in _TOP_P_MORE_REPORTS.get(archive, {}).items():  # checked in their own test
+    for report in _TOP_P_MORE_REPORTS.get(archive, ()):  # their figures are checked in their own test
         (dose,) = _summary(archive, report)["doses"]
-        quoted |= {(dose["setting"], a, s) for a in ("none", "ref_fp32") for s in seeds}
+        quoted |= {(dose["setting"], a, s) for a, arm in dose["arms"].items() for s in arm["seeds"]}
     assert set(runs) == quoted
 
 
@@ -2691,6 +2685,22 @@ def _weights_k3(runs: dict, setting: str, arm: str, seeds: range) -> float:
     return float(np.mean([np.mean([r["mis_k3_kl"] for r in runs[setting, arm, s][0]]) for s in seeds]))
 
 
+def _paired_noise(d: dict, summary: dict) -> tuple[float, float, int]:
+    """The paired SD of ``d`` (a :func:`~megatron_mis.testbed.study.stats.paired_differences` result), its MDE
+    (:func:`_paired_mde`) and the seeds a 0.05 difference needs at that SD, each checked against the report's
+    ``summary`` (its summary.json)."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import seeds_for_effect
+
+    sd, mde = float(np.std(list(d["diffs"].values()), ddof=1)), _paired_mde(d)
+    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
+    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
+    needed = seeds_for_effect(sd, 0.05)
+    assert needed == summary["seeds_for_target"]
+    return sd, mde, needed
+
+
 def _paired_mde(d: dict) -> float:
     """The minimal detectable effect of a paired difference (``d``: a
     :func:`~megatron_mis.testbed.study.stats.paired_differences` result) at its own number of pairs, from the SD
@@ -3410,18 +3420,12 @@ def _reference_table(report: tuple, sweep: str, name: str, arm_names, seeds, end
     none - reference, SD, MDE, seeds for 0.05)``."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import seeds_for_effect
-
     arms, final, _, _, paired, _ = report
     ref = "ref_fp32"
     none_ref = paired("none", ref)
     summary = _summary(sweep, name)
     assert _quoted(none_ref) == _quoted(summary["doses"][0]["none_vs_reference"])
-    sd, mde = float(np.std(list(none_ref["diffs"].values()), ddof=1)), _paired_mde(none_ref)
-    assert sd == pytest.approx(summary["paired_sd"], rel=1e-9)
-    assert mde == pytest.approx(summary["minimal_detectable_effect"], rel=1e-9)
-    needed = seeds_for_effect(sd, 0.05)
-    assert needed == summary["seeds_for_target"]
+    sd, mde, needed = _paired_noise(none_ref, summary)
 
     def row(arm: str) -> str:
         vs_ref = "-" if arm == ref else _quoted(paired(arm, ref))
@@ -3961,7 +3965,6 @@ def _moe_noise_none_ref_quotes(seeds: range, added: range, suffix: str) -> tuple
              "none - ref, added": paired("none", ref, added),
              "none - ref, added, greedy": paired("none", ref, added, key="greedy_reward")}
         figures.update({(dose, k): v for k, v in f.items()})
-        figures[dose, "sd"], figures[dose, "mde"], figures[dose, "needed"] = sd, mde, needed
         q = {k: _quoted(v) for k, v in f.items()}
         quotes += [
             *(f"| {sigma} {row[2:]}" for row in rows),
@@ -3978,8 +3981,9 @@ def _moe_noise_none_ref_quotes(seeds: range, added: range, suffix: str) -> tuple
     steps = {s: archive["moe-noise-n0.4", ref, s][0] for s in seeds}
     flipped = [(s, r) for s, records in steps.items() for r in records if r["route_flip_fraction"] > 0]
     k3 = {s: np.mean([r["mis_k3_kl"] for r in records]) for s, records in steps.items()}
-    rest = [v for s, v in k3.items() if s not in {s for s, _ in flipped}]
-    assert sorted(k3, key=k3.get)[len(rest):] == sorted({s for s, _ in flipped}, key=k3.get)
+    flipped_seeds = {s for s, _ in flipped}
+    rest = [v for s, v in k3.items() if s not in flipped_seeds]
+    assert sorted(k3, key=k3.get)[len(rest):] == sorted(flipped_seeds, key=k3.get)
     figures["ref flips"] = [(s, r["step"]) for s, r in flipped]
     quotes += [f"seed {s}, where at step {r['step']} fp32 rounding flipped one expert choice near a tie "
                f"({100 * r['route_flip_fraction']:.2f}% of the routes, that step's K3 {_e(r['mis_k3_kl'], 1)})"
@@ -4004,7 +4008,7 @@ def _assert_moe_noise_none_ref_section(seeds: range, added: range, suffix: str, 
 def test_the_moe_router_noise_toward_a_0_05_resolution_comes_from_the_archive():
     """docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on 130 seeds: every
     figure recomputed from the archive, with each dose's outcome."""
-    figures = _assert_moe_noise_none_ref_section(_MOE_NOISE_MORE_SEEDS, range(_MOE_NOISE_SEEDS.stop, 230),
+    figures = _assert_moe_noise_none_ref_section(_MOE_NOISE_MORE_SEEDS, range(_MOE_NOISE_SEEDS.stop, _MOE_NOISE_MORE_SEEDS.stop),
                                                  "none-ref", "MoE router noise toward a 0.05 resolution")
     assert figures["ref flips"] == [(213, 12)]  # "The reference's mean K3 of 4.6e-11 is one run"
 
