@@ -4030,8 +4030,9 @@ def _assert_moe_noise_none_ref_section(seeds: range, added: range, suffix: str, 
 def test_the_moe_router_noise_toward_a_0_05_resolution_comes_from_the_archive():
     """docs/study.md's section on none and the reference at router noise sigma 0.4 and 0.2 on 130 seeds: every
     figure recomputed from the archive, with each dose's outcome."""
-    figures = _assert_moe_noise_none_ref_section(_MOE_NOISE_MORE_SEEDS, range(_MOE_NOISE_SEEDS.stop, _MOE_NOISE_MORE_SEEDS.stop),
-                                                 "none-ref", "MoE router noise toward a 0.05 resolution")
+    added = range(_MOE_NOISE_SEEDS.stop, _MOE_NOISE_MORE_SEEDS.stop)
+    figures = _assert_moe_noise_none_ref_section(_MOE_NOISE_MORE_SEEDS, added, "none-ref",
+                                                 "MoE router noise toward a 0.05 resolution")
     assert figures["ref flips"] == [(213, 12)]  # "The reference's mean K3 of 4.6e-11 is one run"
 
 
