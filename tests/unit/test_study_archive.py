@@ -798,23 +798,28 @@ def _greedy(end: dict) -> float:
     return end["evaluation"]["greedy_reward"]
 
 
-#: docs/study/sweep-top-p: the reports over more seeds of none and the reference at top-p 0.8 with raw log-probs than
-#: the raw sweep's 16 (the Zen 4 VM, 2026-11-29), each one a session's added seeds on a Zen 3 VM (2026-12-06, its
+#: docs/study/sweep-top-p: the reports over more seeds of none and the reference at one top-p dose with raw log-probs
+#: than the raw sweep's 16 (the Zen 4 VM, 2026-11-29), each one a session's added seeds on a Zen 3 VM (2026-12-06, its
 #: question fixed before any of them ran) cut where that session's time ended, in order: {report: (its docs/study.md
-#: section, its seeds, the report whose seeds it extends, the seeds over which its pre-registered rule for going on
-#: was read (None: it had none))}
+#: section, its dose label, its seeds, the report whose seeds it extends, the seeds over which its pre-registered rule
+#: for going on at the same dose was read (None: it had none))}
 _TOP_P_MORE_CHAIN = {
-    "top-p-raw-p0.8-more": ("Top-p 0.8 on more seeds", range(0, 49), "top-p-raw", None),
-    "top-p-raw-p0.8-to-0.05": ("Top-p 0.8 to a 0.05 resolution", range(0, 145), "top-p-raw-p0.8-more",
+    "top-p-raw-p0.8-more": ("Top-p 0.8 on more seeds", "p0.8", range(0, 49), "top-p-raw", None),
+    "top-p-raw-p0.8-to-0.05": ("Top-p 0.8 to a 0.05 resolution", "p0.8", range(0, 145), "top-p-raw-p0.8-more",
                                range(0, 123)),
 }
-#: the newest of them, which the answers and the README quote
-_TOP_P_MORE = list(_TOP_P_MORE_CHAIN)[-1]
-_TOP_P_MORE_SEEDS = _TOP_P_MORE_CHAIN[_TOP_P_MORE][1]
+#: {dose label: the newest of them at that dose, which the answers and the README quote}
+_TOP_P_MORE = {label: report for report, (_, label, *_) in _TOP_P_MORE_CHAIN.items()}
 #: the raw sweep's seeds, run on the Zen 4 VM
 _TOP_P_FIRST_SEEDS = range(16)
 #: {archive: the reports over more seeds than a sweep's own report (none and the reference at one dose)}
 _TOP_P_MORE_REPORTS = {"sweep-top-p": tuple(_TOP_P_MORE_CHAIN)}
+
+
+def _top_p(label: str) -> str:
+    """``p0.8`` -> ``0.8``: a top-p dose label as docs/study.md and the README write the dose."""
+    assert label.startswith("p0."), label
+    return label.removeprefix("p")
 
 
 @functools.cache
@@ -828,13 +833,13 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
     import numpy as np
 
     archive = "sweep-top-p"
-    _, seeds, extends, rule_seeds = _TOP_P_MORE_CHAIN[report]
-    first = range(0, len(_dose(archive, extends, "p0.8")["none_vs_reference"]["diffs"]))
+    _, label, seeds, extends, rule_seeds = _TOP_P_MORE_CHAIN[report]
+    first = range(0, len(_dose(archive, extends, label)["none_vs_reference"]["diffs"]))
     added = range(first.stop, seeds.stop)
     summary = _summary(archive, report)
     (dose,) = summary["doses"]
     arms, study, setting = dose["arms"], summary["study"], dose["setting"]
-    assert summary["sweep"] == "top-p-raw" and dose["label"] == "p0.8" and summary["outcome"] == "greedy_reward"
+    assert summary["sweep"] == "top-p-raw" and dose["label"] == label and summary["outcome"] == "greedy_reward"
     assert sorted(arms) == ["none", "ref_fp32"] and all(list(arms[a]["seeds"]) == list(seeds) for a in arms)
     runs, headers = _archive_runs(archive), _archive_headers(archive)
     machines = {(s >= _TOP_P_FIRST_SEEDS.stop, headers[setting, a, s]["machine"]["cpu_family_model"],
@@ -846,7 +851,7 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
          "first": paired("none", ref, first, key=greedy), "final": paired("none", ref)}
     assert _quoted(f["greedy"]) == _quoted(dose["none_vs_reference"])
     assert {str(k): v for k, v in f["greedy"]["diffs"].items()} == dose["none_vs_reference"]["diffs"]
-    assert _quoted(f["first"]) == _quoted(_dose(archive, extends, "p0.8")["none_vs_reference"])
+    assert _quoted(f["first"]) == _quoted(_dose(archive, extends, label)["none_vs_reference"])
     sd, mde, needed = _paired_noise(f["greedy"], summary)
     q = {k: _quoted(v) for k, v in f.items()}
     walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added]
@@ -864,7 +869,7 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
         f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)",
         f"the paired SD of the greedy reward is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
     ]
-    if rule_seeds is not None:  # the rule: more seeds of p = 0.8 where the MDE over rule_seeds was above 0.05
+    if rule_seeds is not None:  # the rule: more seeds of the dose where the MDE over rule_seeds was above 0.05
         at_rule = _paired_mde(paired("none", ref, rule_seeds, key=greedy))
         assert at_rule > 0.05 and seeds.stop > rule_seeds.stop, at_rule
         quotes.append(f"the MDE over seeds 0-{rule_seeds.stop - 1} was {at_rule:.3f}, above 0.05")
@@ -872,18 +877,19 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
 
 
 @pytest.mark.parametrize("report", list(_TOP_P_MORE_CHAIN))
-def test_top_p_0_8_on_more_seeds_comes_from_the_archive(report):
-    """docs/study.md's sections on top-p 0.8 past 16 seeds: every figure recomputed from the archive, and the
+def test_top_p_on_more_seeds_comes_from_the_archive(report):
+    """docs/study.md's sections on a top-p dose past 16 seeds: every figure recomputed from the archive, and the
     outcome of each one's question, fixed before its added seeds ran (harm only where none - reference on the greedy
-    reward excludes 0 below it, with the MDE reported); the answers quote the newest."""
+    reward excludes 0 below it, with the MDE reported); the answers quote the newest at each dose."""
     quotes, f = _top_p_more_quotes(report)
-    section = _section(_TOP_P_MORE_CHAIN[report][0])
+    section_name, label = _TOP_P_MORE_CHAIN[report][:2]
+    section, p = _section(section_name), _top_p(label)
     _assert_quoted(quotes, section)
     harm = f["greedy"]["high"] < 0
-    assert ("**Harm at p = 0.8**" if harm else "**No harm shown at p = 0.8**") in section
-    if report == _TOP_P_MORE:
+    assert (f"**Harm at p = {p}**" if harm else f"**No harm shown at p = {p}**") in section
+    if report == _TOP_P_MORE[label]:
         mde = _paired_mde(f["greedy"])
-        quoted = f"{_quoted(f['greedy'])} at p = 0.8 ({len(_TOP_P_MORE_SEEDS)} seeds; MDE {mde:.3f}"
+        quoted = f"{_quoted(f['greedy'])} at p = {p} ({len(f['greedy']['diffs'])} seeds; MDE {mde:.3f}"
         assert quoted in _section("The answers so far, per mechanism"), quoted
 
 
@@ -1010,12 +1016,12 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     (the raw sweep), and over processed top-k log-probs on the long tail token TIS against the reference at top-k 16
     and token MIS at top-k 64 (greedy reward, as those sweeps compare)."""
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
-    none_vs_reference = _dose("sweep-top-p", _TOP_P_MORE, "p0.8")["none_vs_reference"]
+    none_vs_reference = _dose("sweep-top-p", _TOP_P_MORE["p0.8"], "p0.8")["none_vs_reference"]
     n = len(none_vs_reference["diffs"])
-    assert n == len(_TOP_P_MORE_SEEDS)
+    assert n == len(_TOP_P_MORE_CHAIN[_TOP_P_MORE["p0.8"]][2])
     mde = _paired_mde(none_vs_reference)
     assert f"{_quoted(none_vs_reference)} at p = 0.8 ({n} seeds, 300 steps), an MDE of {mde:.3f}" in readme
-    needed = _summary("sweep-top-p", _TOP_P_MORE)["seeds_for_target"]
+    needed = _summary("sweep-top-p", _TOP_P_MORE["p0.8"])["seeds_for_target"]
     assert f"at p = 0.8 {n} seeds resolve {mde:.3f}, {needed} needed)" in readme
     assert (mde <= 0.05) == ("top-p at p = 0.95 and 0.9 (16 seeds" in readme)  # p = 0.8 is left out once resolved
     archive = "sweep-long-tail-truncation"
