@@ -807,6 +807,7 @@ _TOP_P_MORE_CHAIN = {
     "top-p-raw-p0.8-more": ("Top-p 0.8 on more seeds", "p0.8", range(0, 49), "top-p-raw", None),
     "top-p-raw-p0.8-to-0.05": ("Top-p 0.8 to a 0.05 resolution", "p0.8", range(0, 145), "top-p-raw-p0.8-more",
                                range(0, 123)),
+    "top-p-raw-p0.9-more": ("Top-p 0.9 on more seeds", "p0.9", range(0, 156), "top-p-raw", None),
 }
 #: {dose label: the newest of them at that dose, which the answers and the README quote}
 _TOP_P_MORE = {label: report for report, (_, label, *_) in _TOP_P_MORE_CHAIN.items()}
@@ -841,12 +842,12 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
     arms, study, setting = dose["arms"], summary["study"], dose["setting"]
     assert summary["sweep"] == "top-p-raw" and dose["label"] == label and summary["outcome"] == "greedy_reward"
     assert sorted(arms) == ["none", "ref_fp32"] and all(list(arms[a]["seeds"]) == list(seeds) for a in arms)
-    runs, headers = _archive_runs(archive), _archive_headers(archive)
+    runs, headers, ref = _archive_runs(archive), _archive_headers(archive), "ref_fp32"
     machines = {(s >= _TOP_P_FIRST_SEEDS.stop, headers[setting, a, s]["machine"]["cpu_family_model"],
                  headers[setting, a, s]["machine"]["cpu_capability"]) for a in arms for s in seeds}
     assert machines == {(False, "25/17", "AVX512"), (True, *_ZEN3)}, machines  # Zen 4, then Zen 3 VMs
     paired = _paired_over(_committed_finals(archive, summary), runs, setting, study, seeds)
-    ref, greedy = "ref_fp32", "greedy_reward"
+    greedy = "greedy_reward"
     f = {"greedy": paired("none", ref, key=greedy), "added": paired("none", ref, added, key=greedy),
          "first": paired("none", ref, first, key=greedy), "final": paired("none", ref)}
     assert _quoted(f["greedy"]) == _quoted(dose["none_vs_reference"])
@@ -854,8 +855,14 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
     assert _quoted(f["first"]) == _quoted(_dose(archive, extends, label)["none_vs_reference"])
     sd, mde, needed = _paired_noise(f["greedy"], summary)
     q = {k: _quoted(v) for k, v in f.items()}
-    walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added]
-    assert not any(headers[setting, a, s].get("copied_from") for a in arms for s in added)  # all made here
+    # the reference samples untruncated, so it is the same run at every dose: its added seeds already made at another
+    # dose are copies of those runs (step for step), and every other added run was made here
+    copied = {(a, s): Path(headers[setting, a, s]["copied_from"]).parts[-3] for a in arms for s in added
+              if headers[setting, a, s].get("copied_from")}
+    for (a, s), source in copied.items():
+        assert a == ref and source != setting and not headers[source, a, s].get("copied_from"), (a, s, source)
+        assert runs[source, a, s] == runs[setting, a, s], (a, s, source)
+    walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added if (a, s) not in copied]
     # one thread per run, as the first 16 (guards a rerun at another thread count, which the archive keeps apart)
     assert {headers[setting, a, s]["config"]["threads"] for a in arms for s in seeds} == {1}
     mean = {a: np.mean([_greedy(runs[setting, a, s][1]) for s in seeds]) for a in arms}
@@ -866,7 +873,8 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
         f"Ended low (training reward): none {arms['none']['ended_low']['k']} of {len(seeds)}, the reference "
         f"{arms[ref]['ended_low']['k']}; collapsed: none {arms['none']['collapse']['k']}, the reference "
         f"{arms[ref]['collapse']['k']}",
-        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)",
+        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls):.0f} s per run (median)"
+        + (f"; {len(copied)} runs of the reference copied" if copied else ""),
         f"the paired SD of the greedy reward is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
     ]
     if rule_seeds is not None:  # the rule: more seeds of the dose where the MDE over rule_seeds was above 0.05
