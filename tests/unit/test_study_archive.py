@@ -808,6 +808,7 @@ _TOP_P_MORE_CHAIN = {
     "top-p-raw-p0.8-to-0.05": ("Top-p 0.8 to a 0.05 resolution", "p0.8", range(0, 145), "top-p-raw-p0.8-more",
                                range(0, 123)),
     "top-p-raw-p0.9-more": ("Top-p 0.9 on more seeds", "p0.9", range(0, 156), "top-p-raw", None),
+    "top-p-raw-p0.95-more": ("Top-p 0.95 on more seeds", "p0.95", range(0, 92), "top-p-raw", None),
 }
 #: {dose label: the newest of them at that dose, which the answers and the README quote}
 _TOP_P_MORE = {label: report for report, (_, label, *_) in _TOP_P_MORE_CHAIN.items()}
@@ -856,11 +857,19 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
     sd, mde, needed = _paired_noise(f["greedy"], summary)
     q = {k: _quoted(v) for k, v in f.items()}
     # the reference samples untruncated, so it is the same run at every dose: its added seeds already made at another
-    # dose are copies of those runs (step for step), and every other added run was made here
-    copied = {(a, s): Path(headers[setting, a, s]["copied_from"]).parts[-3] for a in arms for s in added
-              if headers[setting, a, s].get("copied_from")}
+    # dose are copies of those runs (step for step; a copy may copy a copy), and every other added run was made here
+    def made_at(a: str, s: int) -> str:
+        """The dose setting where run (a, s) of this report's setting was made, following its copies."""
+        at, seen = setting, set()
+        while headers[at, a, s].get("copied_from"):
+            assert at not in seen, (a, s, at)
+            seen.add(at)
+            at = Path(headers[at, a, s]["copied_from"]).parts[-3]
+        return at
+
+    copied = {(a, s): made_at(a, s) for a in arms for s in added if headers[setting, a, s].get("copied_from")}
     for (a, s), source in copied.items():
-        assert a == ref and source != setting and not headers[source, a, s].get("copied_from"), (a, s, source)
+        assert a == ref and source != setting, (a, s, source)
         assert runs[source, a, s] == runs[setting, a, s], (a, s, source)
     walls = [runs[setting, a, s][1]["wall_s"] for a in arms for s in added if (a, s) not in copied]
     # one thread per run, as the first 16 (guards a rerun at another thread count, which the archive keeps apart)
@@ -877,6 +886,8 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
         + (f"; {len(copied)} runs of the reference copied" if copied else ""),
         f"the paired SD of the greedy reward is {sd:.3f}, so a 0.05 difference needs {needed} seeds",
     ]
+    if needed > len(seeds):  # unresolved: what the target still costs
+        quotes.append(f"needs {needed} seeds, about {needed - len(seeds)} more pairs")
     if rule_seeds is not None:  # the rule: more seeds of the dose where the MDE over rule_seeds was above 0.05
         at_rule = _paired_mde(paired("none", ref, rule_seeds, key=greedy))
         assert at_rule > 0.05 and seeds.stop > rule_seeds.stop, at_rule
