@@ -831,7 +831,8 @@ def _top_p_more_quotes(report: str) -> tuple[list[str], dict]:
     added alone and the seeds of the report it extends (whose quote that report's summary.json must give), on the
     final training reward beside it, the paired SD of the greedy differences, the MDE and the seeds a 0.05
     difference needs (each checked against the report's summary.json), the runs that ended low, and the added runs'
-    machine and times; with the paired differences."""
+    machine and times (the runs made here; the reference's copies, followed to the run they copy, counted apart);
+    with the paired differences."""
     import numpy as np
 
     archive = "sweep-top-p"
