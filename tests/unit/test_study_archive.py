@@ -809,7 +809,12 @@ _TOP_P_MORE_CHAIN = {
                                range(0, 123)),
     "top-p-raw-p0.9-more": ("Top-p 0.9 on more seeds", "p0.9", range(0, 156), "top-p-raw", None),
     "top-p-raw-p0.95-more": ("Top-p 0.95 on more seeds", "p0.95", range(0, 92), "top-p-raw", None),
+    "top-p-raw-p0.95-to-0.05": ("Top-p 0.95 to the 0.05 target", "p0.95", range(0, 156), "top-p-raw-p0.95-more",
+                                None),
 }
+#: {report: the sign its added seeds alone were to confirm, a question fixed before they ran (the pooled CI holds the
+#: seeds that raised the candidate, so only the added ones answer it)}
+_TOP_P_CONFIRMS = {"top-p-raw-p0.95-to-0.05": "above"}
 #: {dose label: the newest of them at that dose, which the answers and the README quote}
 _TOP_P_MORE = {label: report for report, (_, label, *_) in _TOP_P_MORE_CHAIN.items()}
 #: the raw sweep's seeds, run on the Zen 4 VM
@@ -907,6 +912,11 @@ def test_top_p_on_more_seeds_comes_from_the_archive(report):
     _assert_quoted(quotes, section)
     harm = f["greedy"]["high"] < 0
     assert (f"**Harm at p = {p}**" if harm else f"**No harm shown at p = {p}**") in section
+    if report in _TOP_P_CONFIRMS:  # the candidate confirmed only if the added seeds' CI excludes 0 on its side
+        added = f["added"]
+        confirmed = added["low"] > 0 if _TOP_P_CONFIRMS[report] == "above" else added["high"] < 0
+        assert ("**Confirmed**" if confirmed else "**Not confirmed**") in section
+        assert ("**Not confirmed**" if confirmed else "**Confirmed**") not in section
     if report == _TOP_P_MORE[label]:
         mde = _paired_mde(f["greedy"])
         quoted = f"{_quoted(f['greedy'])} at p = {p} ({len(f['greedy']['diffs'])} seeds; MDE {mde:.3f}"
