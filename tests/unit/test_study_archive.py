@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -182,7 +183,9 @@ def test_not_a_folder_and_missing(tmp_path):
 _STUDY_DOCS = Path(__file__).resolve().parents[2] / "docs" / "study"
 #: two steps of lag at 128 tokens past the first machine's seeds 0-7 (whose runs were not kept): the added seeds, in
 #: their own archive and report (none and the reference, the Zen 3 VM, 2026-12-06)
-_LAG2_128_SEEDS = range(8, 15)
+_LAG2_128_SEEDS = range(8, 19)
+#: its looks, each pre-registered with its own cut: seeds 8-14 (the first, cut at 21:35 UTC) and all added seeds
+_LAG2_128_LOOKS = (range(8, 15), _LAG2_128_SEEDS)
 #: the committed archives' reports: (sweep folder, report subfolder, {arm: seeds it quotes})
 _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
@@ -574,11 +577,12 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     """docs/study.md's section on long-tail-stale-128 k2 past 8 seeds: none - reference on the final reward pooled
     over the first machine's seeds 0-7 (the sweep's summary.json, each seed's difference on its own machine) and the
     added seeds' archive, with the reports' paired bootstrap; the added seeds alone and the first 8 beside it; the
-    paired SD, MDE and seeds a 0.05 difference needs; the added runs' outcomes, machine and times; and the outcome of
-    the question fixed before they ran (harm only where the pooled CI excludes 0 below it)."""
+    paired SD, MDE and seeds a 0.05 difference needs, at each pre-registered look (a table row each); the added runs'
+    outcomes, machine and times; none's collapses over both machines; and the outcomes of the questions fixed before
+    they ran (harm only where the pooled CI excludes 0 below it; the 0.05 target)."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import paired_differences, seeds_for_effect
+    from megatron_mis.testbed.study.stats import paired_differences, run_metrics, seeds_for_effect
 
     archive, added = "sweep-long-tail-stale-128-k2", _LAG2_128_SEEDS
     first, old = _summary("sweep-long-tail-stale-128", "."), _dose("sweep-long-tail-stale-128", ".", "k2")
@@ -595,17 +599,34 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in headers.values()} == {_ZEN3}
     assert {h["config"]["threads"] for h in headers.values()} == {1}
     assert not any(h.get("copied_from") for h in headers.values())  # every run made here, none copied
-    new_diffs = {s: final["none", s] - final["ref_fp32", s] for s in added}
-    pooled = paired_differences({**old_diffs, **new_diffs}, dict.fromkeys([*old_diffs, *new_diffs], 0.0),
-                                confidence=study["confidence"], resamples=study["bootstrap"])
-    sd = float(np.std(list(pooled["diffs"].values()), ddof=1))
-    mde, needed = _paired_mde(pooled), seeds_for_effect(sd, 0.05)
+
+    def look(seeds: range) -> tuple[dict, dict, float, float, int]:
+        """The added seeds' none - reference alone and pooled with the first machine's, the pooled SD, MDE and the
+        seeds a 0.05 difference needs, at one look."""
+        alone = paired_differences({s: final["none", s] for s in seeds}, {s: final["ref_fp32", s] for s in seeds},
+                                   confidence=study["confidence"], resamples=study["bootstrap"])
+        new_diffs = {s: final["none", s] - final["ref_fp32", s] for s in seeds}
+        pooled = paired_differences({**old_diffs, **new_diffs}, dict.fromkeys([*old_diffs, *new_diffs], 0.0),
+                                    confidence=study["confidence"], resamples=study["bootstrap"])
+        sd = float(np.std(list(pooled["diffs"].values()), ddof=1))
+        return alone, pooled, sd, _paired_mde(pooled), seeds_for_effect(sd, 0.05)
+
+    assert _LAG2_128_LOOKS[-1] == added and all(seeds.start == added.start for seeds in _LAG2_128_LOOKS)
+    alone, pooled, sd, mde, needed = look(added)
+    assert _quoted(alone) == _quoted(dose["none_vs_reference"])  # the report's own figure, recomputed
     arms = dose["arms"]
     walls = [end["wall_s"] for _, end in runs.values()]
     n = len(pooled["diffs"])
+    rows = []  # one table row per look, in order
+    for seeds in _LAG2_128_LOOKS:
+        alone_, pooled_, sd_, mde_, needed_ = look(seeds)
+        rows.append(f"| {len(pooled_['diffs'])} | {_quoted(pooled_)} | {_quoted(alone_)} | "
+                    f"{_quoted(old['none_vs_reference'])} | {sd_:.3f} | {mde_:.3f} | {needed_} |")
+    section = _section("Two steps of lag at 128 tokens on more seeds")
+    _assert_quoted(rows, section)  # one row per look, in order, and no other row of figures in the table
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    assert len(re.findall(r"\| \d+ \| [-+]\d", section)) == len(rows)
     quotes = [
-        f"| {n} | {_quoted(pooled)} | {_quoted(dose['none_vs_reference'])} | {_quoted(old['none_vs_reference'])} | "
-        f"{sd:.3f} | {mde:.3f} | {needed} |",
         f"seeds {added.start}-{added.stop - 1} alone {_quoted(dose['none_vs_reference'])}",
         f"none {np.mean([final['none', s] for s in added]):.3f} and the reference "
         f"{np.mean([final['ref_fp32', s] for s in added]):.3f}",
@@ -617,10 +638,33 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
         ("**Harm at two steps of lag**" if pooled["high"] < 0 else "**No harm shown at two steps of lag**"),
         (f"MDE {mde:.3f}: the 0.05 target is met" if mde <= 0.05 else f"MDE {mde:.3f}: the 0.05 target is not met"),
         *([f"needs {needed} seeds, {needed - n} more pairs"] if needed > n else []),
-        *([f"collapse of none (seed {min(old_diffs, key=old_diffs.get)}, {min(old_diffs.values()):+.3f}) did not "
-           "recur"] if arms["none"]["collapse"]["k"] == 0 else []),
     ]
-    _assert_quoted(quotes, _section("Two steps of lag at 128 tokens on more seeds"))
+    # collapses over both machines' seeds: the first machine's from its report, the added ones' from their runs
+    k = {a: arms[a]["collapse"]["k"] + old["arms"][a]["collapse"]["k"] for a in ("none", "ref_fp32")}
+    collapsed = sorted(seed for (_, arm, seed), (records, end) in runs.items() if arm == "none" and run_metrics(
+        records, end, last_k=study["last_k"], threshold=summary["threshold"],
+        collapse_fraction=study["collapse_fraction"])["collapsed"])
+    assert len(collapsed) == arms["none"]["collapse"]["k"]
+    first_worst = f"seed {min(old_diffs, key=old_diffs.get)}"
+    if not collapsed:
+        quotes.append(f"collapse of none ({first_worst}, {min(old_diffs.values()):+.3f}) did not recur")
+    else:  # it recurred: the collapsed seed as quoted, the collapse counts of both machines and their Fisher test
+        (worst,) = collapsed
+        assert k["ref_fp32"] == 0  # the sentence's "and the reference in none"
+        fisher = math.comb(n, k["none"]) * math.comb(n, 0) / math.comb(2 * n, k["none"])  # P(all k in none's arm)
+        quotes += [f"seed {worst} here (none {final['none', worst]:.3f}, the reference "
+                   f"{final['ref_fp32', worst]:.3f}, {final['none', worst] - final['ref_fp32', worst]:+.3f}), beside "
+                   f"{first_worst} there ({min(old_diffs.values()):+.3f})",
+                   f"None collapsed in {k['none']} of {n} seeds and the reference in none",
+                   f"one-sided Fisher exact p = {fisher:.2f}"]
+        others = [d for s, d in pooled["diffs"].items() if s != worst]  # the pooled figures without that seed
+        quotes += [f"({np.mean(others):+.3f} over the other {len(others)} seeds)",
+                   f"(the other {len(others)} seeds' SD is {np.std(others, ddof=1):.3f})"]
+    _assert_quoted(quotes, section)
+    # the answers table's long-response row
+    _assert_quoted([f"nor is k = 2 ({_quoted(pooled)}, {n} seeds of two machines, MDE {mde:.3f}; none collapsed in "
+                    f"{k['none']} of them, the reference in {k['ref_fp32'] or 'none'})"],
+                   _prose(_STUDY_DOCS.parent / "study.md"))
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")  # the long-response row and, while unresolved, the gap
     _assert_quoted([f"at 128 tokens, two steps of lag, {_quoted(pooled)} ({n} seeds of two machines; MDE {mde:.3f})",
                     *([f"at 128 tokens two steps of lag has {n} seeds, {needed} needed"] if mde > 0.05 else [])],
