@@ -182,9 +182,9 @@ def test_not_a_folder_and_missing(tmp_path):
 #: docs/study: the committed sweeps' folders (SWEEP/runs the archive, SWEEP/REPORT/summary.json its reports)
 _STUDY_DOCS = Path(__file__).resolve().parents[2] / "docs" / "study"
 #: two steps of lag at 128 tokens past the first machine's seeds 0-7 (whose runs were not kept): the added seeds, in
-#: their own archive and report (none and the reference, the Zen 3 VM, 2026-12-06)
+#: their own archive and report (none and the reference, the Zen 3 VM, 2026-12-06/07)
 _LAG2_128_SEEDS = range(8, 25)
-#: its looks, each pre-registered with its own cut: seeds 8-14 (the first, cut at 21:35 UTC) and all added seeds
+#: its looks, each pre-registered with its own seeds and cut: 8-14 (cut at 21:35 UTC), 8-18 (23:25), 8-24 (00:20)
 _LAG2_128_LOOKS = (range(8, 15), range(8, 19), _LAG2_128_SEEDS)
 #: the committed archives' reports: (sweep folder, report subfolder, {arm: seeds it quotes})
 _REPORTS = [
