@@ -295,28 +295,34 @@ _REPORTS = [
 def _committed_finals(sweep: str, summary: dict) -> dict:
     """``{(arm, seed): final reward}`` of every run in docs/study/SWEEP/runs, each checked complete
     and of the report's dose and step count."""
+    return {key: m["final_reward"] for key, m in _committed_metrics(sweep, summary).items()}
+
+
+def _committed_metrics(sweep: str, summary: dict) -> dict:
+    """``{(arm, seed): run_metrics(...)}`` (every per-run metric) of every run in docs/study/SWEEP/runs, with the
+    report's parameters, each run checked complete and of the report's dose and step count."""
     (dose,) = summary["doses"]
     study = summary["study"]
-    return _archive_finals(sweep, dose["setting"], summary["steps"], study["last_k"], summary["threshold"],
-                           study["collapse_fraction"])
+    return _archive_metrics(sweep, dose["setting"], summary["steps"], study["last_k"], summary["threshold"],
+                            study["collapse_fraction"])
 
 
 @functools.cache
-def _archive_finals(sweep: str, setting: str, steps: int, last_k: int, threshold: float,
-                    collapse_fraction: float) -> dict:
-    """:func:`_committed_finals` by value: an archive is read and its metrics computed once per
+def _archive_metrics(sweep: str, setting: str, steps: int, last_k: int, threshold: float,
+                     collapse_fraction: float) -> dict:
+    """:func:`_committed_metrics` by value: an archive is read and its metrics computed once per
     sweep and report parameters, not once per report that quotes it. An archive holds one setting
     (the report's), except those of :data:`_MULTI_DOSE_ARCHIVES`, whose other doses' runs are left out."""
     from megatron_mis.testbed.study.stats import run_metrics
 
-    final = {}
+    metrics = {}
     for (run_setting, arm, seed), (records, end) in _archive_runs(sweep).items():
         if run_setting != setting and sweep in _MULTI_DOSE_ARCHIVES:
             continue
         assert run_setting == setting and len(records) == steps, (run_setting, arm, seed)
-        final[arm, seed] = run_metrics(records, end, last_k=last_k, threshold=threshold,
-                                       collapse_fraction=collapse_fraction)["final_reward"]
-    return final
+        metrics[arm, seed] = run_metrics(records, end, last_k=last_k, threshold=threshold,
+                                         collapse_fraction=collapse_fraction)
+    return metrics
 
 
 #: The archives that hold several doses of a sweep (one report per dose): their runs are filed under their own
@@ -582,7 +588,7 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     they ran (harm only where the pooled CI excludes 0 below it; the 0.05 target)."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import paired_differences, run_metrics, seeds_for_effect
+    from megatron_mis.testbed.study.stats import paired_differences, seeds_for_effect
 
     archive, added = "sweep-long-tail-stale-128-k2", _LAG2_128_SEEDS
     first, old = _summary("sweep-long-tail-stale-128", "."), _dose("sweep-long-tail-stale-128", ".", "k2")
@@ -594,26 +600,30 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     assert dose["setting"] == old["setting"] and summary["steps"] == first["steps"]
     assert all(study[k] == first["study"][k] for k in ("bootstrap", "confidence", "last_k", "collapse_fraction"))
     assert sorted(dose["arms"]) == ["none", "ref_fp32"]
-    final, runs, headers = _committed_finals(archive, summary), _archive_runs(archive), _archive_headers(archive)
+    metrics, runs, headers = _committed_metrics(archive, summary), _archive_runs(archive), _archive_headers(archive)
+    final = {key: m["final_reward"] for key, m in metrics.items()}
     assert set(final) == {(a, s) for a in ("none", "ref_fp32") for s in added}
     assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in headers.values()} == {_ZEN3}
     assert {h["config"]["threads"] for h in headers.values()} == {1}
     assert not any(h.get("copied_from") for h in headers.values())  # every run made here, none copied
 
+    def alone(seeds: range) -> dict:
+        """none - reference over these added seeds alone, with the reports' paired bootstrap."""
+        return paired_differences({s: final["none", s] for s in seeds}, {s: final["ref_fp32", s] for s in seeds},
+                                  confidence=study["confidence"], resamples=study["bootstrap"])
+
     def look(seeds: range) -> tuple[dict, dict, float, float, int]:
         """The added seeds' none - reference alone and pooled with the first machine's, the pooled SD, MDE and the
         seeds a 0.05 difference needs, at one look."""
-        alone = paired_differences({s: final["none", s] for s in seeds}, {s: final["ref_fp32", s] for s in seeds},
-                                   confidence=study["confidence"], resamples=study["bootstrap"])
         new_diffs = {s: final["none", s] - final["ref_fp32", s] for s in seeds}
         pooled = paired_differences({**old_diffs, **new_diffs}, dict.fromkeys([*old_diffs, *new_diffs], 0.0),
                                     confidence=study["confidence"], resamples=study["bootstrap"])
         sd = float(np.std(list(pooled["diffs"].values()), ddof=1))
-        return alone, pooled, sd, _paired_mde(pooled), seeds_for_effect(sd, 0.05)
+        return alone(seeds), pooled, sd, _paired_mde(pooled), seeds_for_effect(sd, 0.05)
 
     assert _LAG2_128_LOOKS[-1] == added and all(seeds.start == added.start for seeds in _LAG2_128_LOOKS)
-    alone, pooled, sd, mde, needed = look(added)
-    assert _quoted(alone) == _quoted(dose["none_vs_reference"])  # the report's own figure, recomputed
+    alone_added, pooled, sd, mde, needed = look(added)
+    assert _quoted(alone_added) == _quoted(dose["none_vs_reference"])  # the report's own figure, recomputed
     arms = dose["arms"]
     walls = [end["wall_s"] for _, end in runs.values()]
     n = len(pooled["diffs"])
@@ -641,9 +651,7 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     ]
     # collapses over both machines' seeds: the first machine's from its report, the added ones' from their runs
     k = {a: arms[a]["collapse"]["k"] + old["arms"][a]["collapse"]["k"] for a in ("none", "ref_fp32")}
-    collapsed = sorted(seed for (_, arm, seed), (records, end) in runs.items() if arm == "none" and run_metrics(
-        records, end, last_k=study["last_k"], threshold=summary["threshold"],
-        collapse_fraction=study["collapse_fraction"])["collapsed"])
+    collapsed = sorted(seed for (arm, seed), m in metrics.items() if arm == "none" and m["collapsed"])
     assert len(collapsed) == arms["none"]["collapse"]["k"]
     first_worst = f"seed {min(old_diffs, key=old_diffs.get)}"
     if not collapsed:
@@ -661,8 +669,7 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
         quotes += [f"({np.mean(others):+.3f} over the other {len(others)} seeds)",
                    f"(the other {len(others)} seeds' SD is {np.std(others, ddof=1):.3f})"]
     batch = range(_LAG2_128_LOOKS[-2].stop, added.stop)  # the last look's own seeds, as that look's runner reported
-    alone_batch = paired_differences({s: final["none", s] for s in batch}, {s: final["ref_fp32", s] for s in batch},
-                                     confidence=study["confidence"], resamples=study["bootstrap"])
+    alone_batch = alone(batch)
     below = sum(final["none", s] < final["ref_fp32", s] for s in batch)
     quotes.append(f"The third look's six seeds alone gave {_quoted(alone_batch)} (seeds {batch.start}-{batch.stop - 1}; "
                   f"{below} of the {len(batch)} below 0)")
