@@ -53,12 +53,14 @@ Regimes (first match wins):
 4. ``s > 1``: sequence weights degenerate (share < 0.37): token-level truncation (``token_tis``),
    measured: in the study's ``long-tail-stale`` sweeps (64-token responses, s 1.9-3.6 at 1, 2 and
    4 steps of lag, K3 0.03-0.1; 128-token responses, s 1.2 and 2.4 at 1 and 2 steps, K3 5.7e-3
-   and 2.3e-2; 3-12 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
-   the correction that failed least (1/37 collapses, 2/37 ended low: both at 128 tokens one step
-   stale, in 12 seeds on a second machine, where it was not measurably behind none), while
+   and 2.3e-2; 3-25 seeds per dose; carried over to numeric K3 <= 1e-2 by s alone) token TIS was
+   the correction that failed least (2/54 collapses, 4/54 ended low: half at 128 tokens one step
+   stale, in 12 seeds on a second machine, where it was not measurably behind none, half at two
+   steps stale, in 17 seeds on a Zen 3 VM, where over 25 seeds of two machines it ended below the
+   fresh reference, -0.036 [-0.067, -0.006], and level with none, -0.015 [-0.052, +0.022]), while
    sequence MIS collapsed in 11/27 runs (15/27 ended low: below half of the reference's gain),
    sequence TIS in 7/27 (12/27 ended low), token MIS with the length-scaled band in 2/9 (64
-   tokens) and none in 2/37. The band (``zscore_rs_token_mis`` with ``rs_criteria:
+   tokens) and none in 3/54. The band (``zscore_rs_token_mis`` with ``rs_criteria:
    {seq_zscore_k1: {k3: K3, z: 3}}``, K3 pinned; ``rs_criteria`` of the recommendation) is printed
    as an option for batches with outlier sequences, not as the advice. With stale rollouts, bypass
    instead: at 256 tokens with one step of lag (K3 3.3e-3, s 1.3, 11 seeds on three machines)
@@ -261,13 +263,15 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         "step of lag (K3 3.3e-3, 11 seeds) bypass ended ahead of none on 10 of 11 seeds and of token TIS, above "
         "the fresh reference only where that missed its take-off, and took off about 55 steps before none; at 128 "
         "tokens (12 seeds) ahead of none by a smaller margin, on 10 of 12, taking off about 50 steps earlier, and "
-        "ahead of token TIS, which collapsed on one of those seeds and never reached the plateau on another",
+        "ahead of token TIS, which collapsed on one of those seeds and never reached the plateau on another; at two "
+        "steps of lag there (25 seeds) token TIS ended below the fresh reference and no better than none",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
-        "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-12 seeds per dose): token TIS the correction that failed least "
-        "(1/37 collapses, 2/37 ended low, both at 128 tokens k1 on a second machine; +0.105 [+0.018, +0.267] over none "
+        "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-25 seeds per dose): token TIS the correction that failed least "
+        "(2/54 collapses, 4/54 ended low, at 128 tokens k1 on a second machine and k2 on a Zen 3 VM; +0.105 [+0.018, "
+        "+0.267] over none "
         "at 4 steps, 64 tokens), sequence MIS collapsed in 11/27 runs "
         "(15/27 ended below half of the reference's gain), sequence TIS in 7/27 (12/27 ended low), token MIS with the "
-        "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 2/37. Measured with stale "
+        "length-scaled band in 2/9 at 64 tokens (it rejected ~1% of the sequences), none in 3/54. Measured with stale "
         "rollouts (K3 5.7e-3 to 0.1), carried over to a numeric "
         "K3 <= 1e-2 at long lengths by s alone; literature (When Speed Kills Stability) for why sequence weights fail. "
         "Stale at 256 tokens (long-tail-stale-256 k1, s 1.3, 11 seeds): bypass +0.070 [+0.017, +0.140] against none "
@@ -280,5 +284,8 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         "128 tokens (long-tail-stale-128 k1, s 1.2, 12 seeds, one machine): bypass +0.023 [+0.005, +0.048] against "
         "none (take-off 50 [15, 84] steps earlier, 0/12 ended low), +0.017 [-0.002, +0.047] against the reference "
         "and +0.043 [+0.005, +0.088] against token TIS (12 seeds, same machine), which was -0.019 [-0.074, +0.030] "
-        "against none with 1/12 collapsed and 2/12 ended low",
+        "against none with 1/12 collapsed and 2/12 ended low. Stale two steps at 128 tokens (long-tail-stale-128 k2, "
+        "s 2.4, 25 seeds of two machines): token TIS -0.036 [-0.067, -0.006] against the reference (-0.043 [-0.086, "
+        "-0.002] on the 17 seeds that tested it) and -0.015 [-0.052, +0.022] against none, none itself -0.022 "
+        "[-0.053, +0.007]; bypass -0.001 [-0.034, +0.038] against the reference and +0.006 [-0.028, +0.046] against none (12 seeds)",
     )

@@ -48,10 +48,10 @@ def test_token_level_carries_the_length_scaled_band():
     assert r.sequence_log_weight_sd == pytest.approx(2.0)
     assert r.geometric_band == pytest.approx((math.exp(-4e-3), math.exp(2e-3)))
     assert r.rs_criteria == {"seq_zscore_k1": {"k3": 1e-3, "z": 3.0}}
-    # measured: token TIS the correction that failed least at s 1.2-3.6 (1 collapse in 37); the band an option
+    # measured: token TIS the correction that failed least at s 1.2-3.6 (2 collapses in 54); the band an option
     assert r.correction == "token_tis" and r.regime == "token-level"
     assert "long-tail-stale" in r.basis and "long-tail-stale-128" in r.basis and "Optional" in r.reason
-    assert "1/37 collapses" in r.basis and "none in 2/37" in r.basis
+    assert "2/54 collapses" in r.basis and "none in 3/54" in r.basis
     # stale rollouts at 256 tokens (11 seeds): bypass ahead of none and token TIS, above the reference only
     # through its misses (test_study_archive recomputes these figures from three machines' runs)
     assert "bypass_ppo" in r.reason and "long-tail-stale-256" in r.basis and "+0.070 [+0.017, +0.140]" in r.basis

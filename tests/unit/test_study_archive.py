@@ -186,6 +186,9 @@ _STUDY_DOCS = Path(__file__).resolve().parents[2] / "docs" / "study"
 _LAG2_128_SEEDS = range(8, 25)
 #: its looks, each pre-registered with its own seeds and cut: 8-14 (cut at 21:35 UTC), 8-18 (23:25), 8-24 (00:20)
 _LAG2_128_LOOKS = (range(8, 15), range(8, 19), _LAG2_128_SEEDS)
+#: token TIS and then bypass on those seeds, a session later on a VM of the same kind, each beside the none and
+#: reference runs of its seeds: {arm: (its report in the k2 archive, the seeds it finished by the pre-registered cut)}
+_LAG2_128_CORRECTIONS = {"token_tis": ("token-tis", _LAG2_128_SEEDS), "bypass_ppo": ("bypass", range(8, 12))}
 #: the committed archives' reports: (sweep folder, report subfolder, {arm: seeds it quotes})
 _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
@@ -197,6 +200,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-128", "token-tis-k1", {"none": range(12), "token_tis": range(12), "bypass_ppo": range(12)}),
     # two steps of lag past the first machine's 8 seeds: none and the reference, their own archive (the Zen 3 VM)
     ("sweep-long-tail-stale-128-k2", ".", {"none": _LAG2_128_SEEDS}),
+    *(("sweep-long-tail-stale-128-k2", report, {"none": seeds, arm: seeds})
+      for arm, (report, seeds) in _LAG2_128_CORRECTIONS.items()),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
     ("sweep-long-tail-stale-256", "seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8)}),
     ("sweep-long-tail-stale-256", "sequence-seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7),
@@ -600,7 +605,10 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     assert dose["setting"] == old["setting"] and summary["steps"] == first["steps"]
     assert all(study[k] == first["study"][k] for k in ("bootstrap", "confidence", "last_k", "collapse_fraction"))
     assert sorted(dose["arms"]) == ["none", "ref_fp32"]
-    metrics, runs, headers = _committed_metrics(archive, summary), _archive_runs(archive), _archive_headers(archive)
+    # the archive also holds the corrections run on these seeds later (the next section's): none's and the
+    # reference's runs here
+    metrics = {key: m for key, m in _committed_metrics(archive, summary).items() if key[0] in ("none", "ref_fp32")}
+    runs, headers = _archive_runs(archive), _archive_headers(archive)
     final = {key: m["final_reward"] for key, m in metrics.items()}
     assert set(final) == {(a, s) for a in ("none", "ref_fp32") for s in added}
     assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in headers.values()} == {_ZEN3}
@@ -625,7 +633,7 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     alone_added, pooled, sd, mde, needed = look(added)
     assert _quoted(alone_added) == _quoted(dose["none_vs_reference"])  # the report's own figure, recomputed
     arms = dose["arms"]
-    walls = [end["wall_s"] for _, end in runs.values()]
+    walls = [end["wall_s"] for (_, arm, _), (_, end) in runs.items() if arm in ("none", "ref_fp32")]
     n = len(pooled["diffs"])
     rows = []  # one table row per look, in order
     for seeds in _LAG2_128_LOOKS:
@@ -685,6 +693,133 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
                      f"at 128 tokens one and two steps of lag are resolved, 12 and {n} seeds, MDE 0.048 and {mde:.3f}")],
                    readme)
     assert (mde > 0.05) == ("two steps of lag has" in readme)
+
+
+def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_machine_s_seeds():
+    """docs/study.md's section on token TIS and bypass at long-tail-stale-128 k2 past 8 seeds: each correction -
+    reference and - none on the final reward over the added seeds alone (the k2 archive; each report's own figure,
+    recomputed) and pooled with the first machine's seeds 0-7 (its summary.json's per-seed differences, each seed's
+    difference on its own machine), the pooled paired SD and MDE (one table row per correction); the added runs'
+    means, collapses, machine and times; and the outcomes of the questions fixed before they ran: token TIS's cost
+    confirmed only where the added seeds' CI excludes 0 below it, token TIS against none and bypass against either a
+    difference only where the pooled CI excludes 0."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import paired_differences, seeds_for_effect
+
+    archive = "sweep-long-tail-stale-128-k2"
+    old = _dose("sweep-long-tail-stale-128", ".", "k2")
+    headers, runs = _archive_headers(archive), _archive_runs(archive)
+    section = _section("Token TIS and bypass at two steps of lag at 128 tokens")
+    rows, quotes, pooled, alones = [], [], {}, {}
+    for arm, (report, added) in _LAG2_128_CORRECTIONS.items():
+        summary = _summary(archive, report)
+        (dose,) = summary["doses"]
+        study = summary["study"]
+        assert dose["setting"] == old["setting"] and sorted(dose["arms"]) == sorted({"none", "ref_fp32", arm})
+        assert list(dose["arms"][arm]["seeds"]) == list(added)
+        final = _committed_finals(archive, summary)
+        assert {s for a, s in final if a == arm} == set(added)  # every run of the correction is its report's
+        made = {key: h for key, h in headers.items() if key[1] == arm}
+        assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in made.values()} == {_ZEN3}
+        assert {h["config"]["threads"] for h in made.values()} == {1} and not any(h.get("copied_from") for h in made.values())
+        boot = {"confidence": study["confidence"], "resamples": study["bootstrap"]}
+        alone = alones[arm] = {}
+        for base, key in (("ref_fp32", "vs_reference"), ("none", "vs_none")):
+            first = {int(s): v for s, v in old["arms"][arm][key]["final_reward"]["diffs"].items()}
+            assert sorted(first) == list(range(added.start))
+            new = {s: final[arm, s] - final[base, s] for s in added}
+            alone[base] = paired_differences(new, dict.fromkeys(new, 0.0), **boot)
+            assert _quoted(alone[base]) == _quoted(dose["arms"][arm][key]["final_reward"])  # the report's own figure
+            pooled[arm, base] = paired_differences({**first, **new}, dict.fromkeys([*first, *new], 0.0), **boot)
+        to_ref = pooled[arm, "ref_fp32"]
+        sd = float(np.std(list(to_ref["diffs"].values()), ddof=1))
+        rows.append(f"| `{arm}` | {added.start}-{added.stop - 1} | {_quoted(alone['ref_fp32'])} | "
+                    f"{_quoted(old['arms'][arm]['vs_reference']['final_reward'])} | {_quoted(to_ref)} | "
+                    f"{_quoted(alone['none'])} | {_quoted(pooled[arm, 'none'])} | {sd:.3f} | {_paired_mde(to_ref):.3f} |")
+        arms, n = dose["arms"], len(to_ref["diffs"])
+        walls = [end["wall_s"] for (_, a, _), (_, end) in runs.items() if a == arm]
+        name = {"token_tis": "token TIS", "bypass_ppo": "bypass"}[arm]
+        quotes += [
+            f"{name}: {len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls) / 60:.1f} min per run",
+            f"On seeds {added.start}-{added.stop - 1} the final rewards were none "
+            f"{np.mean([final['none', s] for s in added]):.3f}, the reference "
+            f"{np.mean([final['ref_fp32', s] for s in added]):.3f} and {name} "
+            f"{np.mean([final[arm, s] for s in added]):.3f} (means); collapsed: none {arms['none']['collapse']['k']}, "
+            f"the reference {arms['ref_fp32']['collapse']['k']}, {name} {arms[arm]['collapse']['k']} of {len(added)}; "
+            f"ended low: none {arms['none']['ended_low']['k']}, the reference {arms['ref_fp32']['ended_low']['k']}, "
+            f"{name} {arms[arm]['ended_low']['k']}",
+            f"Over both machines {name} collapsed in {arms[arm]['collapse']['k'] + old['arms'][arm]['collapse']['k']} of "
+            f"{n} seeds",
+            f"a 0.05 difference from the reference needs {seeds_for_effect(sd, 0.05)} seeds",
+        ]
+        if arm == "token_tis":  # question 1 on the added seeds alone, question 2 pooled
+            diffs = {s: final[arm, s] - final["ref_fp32", s] for s in added}
+            collapsed = [s for (a, s), m in _committed_metrics(archive, summary).items() if a == arm and m["collapsed"]]
+            # the one collapse, the other run that ended low, and the reference's run that ended low, as quoted
+            (seed,) = collapsed
+            (other,) = [s for s in arms[arm]["ended_low"]["seeds"] if s != seed]
+            (ref_low,) = arms["ref_fp32"]["ended_low"]["seeds"]
+            quotes += [f"{sum(d < 0 for d in diffs.values())} of the {len(added)} below 0",
+                       f"token TIS's collapse is seed {seed}, {diffs[seed]:+.3f} against the reference; it ended low "
+                       f"there and on seed {other}, {diffs[other]:+.3f}",
+                       f"the reference ended low on seed {ref_low}, where token TIS ended {diffs[ref_low]:+.3f} above it",
+                       f"token TIS collapsed in {len(collapsed) + old['arms'][arm]['collapse']['k']} of {n} seeds "
+                       f"(seed {seed} here)"]
+            quotes.append("**Token TIS's cost is confirmed on the new seeds**" if alone["ref_fp32"]["high"] < 0
+                          else "**Token TIS's cost is not confirmed on the new seeds**")
+            differs = pooled[arm, "none"]["high"] < 0 or pooled[arm, "none"]["low"] > 0
+            quotes.append("**Token TIS differs from none**" if differs else "**Token TIS does not differ measurably from none**")
+        else:  # question 3: a difference only where the pooled CI excludes 0
+            for base, word in (("ref_fp32", "the reference"), ("none", "none")):
+                d = pooled[arm, base]
+                quotes.append(f"**Bypass is {'above' if d['low'] > 0 else 'below'} {word}**" if d["low"] > 0 or d["high"] < 0
+                              else f"**Bypass is not measurably different from {word}**")
+    _assert_quoted(rows, section)  # one row per correction, in order, and no other row of figures in the table
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    assert len(re.findall(r"\| `\w+` \| \d+-\d+ \| [-+]\d", section)) == len(rows)
+    _assert_quoted(quotes, section)
+    # the study-wide record of token TIS's stale long-response runs: the 37 counted before these runs (64 tokens k1,
+    # k2, k4 x 3 seeds; 128 tokens k1 8 + 12 and k2 8 seeds: 1 collapsed, 2 ended low, none collapsed in 2 of the
+    # same settings and seeds) and the added k2 seeds
+    report, added = _LAG2_128_CORRECTIONS["token_tis"]
+    summary = _summary(archive, report)
+    arms, study = summary["doses"][0]["arms"], summary["study"]
+    n = 37 + len(added)
+    tis, low, none = (1 + arms["token_tis"]["collapse"]["k"], 2 + arms["token_tis"]["ended_low"]["k"],
+                      2 + arms["none"]["collapse"]["k"])
+    _assert_quoted([f"token TIS now collapsed in {tis} of {n}", f"ended low in {low} of {n}; none collapsed in {none} of "
+                    f"the same {n} settings and seeds"], section)
+    # none - reference on the same 25 seeds, as the difference of token TIS's two pooled per-seed differences
+    to_ref, to_none = (pooled["token_tis", base]["diffs"] for base in ("ref_fp32", "none"))
+    none_ref = paired_differences({s: to_ref[s] - to_none[s] for s in to_ref}, dict.fromkeys(to_ref, 0.0),
+                                  confidence=study["confidence"], resamples=study["bootstrap"])
+    tis_ref, tis_none = _quoted(pooled["token_tis", "ref_fp32"]), _quoted(pooled["token_tis", "none"])
+    quotes = [f"none's own shortfall over these {len(to_ref)} seeds, {_quoted(none_ref)}, is not resolved"
+              if none_ref["high"] >= 0 else f"none's own shortfall over these {len(to_ref)} seeds, {_quoted(none_ref)}"]
+    _assert_quoted(quotes, section)
+    # where the docs and analyze carry it: the answers table, the s > 1 row, the README's rows and the basis
+    study_md = _prose(_STUDY_DOCS.parent / "study.md")
+    _assert_quoted([f"token TIS collapsed in {tis} of {n} stale runs at 64-128 tokens",
+                    f"at k2, {len(to_ref)} seeds of two machines, it ended below the reference, {tis_ref}, confirmed on "
+                    f"the {len(added)} seeds added to test it, and level with none, {tis_none}",
+                    f"token TIS the weight that failed least, {tis}/{n} collapses ({low}/{n} ended low",
+                    f"none {none}/{n}; at 128 tokens two steps stale",
+                    f"token TIS ended below the fresh reference ({tis_ref}) and level with none ({tis_none})",
+                    f"collapsed in {tis} of {n} stale long-response runs)"], study_md)
+    readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
+    _assert_quoted([f"token TIS collapsed in {tis} of {n} stale long-response runs and at 128 tokens two steps stale "
+                    f"ended below the reference, {tis_ref} ({len(to_ref)} seeds), no better than none",
+                    f"({tis} collapses in {n} stale long-response runs)"], readme)
+    from megatron_mis.analysis.recommend import recommend
+
+    basis = " ".join(recommend(1e-3, 2000).basis.split())
+    _assert_quoted([f"({tis}/{n} collapses, {low}/{n} ended low", f"none in {none}/{n}.",
+                    f"token TIS {tis_ref} against the reference ({_quoted(alones['token_tis']['ref_fp32'])} on the "
+                    f"{len(added)} seeds that tested it) and {tis_none} against none, none itself {_quoted(none_ref)}; "
+                    f"bypass {_quoted(pooled['bypass_ppo', 'ref_fp32'])} against the reference and "
+                    f"{_quoted(pooled['bypass_ppo', 'none'])} against none ({pooled['bypass_ppo', 'none']['n']} seeds)"],
+                   basis)
 
 
 def _pooled_256_k1() -> dict:
