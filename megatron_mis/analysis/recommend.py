@@ -287,5 +287,6 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         "against none with 1/12 collapsed and 2/12 ended low. Stale two steps at 128 tokens (long-tail-stale-128 k2, "
         "s 2.4, 25 seeds of two machines): token TIS -0.036 [-0.067, -0.006] against the reference (-0.043 [-0.086, "
         "-0.002] on the 17 seeds that tested it) and -0.015 [-0.052, +0.022] against none, none itself -0.022 "
-        "[-0.053, +0.007]; bypass -0.001 [-0.034, +0.038] against the reference and +0.006 [-0.028, +0.046] against none (12 seeds)",
+        "[-0.053, +0.007]; bypass -0.001 [-0.034, +0.038] against the reference and +0.006 [-0.028, +0.046] "
+        "against none (12 seeds)",
     )
