@@ -718,7 +718,8 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
         study = summary["study"]
         assert dose["setting"] == old["setting"] and sorted(dose["arms"]) == sorted({"none", "ref_fp32", arm})
         assert list(dose["arms"][arm]["seeds"]) == list(added)
-        final = _committed_finals(archive, summary)
+        metrics = _committed_metrics(archive, summary)
+        final = {key: m["final_reward"] for key, m in metrics.items()}
         assert {s for a, s in final if a == arm} == set(added)  # every run of the correction is its report's
         made = {key: h for key, h in headers.items() if key[1] == arm}
         assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in made.values()} == {_ZEN3}
@@ -754,8 +755,9 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
             f"a 0.05 difference from the reference needs {seeds_for_effect(sd, 0.05)} seeds",
         ]
         if arm == "token_tis":  # question 1 on the added seeds alone, question 2 pooled
-            diffs = {s: final[arm, s] - final["ref_fp32", s] for s in added}
-            collapsed = [s for (a, s), m in _committed_metrics(archive, summary).items() if a == arm and m["collapsed"]]
+            tis_arms, tis_added, tis_study = arms, added, study  # for the study-wide record below
+            diffs = alone["ref_fp32"]["diffs"]
+            collapsed = [s for (a, s), m in metrics.items() if a == arm and m["collapsed"]]
             # the one collapse, the other run that ended low, and the reference's run that ended low, as quoted
             (seed,) = collapsed
             (other,) = [s for s in arms[arm]["ended_low"]["seeds"] if s != seed]
@@ -782,18 +784,15 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
     # the study-wide record of token TIS's stale long-response runs: the 37 counted before these runs (64 tokens k1,
     # k2, k4 x 3 seeds; 128 tokens k1 8 + 12 and k2 8 seeds: 1 collapsed, 2 ended low, none collapsed in 2 of the
     # same settings and seeds) and the added k2 seeds
-    report, added = _LAG2_128_CORRECTIONS["token_tis"]
-    summary = _summary(archive, report)
-    arms, study = summary["doses"][0]["arms"], summary["study"]
-    n = 37 + len(added)
-    tis, low, none = (1 + arms["token_tis"]["collapse"]["k"], 2 + arms["token_tis"]["ended_low"]["k"],
-                      2 + arms["none"]["collapse"]["k"])
+    n = 37 + len(tis_added)
+    tis, low, none = (1 + tis_arms["token_tis"]["collapse"]["k"], 2 + tis_arms["token_tis"]["ended_low"]["k"],
+                      2 + tis_arms["none"]["collapse"]["k"])
     _assert_quoted([f"token TIS now collapsed in {tis} of {n}", f"ended low in {low} of {n}; none collapsed in {none} of "
                     f"the same {n} settings and seeds"], section)
     # none - reference on the same 25 seeds, as the difference of token TIS's two pooled per-seed differences
     to_ref, to_none = (pooled["token_tis", base]["diffs"] for base in ("ref_fp32", "none"))
     none_ref = paired_differences({s: to_ref[s] - to_none[s] for s in to_ref}, dict.fromkeys(to_ref, 0.0),
-                                  confidence=study["confidence"], resamples=study["bootstrap"])
+                                  confidence=tis_study["confidence"], resamples=tis_study["bootstrap"])
     tis_ref, tis_none = _quoted(pooled["token_tis", "ref_fp32"]), _quoted(pooled["token_tis", "none"])
     quotes = [f"none's own shortfall over these {len(to_ref)} seeds, {_quoted(none_ref)}, is not resolved"
               if none_ref["high"] >= 0 else f"none's own shortfall over these {len(to_ref)} seeds, {_quoted(none_ref)}"]
@@ -802,7 +801,7 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
     study_md = _prose(_STUDY_DOCS.parent / "study.md")
     _assert_quoted([f"token TIS collapsed in {tis} of {n} stale runs at 64-128 tokens",
                     f"at k2, {len(to_ref)} seeds of two machines, it ended below the reference, {tis_ref}, confirmed on "
-                    f"the {len(added)} seeds added to test it, and level with none, {tis_none}",
+                    f"the {len(tis_added)} seeds added to test it, and level with none, {tis_none}",
                     f"token TIS the weight that failed least, {tis}/{n} collapses ({low}/{n} ended low",
                     f"none {none}/{n}; at 128 tokens two steps stale",
                     f"token TIS ended below the fresh reference ({tis_ref}) and level with none ({tis_none})",
@@ -816,7 +815,7 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
     basis = " ".join(recommend(1e-3, 2000).basis.split())
     _assert_quoted([f"({tis}/{n} collapses, {low}/{n} ended low", f"none in {none}/{n}.",
                     f"token TIS {tis_ref} against the reference ({_quoted(alones['token_tis']['ref_fp32'])} on the "
-                    f"{len(added)} seeds that tested it) and {tis_none} against none, none itself {_quoted(none_ref)}; "
+                    f"{len(tis_added)} seeds that tested it) and {tis_none} against none, none itself {_quoted(none_ref)}; "
                     f"bypass {_quoted(pooled['bypass_ppo', 'ref_fp32'])} against the reference and "
                     f"{_quoted(pooled['bypass_ppo', 'none'])} against none ({pooled['bypass_ppo', 'none']['n']} seeds)"],
                    basis)
