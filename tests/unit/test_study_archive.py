@@ -614,16 +614,15 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     assert dose["setting"] == old["setting"] and summary["steps"] == first["steps"]
     assert all(study[k] == first["study"][k] for k in ("bootstrap", "confidence", "last_k", "collapse_fraction"))
     assert sorted(dose["arms"]) == ["none", "ref_fp32"]
-    # the archive also holds the corrections run on these seeds later (the next section's): none's and the
-    # reference's runs here
-    # and a third machine's seeds past these (the section after next's): none's and the reference's runs of these seeds
+    # the archive also holds the corrections run on these seeds later and a third machine's seeds past them (the
+    # next two sections'): none's and the reference's runs of these seeds
     mine = {(arm, seed) for arm in ("none", "ref_fp32") for seed in added}
     metrics = {key: m for key, m in _committed_metrics(archive, summary).items() if key in mine}
     runs = {key: run for key, run in _archive_runs(archive).items() if key[1:] in mine}
     headers = {key: h for key, h in _archive_headers(archive).items() if key[1:] in mine}
     final = {key: m["final_reward"] for key, m in metrics.items()}
     assert set(final) == mine == {key[1:] for key in runs} == {key[1:] for key in headers}
-    assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in headers.values()} == {_ZEN3}
+    assert _kinds(headers.values()) == {_ZEN3}
     assert {h["config"]["threads"] for h in headers.values()} == {1}
     assert not any(h.get("copied_from") for h in headers.values())  # every run made here, none copied
 
@@ -677,9 +676,7 @@ def test_two_steps_of_lag_at_128_tokens_pools_the_first_machine_s_seeds_with_the
     if not collapsed:
         quotes.append(f"collapse of none ({first_worst}, {min(old_diffs.values()):+.3f}) did not recur")
     else:  # it recurred: each collapsed seed as quoted, the collapse counts of both machines and their Fisher test
-        total = k["none"] + k["ref_fp32"]  # one-sided: none's count or more of the collapses, n seeds in each arm
-        fisher = sum(math.comb(n, x) * math.comb(n, total - x) for x in range(k["none"], total + 1)) / math.comb(
-            2 * n, total)
+        fisher = _fisher_one_sided(k["none"], k["none"] + k["ref_fp32"], n)  # none's count or more of the collapses
         quotes += [*(f"seed {s} here (none {final['none', s]:.3f}, the reference {final['ref_fp32', s]:.3f}, "
                      f"{final['none', s] - final['ref_fp32', s]:+.3f})" for s in collapsed),
                    f"beside {first_worst} there ({min(old_diffs.values()):+.3f})",
@@ -726,7 +723,7 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
         final = {key: m["final_reward"] for key, m in metrics.items()}
         assert {s for a, s in final if a == arm} == set(added)  # every run of the correction is its report's
         made = {key: h for key, h in headers.items() if key[1] == arm and key[2] in added}
-        assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in made.values()} == {_ZEN3}
+        assert _kinds(made.values()) == {_ZEN3}
         assert {h["config"]["threads"] for h in made.values()} == {1} and not any(h.get("copied_from") for h in made.values())
         boot = {"confidence": study["confidence"], "resamples": study["bootstrap"]}
         alone = alones[arm] = {}
@@ -889,7 +886,7 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
     headers = {key[1:]: h for key, h in _archive_headers(archive).items() if key[1:] in mine}
     walls = [end["wall_s"] for key, (_, end) in _archive_runs(archive).items() if key[1:] in mine]
     assert set(headers) == mine and len(walls) == len(mine)
-    assert {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in headers.values()} == {_ZEN4}
+    assert _kinds(headers.values()) == {_ZEN4}
     assert {h["config"]["threads"] for h in headers.values()} == {1} and not any(h.get("copied_from") for h in headers.values())
     # the archive's runs of seeds past the Zen 3 VM's are these seeds' three arms, no more
     assert {key[1:] for key in _archive_runs(archive) if key[2] >= _LAG2_128_SEEDS.stop} == mine
@@ -941,13 +938,12 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
                                   confidence=1 - (1 - study["confidence"]) / 4, resamples=study["bootstrap"])
     diffs = none_ref.alone["diffs"]
     (collapsed,) = [s for s in added if r.metrics["none", s]["collapsed"]]
-    low_here = sorted((s for s in added if s != collapsed and diffs[s] < -0.1), key=lambda s: s)
+    low_here = [s for s in added if s != collapsed and diffs[s] < -0.1]
     first_worst = min(r.old["none_vs_reference"]["diffs"].items(), key=lambda kv: kv[1])[0]
     every = sorted([int(first_worst), *(s for s in r.zen3["none"] if r.metrics["none", s]["collapsed"]), collapsed])
     assert len(every) == total["none"]
     n = none_ref.pooled["n"]
-    fisher = sum(math.comb(n, x) * math.comb(n, total["none"] - x) for x in range(total["none"], total["none"] + 1)
-                 ) / math.comb(2 * n, total["none"])
+    fisher = _fisher_one_sided(total["none"], total["none"] + total["ref_fp32"], n)
     others = {s: d for s, d in none_ref.pooled["diffs"].items() if s not in every}
     without = paired_differences(others, dict.fromkeys(others, 0.0), confidence=study["confidence"],
                                  resamples=study["bootstrap"])
@@ -3220,6 +3216,18 @@ def _paired_mde(d: dict) -> float:
 
     diffs = list(d["diffs"].values())
     return minimal_detectable_effect(float(np.std(diffs, ddof=1)), len(diffs))
+
+
+def _kinds(headers) -> set:
+    """``{(cpu family/model, torch kernels)}`` of run headers (an iterable of header records): the machine kinds
+    their runs were made on, e.g. ``{_ZEN3}``."""
+    return {(h["machine"]["cpu_family_model"], h["machine"]["cpu_capability"]) for h in headers}
+
+
+def _fisher_one_sided(k: int, total: int, n: int) -> float:
+    """One-sided Fisher exact p of ``k`` or more of ``total`` events falling in the first of two arms of ``n``
+    seeds each (the hypergeometric tail)."""
+    return sum(math.comb(n, x) * math.comb(n, total - x) for x in range(k, total + 1)) / math.comb(2 * n, total)
 
 
 def _cost_gap(cost: dict, a: str, b: str) -> str:
