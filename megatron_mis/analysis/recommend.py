@@ -265,7 +265,7 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         "tokens (12 seeds) ahead of none by a smaller margin, on 10 of 12, taking off about 50 steps earlier, and "
         "ahead of token TIS, which collapsed on one of those seeds and never reached the plateau on another; at two "
         "steps of lag there token TIS ended below the fresh reference and no better than none (25 seeds), while "
-        "bypass ended level with the reference (20 seeds) and none about 0.03 behind it (33 seeds)",
+        "bypass ended level with the reference and above none (29 seeds) and none about 0.03 behind the reference (42 seeds)",
         "study (docs/study.md, long-tail-stale: 64-token responses, s 1.9-3.6 at 1-4 steps of lag; long-tail-stale-128: "
         "128 tokens, s 1.2 and 2.4 at 1 and 2 steps; 3-25 seeds per dose): token TIS the correction that failed least "
         "(2/54 collapses, 4/54 ended low, at 128 tokens k1 on a second machine and k2 on a Zen 3 VM; +0.105 [+0.018, "
@@ -288,7 +288,7 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
         "against none with 1/12 collapsed and 2/12 ended low. Stale two steps at 128 tokens (long-tail-stale-128 k2, "
         "s 2.4, 25 seeds of two machines): token TIS -0.036 [-0.067, -0.006] against the reference (-0.043 [-0.086, "
         "-0.002] on the 17 seeds that tested it) and -0.015 [-0.052, +0.022] against none; none itself -0.032 "
-        "[-0.059, -0.007] against the reference (33 seeds of three machines, 3 collapses); bypass +0.001 [-0.020, "
-        "+0.024] against the reference and +0.031 [-0.002, +0.067] against none (20 seeds of three machines, no "
+        "[-0.054, -0.012] against the reference (42 seeds of three machines, 3 collapses); bypass +0.001 [-0.014, "
+        "+0.017] against the reference and +0.031 [+0.008, +0.058] against none (29 seeds of three machines, no "
         "collapse)",
     )
