@@ -1096,7 +1096,13 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     assert adj_ref["high"] < 0 and k["none"] == 0 and without["high"] < 0
     assert 0.4 < without["mean"] / none_ref.pooled["mean"] < 0.6 and round(none_ref.pooled["mean"], 2) == -0.03
     _assert_quoted(quotes, section)
-    # the answers table, the summary, the plan, the open part; the README's long-response row and gap; analyze
+    # token TIS - reference at k2 over the first machine's seeds and the Zen 3 VM's (the sections above)
+    tis = {int(s): v for s, v in r.old["arms"]["token_tis"]["vs_reference"]["final_reward"]["diffs"].items()}
+    tis |= {s: r.final["token_tis", s] - r.final["ref_fp32", s] for s in _LAG2_128_CORRECTIONS["token_tis"][1]}
+    tis_ref = paired_differences(tis, dict.fromkeys(tis, 0.0), confidence=study["confidence"],
+                                 resamples=study["bootstrap"])
+    # the answers table, the summary, the plan, the open part, the guidance table; the README's long-response row
+    # and gap; analyze
     study_md = _prose(_STUDY_DOCS.parent / "study.md")
     _assert_quoted([
         f"only at 128 tokens two steps stale, by about 0.03: {_quoted(none_ref.pooled)} over {n} seeds of three machines "
@@ -1115,7 +1121,15 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
         f"above none, level with the reference",
         f"`long-tail-stale-128` k2's none and reference ({n} seeds), token TIS ({_LAG2_128_SEEDS.stop}) and bypass "
         f"({to_ref.pooled['n']}) are the open part",
-        f"int4; 3-{n}) | only at 128 tokens"], study_md)
+        f"int4; 3-{n}) | only at 128 tokens",
+        # the guidance table's stale row and the sentence under it
+        f"with long responses (`long-tail-stale-128` k2, K3 {_e(arms['none']['k3_mean'][0], 1)}) none fell behind the "
+        f"fresh reference by about 0.03 ({_quoted(none_ref.pooled)}, {n} seeds of three machines, {total['none']} "
+        f"collapses) and bypass ended level with the reference ({_quoted(to_ref.pooled)}, {to_ref.pooled['n']} seeds) "
+        f"and above none ({_quoted(to_none.pooled)}), collapsing in none of its seeds, while token TIS ended below the "
+        f"reference ({_quoted(tis_ref)}, {tis_ref['n']} seeds)",
+        f"(8 at 128 tokens k2, {n} of none and the reference there, {to_ref.pooled['n']} of bypass and "
+        f"{_LAG2_128_SEEDS.stop} of token TIS, 12 of none"], study_md)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     _assert_quoted([f"only at 128 tokens two steps stale, by about 0.03: {_quoted(none_ref.pooled)} ({n} seeds of three "
                     f"machines; MDE {none_ref.mde:.3f}; a fifth look, excluding 0 also with the 5% split over the looks), "
