@@ -879,8 +879,8 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
     difference taken on its own machine, with the pooled paired SD, MDE and the seeds a 0.05 difference needs (one
     table row each); the added runs' means, collapses, machine and times; the collapses over the three machines;
     and the outcomes of the questions fixed before they ran (a difference only where the pooled CI excludes 0, harm
-    only where it excludes 0 below, the 0.05 target by the MDE); and where the answers table, the README and
-    ``analyze``'s basis carry the pooled figures."""
+    only where it excludes 0 below, the 0.05 target by the MDE); and the plan's row for these runs (the answers
+    table, the README and ``analyze``'s basis carry the next look's figures: the next test)."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import paired_differences
@@ -983,6 +983,7 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
     assert none_ref.pooled["high"] < 0 and round(none_ref.pooled["mean"], 2) == -0.03
     assert to_ref.pooled["low"] <= 0 <= to_ref.pooled["high"] and to_ref.mde <= 0.05
 
+
 def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     """docs/study.md's section on more seeds of bypass, none and the reference at long-tail-stale-128 k2 (the Zen 4
     VM's seeds of :data:`_LAG2_128_ZEN4_MORE`, a session after those of :data:`_LAG2_128_ZEN4`): per comparison the
@@ -991,7 +992,7 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     row each); the added runs' means, collapses, machine and times; the outcomes of the questions fixed before they
     ran (a difference only where the pooled CI excludes 0, harm only where it excludes 0 below, the 0.05 target by
     the MDE; the interval with the 5% split over the looks); and where the answers table, the summary, the plan, the
-    README and ``analyze``'s basis carry the pooled figures."""
+    guidance table, the README and ``analyze``'s basis carry the pooled figures."""
     import numpy as np
 
     from megatron_mis.testbed.study.stats import paired_differences
