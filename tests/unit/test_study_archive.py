@@ -779,10 +779,8 @@ def test_token_tis_and_bypass_at_two_steps_of_lag_at_128_tokens_pool_the_first_m
             differs = pooled[arm, "none"]["high"] < 0 or pooled[arm, "none"]["low"] > 0
             quotes.append("**Token TIS differs from none**" if differs else "**Token TIS does not differ measurably from none**")
         else:  # question 3: a difference only where the pooled CI excludes 0
-            for base, word in (("ref_fp32", "the reference"), ("none", "none")):
-                d = pooled[arm, base]
-                quotes.append(f"**Bypass is {'above' if d['low'] > 0 else 'below'} {word}**" if d["low"] > 0 or d["high"] < 0
-                              else f"**Bypass is not measurably different from {word}**")
+            quotes += [_bypass_verdict(pooled[arm, base], word) for base, word in (("ref_fp32", "the reference"),
+                                                                                   ("none", "none"))]
     _assert_quoted(rows, section)  # one row per correction, in order, and no other row of figures in the table
     assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
     assert len(re.findall(r"\| `\w+` \| \d+-\d+ \| [-+]\d", section)) == len(rows)
@@ -872,6 +870,98 @@ def _lag2_128_three_machines(added: range = _LAG2_128_ZEN4[1]) -> SimpleNamespac
                            added=added, zen3=zen3, zen4=zen4)
 
 
+def _bypass_verdict(d: dict, word: str) -> str:
+    """The bold phrase with which a section reads a pooled bypass difference against ``word`` (``d``: a
+    :func:`~megatron_mis.testbed.study.stats.paired_differences` result): above or below it only where its CI
+    excludes 0."""
+    if d["low"] > 0 or d["high"] < 0:
+        return f"**Bypass is {'above' if d['low'] > 0 else 'below'} {word}**"
+    return f"**Bypass is not measurably different from {word}**"
+
+
+def _split_over_looks(d: dict, looks: int, study: dict) -> dict:
+    """``d`` (a paired difference) again with the report's 5% split evenly over ``looks`` looks: the paired
+    bootstrap interval at confidence 1 - 0.05 / looks (``study``: the report's study parameters)."""
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    return paired_differences(d["diffs"], dict.fromkeys(d["diffs"], 0.0),
+                              confidence=1 - (1 - study["confidence"]) / looks, resamples=study["bootstrap"])
+
+
+def _lag2_128_zen4_look(r: SimpleNamespace, dose: dict, part: str) -> SimpleNamespace:
+    """What both Zen 4 looks at long-tail-stale-128 k2 check alike (``r``: :func:`_lag2_128_three_machines` of the
+    look's seeds; ``dose``: its report's dose; ``part``: its docs/study.md section's title): its report quotes the
+    look's seeds in all three arms, whose runs were made on the Zen 4 VM at one thread and not copied, and the
+    archive holds no other run from the look's first seed up to the next look's; the report's own figures are
+    those recomputed from the archive; the section's table has one row per comparison, in order, and no other.
+    Returns the runs' wall times, the section, the report's collapses (``k``) and runs ended low per arm, each
+    arm's collapses and seeds over the three machines (``total``, ``seeds``), none's collapsed seeds there
+    (``every``), none - reference pooled without them (``without``) and the quotes both sections make of these."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import paired_differences
+
+    archive, added, arms, c = "sweep-long-tail-stale-128-k2", r.added, dose["arms"], r.comparisons
+    assert sorted(arms) == ["bypass_ppo", "none", "ref_fp32"]
+    assert all(list(arms[a]["seeds"]) == list(added) for a in arms)
+    mine = {(a, s) for a in arms for s in added}
+    headers = {key[1:]: h for key, h in _archive_headers(archive).items() if key[1:] in mine}
+    walls = [end["wall_s"] for key, (_, end) in _archive_runs(archive).items() if key[1:] in mine]
+    assert set(headers) == mine and len(walls) == len(mine)
+    assert _kinds(headers.values()) == {_ZEN4}
+    assert {h["config"]["threads"] for h in headers.values()} == {1} and not any(h.get("copied_from") for h in headers.values())
+    # the archive's runs from the look's first seed up to the next look's are its seeds' three arms, no more
+    stop = min((seeds.start for _, seeds in (_LAG2_128_ZEN4, _LAG2_128_ZEN4_MORE) if seeds.start > added.start),
+               default=math.inf)
+    assert {key[1:] for key in _archive_runs(archive) if added.start <= key[2] < stop} == mine
+    for key, report_key in ((("bypass_ppo", "ref_fp32"), arms["bypass_ppo"]["vs_reference"]["final_reward"]),
+                            (("bypass_ppo", "none"), arms["bypass_ppo"]["vs_none"]["final_reward"]),
+                            (("none", "ref_fp32"), dose["none_vs_reference"])):
+        assert _quoted(c[key].alone) == _quoted(report_key)  # the report's own figure, recomputed
+    section = _section(part)
+    rows = [f"| {x.name} | {added.start}-{added.stop - 1} | {_quoted(x.alone)} | {_seed_ranges(x.earlier['diffs'])} | "
+            f"{_quoted(x.earlier)} | {_quoted(x.pooled)} | {x.pooled['n']} | {x.sd:.3f} | {x.mde:.3f} | {x.needed} |"
+            for x in c.values()]
+    _assert_quoted(rows, section)  # one row per comparison, in order, and no other row of figures in the table
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    assert len(re.findall(r"\| [a-z]+ - [a-z]+ \| \d+-\d+ \| [-+]\d", section)) == len(rows)
+    mean = {a: np.mean([r.final[a, s] for s in added]) for a in arms}
+    k = {a: arms[a]["collapse"]["k"] for a in arms}
+    low = {a: arms[a]["ended_low"]["k"] for a in arms}
+    # collapses over the three machines: the first machine's from its report, the later ones from the runs
+    total = {a: r.old["arms"][a]["collapse"]["k"] + sum(r.metrics[a, s]["collapsed"] for s in (*r.zen3[a], *r.zen4))
+             + k[a] for a in arms}
+    seeds = {a: _LAG2_128_SEEDS.start + len(r.zen3[a]) + len(r.zen4) + len(added) for a in arms}
+    to_ref, to_none, none_ref = c["bypass_ppo", "ref_fp32"], c["bypass_ppo", "none"], c["none", "ref_fp32"]
+    assert seeds["none"] == none_ref.pooled["n"] and seeds["bypass_ppo"] == to_ref.pooled["n"] == to_none.pooled["n"]
+    # none's collapsed seeds over the three machines: the first machine's one is its worst seed against the reference
+    assert r.old["arms"]["none"]["collapse"]["k"] == 1
+    every = sorted([int(min(r.old["none_vs_reference"]["diffs"].items(), key=lambda kv: kv[1])[0]),
+                    *(s for s in (*r.zen3["none"], *r.zen4, *added) if r.metrics["none", s]["collapsed"])])
+    assert len(every) == total["none"]
+    n = none_ref.pooled["n"]
+    fisher = _fisher_one_sided(total["none"], total["none"] + total["ref_fp32"], n)
+    others = {s: v for s, v in none_ref.pooled["diffs"].items() if s not in every}
+    study = r.summary["study"]
+    without = paired_differences(others, dict.fromkeys(others, 0.0), confidence=study["confidence"],
+                                 resamples=study["bootstrap"])
+    quotes = [
+        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls) / 60:.1f} min per run (median)",
+        f"On seeds {added.start}-{added.stop - 1} the final rewards were none {mean['none']:.3f}, the reference "
+        f"{mean['ref_fp32']:.3f} and bypass {mean['bypass_ppo']:.3f} (means); collapsed: none {k['none']}, the "
+        f"reference {k['ref_fp32']}, bypass {k['bypass_ppo']} of {len(added)}; ended low: none {low['none']}, the "
+        f"reference {low['ref_fp32']}, bypass {low['bypass_ppo']}",
+        f"Over the three machines bypass collapsed in {total['bypass_ppo']} of {seeds['bypass_ppo']} seeds, none in "
+        f"{total['none']} of {seeds['none']} and the reference in {total['ref_fp32']} of {seeds['ref_fp32']}",
+        _bypass_verdict(to_ref.pooled, "the reference"), _bypass_verdict(to_none.pooled, "none"),
+        f"none collapsed in {total['none']} of {n} seeds ({', '.join(map(str, every))}) and the reference in "
+        f"{total['ref_fp32'] or 'none'} (one-sided Fisher exact p = {fisher:.2f})",
+        f"without those {len(every)} seeds the pooled difference is {_quoted(without)} over {len(others)}",
+    ]
+    return SimpleNamespace(walls=walls, section=section, k=k, low=low, total=total, seeds=seeds, every=every,
+                           without=without, quotes=quotes)
+
+
 def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
     """docs/study.md's section on bypass, none and the reference at long-tail-stale-128 k2 on a Zen 4 VM's seeds past
     24: per comparison (bypass - reference, bypass - none, none - reference) the Zen 4 seeds alone (the report's own
@@ -883,54 +973,11 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
     table, the README and ``analyze``'s basis carry the next look's figures: the next test)."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import paired_differences
-
     r = _lag2_128_three_machines()
-    archive, added, dose = "sweep-long-tail-stale-128-k2", r.added, r.dose
-    arms = dose["arms"]
-    assert sorted(arms) == ["bypass_ppo", "none", "ref_fp32"]
-    assert all(list(arms[a]["seeds"]) == list(added) for a in arms)
-    mine = {(a, s) for a in arms for s in added}
-    headers = {key[1:]: h for key, h in _archive_headers(archive).items() if key[1:] in mine}
-    walls = [end["wall_s"] for key, (_, end) in _archive_runs(archive).items() if key[1:] in mine]
-    assert set(headers) == mine and len(walls) == len(mine)
-    assert _kinds(headers.values()) == {_ZEN4}
-    assert {h["config"]["threads"] for h in headers.values()} == {1} and not any(h.get("copied_from") for h in headers.values())
-    # the archive's runs of seeds past the Zen 3 VM's and before the next look's are these seeds' three arms, no more
-    assert {key[1:] for key in _archive_runs(archive)
-            if _LAG2_128_SEEDS.stop <= key[2] < _LAG2_128_ZEN4_MORE[1].start} == mine
+    added, arms = r.added, r.dose["arms"]
+    look = _lag2_128_zen4_look(r, r.dose, "Bypass at two steps of lag at 128 tokens on a third machine")
+    walls, total, quotes = look.walls, look.total, look.quotes
     c = r.comparisons
-    for key, report_key in ((("bypass_ppo", "ref_fp32"), arms["bypass_ppo"]["vs_reference"]["final_reward"]),
-                            (("bypass_ppo", "none"), arms["bypass_ppo"]["vs_none"]["final_reward"]),
-                            (("none", "ref_fp32"), dose["none_vs_reference"])):
-        assert _quoted(c[key].alone) == _quoted(report_key)  # the report's own figure, recomputed
-    section = _section("Bypass at two steps of lag at 128 tokens on a third machine")
-    rows = [f"| {x.name} | {added.start}-{added.stop - 1} | {_quoted(x.alone)} | 0-{max(x.earlier['diffs'])} | "
-            f"{_quoted(x.earlier)} | {_quoted(x.pooled)} | {x.pooled['n']} | {x.sd:.3f} | {x.mde:.3f} | {x.needed} |"
-            for x in c.values()]
-    _assert_quoted(rows, section)  # one row per comparison, in order, and no other row of figures in the table
-    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
-    assert len(re.findall(r"\| [a-z]+ - [a-z]+ \| \d+-\d+ \| [-+]\d", section)) == len(rows)
-    mean = {a: np.mean([r.final[a, s] for s in added]) for a in arms}
-    k = {a: arms[a]["collapse"]["k"] for a in arms}
-    low = {a: arms[a]["ended_low"]["k"] for a in arms}
-    # collapses over the three machines: the first machine's from its report, the Zen 3 VM's and these from the runs
-    zen3 = {a: sum(r.metrics[a, s]["collapsed"] for s in r.zen3[a]) for a in arms}
-    total = {a: r.old["arms"][a]["collapse"]["k"] + zen3[a] + k[a] for a in arms}
-    seeds = {a: _LAG2_128_SEEDS.start + len(r.zen3[a]) + len(added) for a in arms}
-    quotes = [
-        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls) / 60:.1f} min per run (median)",
-        f"On seeds {added.start}-{added.stop - 1} the final rewards were none {mean['none']:.3f}, the reference "
-        f"{mean['ref_fp32']:.3f} and bypass {mean['bypass_ppo']:.3f} (means); collapsed: none {k['none']}, the "
-        f"reference {k['ref_fp32']}, bypass {k['bypass_ppo']} of {len(added)}; ended low: none {low['none']}, the "
-        f"reference {low['ref_fp32']}, bypass {low['bypass_ppo']}",
-        f"Over the three machines bypass collapsed in {total['bypass_ppo']} of {seeds['bypass_ppo']} seeds, none in "
-        f"{total['none']} of {seeds['none']} and the reference in {total['ref_fp32']} of {seeds['ref_fp32']}",
-    ]
-    for (arm, base), word in ((("bypass_ppo", "ref_fp32"), "the reference"), (("bypass_ppo", "none"), "none")):
-        d = c[arm, base].pooled
-        quotes.append(f"**Bypass is {'above' if d['low'] > 0 else 'below'} {word}**" if d["low"] > 0 or d["high"] < 0
-                      else f"**Bypass is not measurably different from {word}**")
     to_ref, to_none, none_ref = c["bypass_ppo", "ref_fp32"], c["bypass_ppo", "none"], c["none", "ref_fp32"]
     quotes += [f"{_quoted(to_ref.pooled)} over {to_ref.pooled['n']} seeds of three machines, **MDE {to_ref.mde:.3f}: "
                f"the 0.05 target is {'met' if to_ref.mde <= 0.05 else 'not met'}**; on the added seeds alone "
@@ -940,22 +987,14 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
                f"{sum(d > 0 for d in to_none.alone['diffs'].values())} of {len(added)}",
                "**Harm at two steps of lag**" if none_ref.pooled["high"] < 0 else "**No harm shown at two steps of lag**"]
     assert to_none.alone["low"] > 0 and to_none.pooled["low"] <= 0  # the sentence's "though ... it is above none"
-    # question 3: the pooled figure, the earlier one, the added seeds alone; the look-adjusted interval, each of
-    # none's failures here, its collapses over the three machines and the pooled figure without them
-    study = r.summary["study"]
-    adjusted = paired_differences(none_ref.pooled["diffs"], dict.fromkeys(none_ref.pooled["diffs"], 0.0),
-                                  confidence=1 - (1 - study["confidence"]) / 4, resamples=study["bootstrap"])
+    # question 3: the pooled figure, the earlier one, the added seeds alone; the look-adjusted interval and each of
+    # none's failures here (its collapses over the three machines and the figure without them: the shared quotes)
+    adjusted = _split_over_looks(none_ref.pooled, 4, r.summary["study"])
     diffs = none_ref.alone["diffs"]
     (collapsed,) = [s for s in added if r.metrics["none", s]["collapsed"]]
     low_here = [s for s in added if s != collapsed and diffs[s] < -0.1]
-    first_worst = min(r.old["none_vs_reference"]["diffs"].items(), key=lambda kv: kv[1])[0]
-    every = sorted([int(first_worst), *(s for s in r.zen3["none"] if r.metrics["none", s]["collapsed"]), collapsed])
-    assert len(every) == total["none"]
+    assert collapsed in look.every
     n = none_ref.pooled["n"]
-    fisher = _fisher_one_sided(total["none"], total["none"] + total["ref_fp32"], n)
-    others = {s: d for s, d in none_ref.pooled["diffs"].items() if s not in every}
-    without = paired_differences(others, dict.fromkeys(others, 0.0), confidence=study["confidence"],
-                                 resamples=study["bootstrap"])
     quotes += [f"none - reference {_quoted(none_ref.pooled)} over {n} seeds of three machines (MDE {none_ref.mde:.3f}), "
                f"after {_quoted(none_ref.earlier)} over the {none_ref.earlier['n']} earlier seeds; the added seeds "
                f"alone, which no earlier look saw, gave {_quoted(none_ref.alone)} "
@@ -964,15 +1003,12 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
                f"none collapsed on seed {collapsed} here ({diffs[collapsed]:+.3f} against the reference), and ended near "
                f"{min(r.final['none', s] for s in low_here):.2f}-{max(r.final['none', s] for s in low_here):.2f} on "
                f"seeds {' and '.join(map(str, low_here))} ({', '.join(f'{diffs[s]:+.3f}' for s in low_here)})",
-               f"none collapsed in {total['none']} of {n} seeds ({', '.join(map(str, every))}) and the reference in "
-               f"{total['ref_fp32'] or 'none'} (one-sided Fisher exact p = {fisher:.2f})",
-               f"without those {len(every)} seeds the pooled difference is {_quoted(without)} over {len(others)}",
                f"(K3 of none {_e(arms['none']['k3_mean'][0], 1)} here)",
                f"ends level with the reference there (MDE {to_ref.mde:.3f}) and collapsed in none of its "
                f"{to_ref.pooled['n']} seeds"]
     assert none_ref.alone["high"] < 0 and 0 < adjusted["high"] and total["bypass_ppo"] == 0  # the sentences' reading
     assert len(low_here) == 2 and total["ref_fp32"] == 0
-    _assert_quoted(quotes, section)
+    _assert_quoted(quotes, look.section)
     # the plan's row for these runs (the answers table, the summary, the README and analyze quote the next look)
     _assert_quoted([f"then none, the reference and bypass x {len(added)} more on a Zen 4 VM ({sum(walls) / 3600:.1f} "
                     f"CPU-hours for {len(walls)} runs at {np.median(walls) / 60:.1f} min; none {n} seeds, MDE "
@@ -999,77 +1035,25 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
 
     report, added = _LAG2_128_ZEN4_MORE
     r = _lag2_128_three_machines(added)
-    archive, summary = "sweep-long-tail-stale-128-k2", _summary("sweep-long-tail-stale-128-k2", report)
+    summary = _summary("sweep-long-tail-stale-128-k2", report)
     (dose,) = summary["doses"]
     arms = dose["arms"]
     assert dose["setting"] == r.dose["setting"] and summary["steps"] == r.summary["steps"]
     assert all(summary["study"][k] == r.summary["study"][k] for k in ("bootstrap", "confidence", "last_k",
                                                                       "collapse_fraction", "threads", "jobs"))
-    assert sorted(arms) == ["bypass_ppo", "none", "ref_fp32"]
-    assert all(list(arms[a]["seeds"]) == list(added) for a in arms)
-    mine = {(a, s) for a in arms for s in added}
-    headers = {key[1:]: h for key, h in _archive_headers(archive).items() if key[1:] in mine}
-    walls = [end["wall_s"] for key, (_, end) in _archive_runs(archive).items() if key[1:] in mine]
-    assert set(headers) == mine and len(walls) == len(mine)
-    assert _kinds(headers.values()) == {_ZEN4}
-    assert {h["config"]["threads"] for h in headers.values()} == {1} and not any(h.get("copied_from") for h in headers.values())
-    # the archive's runs of seeds past the first Zen 4 look's are these seeds' three arms, no more
-    assert {key[1:] for key in _archive_runs(archive) if key[2] >= _LAG2_128_ZEN4[1].stop} == mine
+    look = _lag2_128_zen4_look(r, dose, "More seeds of bypass, none and the reference at two steps of lag at 128 tokens")
+    walls, total, every, without, quotes = look.walls, look.total, look.every, look.without, look.quotes
     c = r.comparisons
-    for key, report_key in ((("bypass_ppo", "ref_fp32"), arms["bypass_ppo"]["vs_reference"]["final_reward"]),
-                            (("bypass_ppo", "none"), arms["bypass_ppo"]["vs_none"]["final_reward"]),
-                            (("none", "ref_fp32"), dose["none_vs_reference"])):
-        assert _quoted(c[key].alone) == _quoted(report_key)  # the report's own figure, recomputed
-    section = _section("More seeds of bypass, none and the reference at two steps of lag at 128 tokens")
-    rows = [f"| {x.name} | {added.start}-{added.stop - 1} | {_quoted(x.alone)} | {_seed_ranges(x.earlier['diffs'])} | "
-            f"{_quoted(x.earlier)} | {_quoted(x.pooled)} | {x.pooled['n']} | {x.sd:.3f} | {x.mde:.3f} | {x.needed} |"
-            for x in c.values()]
-    _assert_quoted(rows, section)
-    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
-    assert len(re.findall(r"\| [a-z]+ - [a-z]+ \| \d+-\d+ \| [-+]\d", section)) == len(rows)
     # the earlier seeds are those the section above pooled, bypass's 20 and none's 33
     assert [c[k].earlier["n"] for k in c] == [20, 20, 33]
-    mean = {a: np.mean([r.final[a, s] for s in added]) for a in arms}
-    k = {a: arms[a]["collapse"]["k"] for a in arms}
-    low = {a: arms[a]["ended_low"]["k"] for a in arms}
-    # collapses over the three machines: the first machine's from its report, the later ones from the runs
-    later = {a: sum(r.metrics[a, s]["collapsed"] for s in (*r.zen3[a], *r.zen4, *added)) for a in arms}
-    total = {a: r.old["arms"][a]["collapse"]["k"] + later[a] for a in arms}
-    seeds = {a: _LAG2_128_SEEDS.start + len(r.zen3[a]) + len(r.zen4) + len(added) for a in arms}
     to_ref, to_none, none_ref = c["bypass_ppo", "ref_fp32"], c["bypass_ppo", "none"], c["none", "ref_fp32"]
-    assert seeds["none"] == none_ref.pooled["n"] and seeds["bypass_ppo"] == to_ref.pooled["n"] == to_none.pooled["n"]
-    quotes = [
-        f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls) / 60:.1f} min per run (median)",
-        f"On seeds {added.start}-{added.stop - 1} the final rewards were none {mean['none']:.3f}, the reference "
-        f"{mean['ref_fp32']:.3f} and bypass {mean['bypass_ppo']:.3f} (means); collapsed: none {k['none']}, the "
-        f"reference {k['ref_fp32']}, bypass {k['bypass_ppo']} of {len(added)}; ended low: none {low['none']}, the "
-        f"reference {low['ref_fp32']}, bypass {low['bypass_ppo']}",
-        f"Over the three machines bypass collapsed in {total['bypass_ppo']} of {seeds['bypass_ppo']} seeds, none in "
-        f"{total['none']} of {seeds['none']} and the reference in {total['ref_fp32']} of {seeds['ref_fp32']}",
-    ]
     study = summary["study"]
-
-    def looks(d: dict, n: int) -> dict:  # the interval with the 5% split evenly over n looks
-        return paired_differences(d["diffs"], dict.fromkeys(d["diffs"], 0.0), confidence=1 - (1 - study["confidence"]) / n,
-                                  resamples=study["bootstrap"])
-
-    def verdict(d: dict, word: str) -> str:
-        return (f"**Bypass is {'above' if d['low'] > 0 else 'below'} {word}**" if d["low"] > 0 or d["high"] < 0
-                else f"**Bypass is not measurably different from {word}**")
-
-    quotes += [verdict(to_none.pooled, "none"), verdict(to_ref.pooled, "the reference")]
     # question 1 (a third look), question 2, question 3 (a fifth look): each pooled figure with its MDE, the added
-    # seeds alone, the look-adjusted interval; none's collapses over the three machines and the figure without them
-    adj_none, adj_ref = looks(to_none.pooled, 3), looks(none_ref.pooled, 5)
+    # seeds alone, the look-adjusted interval (none's collapses over the three machines and the figure without them:
+    # the shared quotes)
+    adj_none, adj_ref = _split_over_looks(to_none.pooled, 3, study), _split_over_looks(none_ref.pooled, 5, study)
     diffs = none_ref.alone["diffs"]
-    every = sorted([int(min(r.old["none_vs_reference"]["diffs"].items(), key=lambda kv: kv[1])[0]),
-                    *(s for s in (*r.zen3["none"], *r.zen4, *added) if r.metrics["none", s]["collapsed"])])
-    assert r.old["arms"]["none"]["collapse"]["k"] == 1 and len(every) == total["none"]
     n = none_ref.pooled["n"]
-    fisher = _fisher_one_sided(total["none"], total["none"] + total["ref_fp32"], n)
-    others = {s: v for s, v in none_ref.pooled["diffs"].items() if s not in every}
-    without = paired_differences(others, dict.fromkeys(others, 0.0), confidence=study["confidence"],
-                                 resamples=study["bootstrap"])
     quotes += [
         f"{_quoted(to_none.pooled)} over {to_none.pooled['n']} seeds of three machines, **MDE {to_none.mde:.3f}: the "
         f"0.05 target is {'met' if to_none.mde <= 0.05 else 'not met'}**; on the added seeds alone {_quoted(to_none.alone)}, "
@@ -1083,9 +1067,6 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
         f"gave {_quoted(none_ref.alone)} ({sum(v < 0 for v in diffs.values())} of the {len(added)} below 0)",
         f"(a 99% interval) the pooled interval is [{adj_ref['low']:.3f}, {adj_ref['high']:.3f}], which now excludes 0 too",
         f"ended between {min(r.final['none', s] for s in added):.2f} and {max(r.final['none', s] for s in added):.2f} on them",
-        f"none collapsed in {total['none']} of {n} seeds ({', '.join(map(str, every))}) and the reference in "
-        f"{total['ref_fp32'] or 'none'} (one-sided Fisher exact p = {fisher:.2f})",
-        f"without those {len(every)} seeds the pooled difference is {_quoted(without)} over {len(others)}",
         f"(K3 of none {_e(arms['none']['k3_mean'][0], 1)} here)",
         f"resolved to the 0.05 target (MDE {none_ref.mde:.3f})",
         f"ends level with the reference (MDE {to_ref.mde:.3f}) and measurably above none, collapsing in none of its "
@@ -1094,9 +1075,9 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     # the sentences' readings: bypass above none even after the adjustment, level with the reference; harm also
     # after it; no collapse on the added seeds; without the collapses about half of the shortfall is left
     assert adj_none["low"] > 0 and to_ref.pooled["low"] <= 0 <= to_ref.pooled["high"] and total["bypass_ppo"] == 0
-    assert adj_ref["high"] < 0 and k["none"] == 0 and without["high"] < 0
+    assert adj_ref["high"] < 0 and look.k["none"] == 0 and without["high"] < 0
     assert 0.4 < without["mean"] / none_ref.pooled["mean"] < 0.6 and round(none_ref.pooled["mean"], 2) == -0.03
-    _assert_quoted(quotes, section)
+    _assert_quoted(quotes, look.section)
     # token TIS - reference at k2 over the first machine's seeds and the Zen 3 VM's (the sections above)
     tis = {int(s): v for s, v in r.old["arms"]["token_tis"]["vs_reference"]["final_reward"]["diffs"].items()}
     tis |= {s: r.final["token_tis", s] - r.final["ref_fp32", s] for s in _LAG2_128_CORRECTIONS["token_tis"][1]}
