@@ -199,6 +199,12 @@ _LAG2_128_ZEN4_MORE = ("more-zen4", range(33, 42))
 #: the comparisons pooled over the three machines: (arm, base, its name in the section's table)
 _LAG2_128_POOLED = (("bypass_ppo", "ref_fp32", "bypass - reference"), ("bypass_ppo", "none", "bypass - none"),
                     ("none", "ref_fp32", "none - reference"))
+#: docs/study/sweep-long-tail-precision/int4-zen4 and bf16-zen4: none at int4 and at bf16 rollouts of the 128-token
+#: long-tail task on a Zen 4 VM's seeds from 25 (2026-12-07; the question fixed before any of them ran), each beside the
+#: fresh fp32 reference the k2 archive holds for those seeds (copied: the reference resets the precision and the
+#: lag); the seeds finished at both doses by the pre-registered cut. The archive holds both doses (one report each)
+_PRECISION_128_DOSES = ("int4", "bf16")
+_PRECISION_128_SEEDS = range(25, 37)
 #: the committed archives' reports: (sweep folder, report subfolder, {arm: seeds it quotes})
 _REPORTS = [
     ("sweep-long-tail-stale-128", "replication-avx2", {"none": range(12)}),
@@ -216,6 +222,8 @@ _REPORTS = [
     ("sweep-long-tail-stale-128-k2", _LAG2_128_ZEN4[0], {"none": _LAG2_128_ZEN4[1], "bypass_ppo": _LAG2_128_ZEN4[1]}),
     ("sweep-long-tail-stale-128-k2", _LAG2_128_ZEN4_MORE[0], {"none": _LAG2_128_ZEN4_MORE[1],
                                                               "bypass_ppo": _LAG2_128_ZEN4_MORE[1]}),
+    # none at int4 and bf16 rollouts of the 128-token task on the Zen 4 VM's seeds, beside the k2 archive's reference
+    *(("sweep-long-tail-precision", f"{dose}-zen4", {"none": _PRECISION_128_SEEDS}) for dose in _PRECISION_128_DOSES),
     ("sweep-long-tail-stale-256", "seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7)}),
     ("sweep-long-tail-stale-256", "seeds-6-8", {"none": (6, 7, 8), "token_tis": (6, 7, 8), "bypass_ppo": (6, 7, 8)}),
     ("sweep-long-tail-stale-256", "sequence-seeds-6-7", {"none": (6, 7), "token_tis": (6, 7), "bypass_ppo": (6, 7),
@@ -346,7 +354,7 @@ def _archive_metrics(sweep: str, setting: str, steps: int, last_k: int, threshol
 
 #: The archives that hold several doses of a sweep (one report per dose): their runs are filed under their own
 #: setting, and a report's figures read only its dose's
-_MULTI_DOSE_ARCHIVES = frozenset({"sweep-moe-noise", "sweep-top-p"})
+_MULTI_DOSE_ARCHIVES = frozenset({"sweep-long-tail-precision", "sweep-moe-noise", "sweep-top-p"})
 
 
 @functools.cache
@@ -476,16 +484,18 @@ def test_the_current_sweep_reports_are_their_summaries_markdown():
 @pytest.mark.parametrize("sweep", sorted({sweep for sweep, _, _ in _REPORTS}))
 def test_every_committed_run_is_in_a_report(sweep):
     """A run added to a committed archive without a report that quotes it fails here (a report
-    quotes its reference's runs on its seeds where it ran one)."""
-    reports = [(report, arms) for s, report, arms in _REPORTS if s == sweep]
-    final = _committed_finals(sweep, _summary(sweep, reports[0][0]))
+    quotes its reference's runs on its seeds where it ran one; in an archive of several doses, each
+    report its own dose's runs)."""
     quoted = set()
-    for report, arms in reports:
-        runs = {(arm, seed) for arm, seeds in arms.items() for seed in seeds}
-        if "ref_fp32" in _summary(sweep, report)["doses"][0]["arms"]:
-            runs |= {("ref_fp32", seed) for _, seed in runs}
+    for report, arms in [(report, arms) for s, report, arms in _REPORTS if s == sweep]:
+        summary = _summary(sweep, report)
+        _committed_finals(sweep, summary)  # its dose's runs complete and of its step count
+        (dose,) = summary["doses"]
+        runs = {(dose["setting"], arm, seed) for arm, seeds in arms.items() for seed in seeds}
+        if "ref_fp32" in dose["arms"]:
+            runs |= {(setting, "ref_fp32", seed) for setting, _, seed in runs}
         quoted |= runs
-    assert set(final) == quoted
+    assert set(_archive_runs(sweep)) == quoted
 
 
 def test_the_quoted_bypass_over_token_tis_at_128_tokens_k1_comes_from_the_archive():
@@ -4680,3 +4690,160 @@ def test_the_moe_router_noise_at_180_seeds_comes_from_the_archive():
     for dose in _MOE_NOISE_MORE_DOSES:
         quoted = f"{_quoted(figures[dose, 'none - ref'])} at sigma {dose[1:]} ({len(seeds)} seeds"
         assert quoted in answers and quoted in readme, quoted
+
+
+
+
+@functools.cache
+def _precision_128_zen4() -> SimpleNamespace:
+    """long-tail-precision on the Zen 4 VM's seeds :data:`_PRECISION_128_SEEDS` (:func:`_one_vm_report` of each
+    dose's report), recomputed from the archive, with the first machine's seeds (its summary.json: int4 0-3, bf16
+    0-1; their runs were not kept), each seed's difference on its own machine: per dose none - reference on the final
+    reward over the added seeds, the earlier seeds and both (unadjusted and with the 5% split over the two looks),
+    its paired SD, MDE and the seeds a 0.05 difference needs, and on the steps to the take-off threshold; int4 -
+    bf16 on the added seeds; none's K3, mean final reward, collapses and runs ended low per dose; the runs' times.
+    Checks that the none runs were made on the Zen 4 VM at one thread and the reference runs are the k2 archive's,
+    copied."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import paired_differences, seeds_for_effect
+
+    sweep, seeds, ref = "sweep-long-tail-precision", _PRECISION_128_SEEDS, "ref_fp32"
+    k2 = _archive_records("sweep-long-tail-stale-128-k2")
+    records, walls, out = _archive_records(sweep), [], {}
+    for dose in _PRECISION_128_DOSES:
+        report = _one_vm_report(f"{dose}-zen4", ("none", ref), seeds, _ZEN4, sweep)
+        arms, final, runs, setting, paired, study = report
+        summary = _summary(sweep, f"{dose}-zen4")
+        assert setting == f"long-tail-precision-{dose}" and summary["steps"] == 300
+        metrics = _committed_metrics(sweep, summary)
+        boot = {"confidence": study["confidence"], "resamples": study["bootstrap"]}
+        for s in seeds:
+            none, copy = records[setting, "none", s][0], records[setting, ref, s]
+            assert none["config"]["threads"] == 1 and "copied_from" not in none, s  # made here, one thread
+            # the reference is the k2 archive's run of the seed, its header renamed
+            assert copy[0]["copied_from"].endswith(f"long-tail-stale-128-k2/ref_fp32/seed-{s}.jsonl"), s
+            assert copy[1:] == k2["long-tail-stale-128-k2", ref, s][1:], s
+            walls.append(runs[setting, "none", s][1]["wall_s"])
+        first = _dose(sweep, ".", dose)
+        earlier = {int(s): v for s, v in first["none_vs_reference"]["diffs"].items()}
+        earlier_steps = {int(s): v for s, v in first["arms"]["none"]["vs_reference"]["steps_to_threshold"]["diffs"].items()}
+        assert sorted(earlier) == list(range({"int4": 4, "bf16": 2}[dose]))
+        added = paired("none", ref)
+        assert _quoted(added) == _quoted(summary["doses"][0]["none_vs_reference"])
+        both = {**earlier, **added["diffs"]}
+        pooled = paired_differences(both, dict.fromkeys(both, 0.0), **boot)
+        steps = {a: {s: metrics[a, s]["steps_to_threshold"] for s in seeds} for a in ("none", ref)}
+        steps_added = paired_differences(steps["none"], steps[ref], **boot)
+        assert _quoted(steps_added, "{:+.0f}") == _quoted(arms["none"]["vs_reference"]["steps_to_threshold"], "{:+.0f}")
+        steps_both = {**earlier_steps, **steps_added["diffs"]}
+        sd = float(np.std(list(both.values()), ddof=1))
+        out[dose] = SimpleNamespace(
+            setting=setting, study=study, final=final, metrics=metrics, k3=arms["none"]["k3_mean"][0],
+            added=added, earlier=paired_differences(earlier, dict.fromkeys(earlier, 0.0), **boot), pooled=pooled,
+            adjusted=_split_over_looks(pooled, 2, study), sd=sd, mde=_paired_mde(pooled),
+            needed=seeds_for_effect(sd, 0.05), steps_added=steps_added,
+            steps_earlier=paired_differences(earlier_steps, dict.fromkeys(earlier_steps, 0.0), **boot),
+            steps_pooled=paired_differences(steps_both, dict.fromkeys(steps_both, 0.0), **boot),
+            mean={a: float(np.mean([final[a, s] for s in seeds])) for a in ("none", ref)},
+            collapsed={a: arms[a]["collapse"]["k"] for a in ("none", ref)},
+            low={a: arms[a]["ended_low"]["k"] for a in ("none", ref)},
+            reached={a: arms[a]["steps_to_threshold"]["reached"] for a in ("none", ref)})
+    int4, bf16 = out["int4"], out["bf16"]
+    boot = {"confidence": int4.study["confidence"], "resamples": int4.study["bootstrap"]}
+    dose_final = paired_differences({s: int4.final["none", s] for s in seeds}, {s: bf16.final["none", s] for s in seeds},
+                                    **boot)
+    dose_steps = paired_differences({s: int4.metrics["none", s]["steps_to_threshold"] for s in seeds},
+                                    {s: bf16.metrics["none", s]["steps_to_threshold"] for s in seeds}, **boot)
+    return SimpleNamespace(doses=out, dose_final=dose_final, dose_steps=dose_steps, walls=walls)
+
+
+def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
+    """docs/study.md's section on none at int4 and bf16 rollouts of the 128-token task on the Zen 4 VM's seeds
+    (:func:`_precision_128_zen4`): both tables, the runs' count and times, the means, collapses and runs ended low,
+    the spread's seeds, the dose's comparison and its span of K3, recomputed from the archive and the first machine's
+    summary.json; the outcome of each question fixed before the runs, each from its rule; the answers, the summary,
+    the plan, the guidance table, the README and ``analyze`` quote it."""
+    import numpy as np
+
+    from megatron_mis.analysis.recommend import S_MEASURED_HARMLESS, S_SEQUENCE_DEGENERATE, recommend
+
+    r = _precision_128_zen4()
+    seeds, d = _PRECISION_128_SEEDS, r.doses
+    int4, bf16 = d["int4"], d["bf16"]
+    section = _section("Rollout precision at 128 tokens on more seeds")
+    steps = functools.partial(_quoted, fmt="{:+.0f}")
+    rows = [f"| {dose} | {_e(x.k3, 1)} | {_quoted(x.added)} | {_seed_ranges(x.earlier['diffs'])} | "
+            f"{_quoted(x.earlier)} | {_quoted(x.pooled)} | {x.pooled['n']} | {x.sd:.3f} | {x.mde:.3f} | {x.needed} | "
+            f"{_quoted(x.adjusted)} |" for dose, x in d.items()]
+    rows += [f"| {dose} | {steps(x.steps_added)} ({x.steps_added['n']} seeds) | {steps(x.steps_earlier)} "
+             f"({x.steps_earlier['n']}) | {steps(x.steps_pooled)} ({x.steps_pooled['n']}) |" for dose, x in d.items()]
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    # the take-off's earlier seeds are the first machine's report's, every pair of them reached the threshold
+    assert [x.steps_earlier["n"] for x in d.values()] == [len(x.earlier["diffs"]) for x in d.values()]
+    quotes = [*rows, f"{len(r.walls)} runs, {sum(r.walls) / 3600:.1f} CPU-hours, {np.median(r.walls) / 60:.1f} min "
+              f"per run (median)",
+              f"On seeds {seeds.start}-{seeds.stop - 1} the mean final rewards were none {int4.mean['none']:.3f} at "
+              f"int4, {bf16.mean['none']:.3f} at bf16 and the reference {int4.mean['ref_fp32']:.3f}",
+              f"int4 - bf16 {_quoted(r.dose_final)} on the final reward and {steps(r.dose_steps)} steps on the take-off "
+              f"({r.dose_steps['n']} seeds), across {np.log10(int4.k3 / bf16.k3):.1f} decades of K3"]
+    assert int4.mean["ref_fp32"] == bf16.mean["ref_fp32"]  # one reference
+    assert all(x.collapsed == x.low == {"none": 0, "ref_fp32": 0} for x in d.values())  # "no run ... collapsed or ended low"
+    assert all(x.reached == {"none": len(seeds), "ref_fp32": len(seeds)} for x in d.values())  # "every run ... reaching"
+    for dose, x in d.items():
+        below = sorted(v for v in x.added["diffs"].values() if v < 0)
+        verdict = "behind" if x.pooled["high"] < 0 else "ahead of" if x.pooled["low"] > 0 else "not measurably behind"
+        quotes += [f"**None is {verdict} the reference at {dose}**",
+                   f"{_quoted(x.pooled)} over {x.pooled['n']} seeds",
+                   f"**MDE {x.mde:.3f}: the 0.05 target is {'met' if x.mde <= 0.05 else 'not met'}**",
+                   f"on the added seeds alone {_quoted(x.added)}",
+                   f"below 0 on {len(below)} of {len(seeds)}",
+                   f"With the 5% split over the two looks: {_quoted(x.adjusted)}"]
+    assert int4.pooled["low"] > -0.01  # "the interval excluding a cost of 0.01"
+    assert f"the lowest {min(int4.added['diffs'].values()):.3f}" in section
+    spread = sorted(bf16.added["diffs"].values())[:2]  # bf16's spread: its two lowest seeds, far below the rest
+    assert spread[1] < 3 * sorted(bf16.added["diffs"].values())[2]
+    quotes.append(f"its spread from two seeds ({spread[0]:.3f} and {spread[1]:.3f}; below 0 on")
+    held = any(x.steps_added["low"] > 0 for x in d.values())
+    quotes += ["**The later take-off holds**" if held else "**The later take-off does not hold**",
+               f"on the added seeds none took off {steps(int4.steps_added)} steps from the reference at int4 and "
+               f"{steps(bf16.steps_added)} at bf16",
+               f"pooled, {steps(int4.steps_pooled)} and {steps(bf16.steps_pooled)}. The {bf16.steps_earlier['mean']:+.0f} "
+               f"and {int4.steps_earlier['mean']:+.0f} steps of 2-4 seeds"]
+    costs_more = r.dose_final["high"] < 0
+    quotes.append("**The larger dose costs more**" if costs_more else "**The larger dose costs no more, measurably**")
+    s_int4 = float(np.sqrt(2 * 128 * int4.k3))
+    assert S_MEASURED_HARMLESS < s_int4 <= S_SEQUENCE_DEGENERATE  # "in analyze's "sequence-level" range"
+    quotes.append(f"at int4 (s = {s_int4:.1f}, in `analyze`'s \"sequence-level\" range)")
+    _assert_quoted(quotes, section)
+    # the quotes elsewhere: the answers' row and summary, the plan, the guidance table, the README and analyze
+    n4, n16 = int4.pooled["n"], bf16.pooled["n"]
+    q4, q16 = _quoted(int4.pooled), _quoted(bf16.pooled)
+    _assert_quoted([
+        f"int4 and bf16 at 128 tokens, {n4} and {n16} seeds of two machines) | none (at 128 tokens none - reference "
+        f"{q4} at int4, MDE {int4.mde:.3f}, and {q16} at bf16, MDE {bf16.mde:.3f}; take-off not measurably later: "
+        f"{steps(int4.steps_pooled)} and {steps(bf16.steps_pooled)} steps) |",
+        f"Numeric precision (none - reference at 128 tokens {q4} at int4 over {n4} seeds of two machines, MDE "
+        f"{int4.mde:.3f})",
+        f"the long responses' int8 dose beyond 2 seeds of none (int4 and bf16 at 128 tokens: {n4} and {n16} seeds)",
+    ], _section("The answers so far, per mechanism"))
+    assert not any(x.steps_pooled["low"] > 0 for x in d.values())  # "take-off not measurably later"
+    _assert_quoted([
+        f"{sum(r.walls) / 3600:.1f} for the {len(r.walls)} runs of seeds {seeds.start}-{seeds.stop - 1} (Zen 4 VM, "
+        f"{np.median(r.walls) / 60:.1f} min per run)",
+        f"int4 and bf16: none x {len(seeds)} more on a Zen 4 VM, the reference copied from the k2 archive ({n4} and "
+        f"{n16} seeds, MDE {int4.mde:.3f} and {bf16.mde:.3f}: **resolved**, none not hurt;",
+        f"`long-tail-precision` beyond 2 seeds of none at int8 (int4 and bf16: {n4} and {n16} seeds)",
+    ], _section("What has been run, and what the rest would cost"))
+    assert max(int4.mde, bf16.mde) <= 0.05  # "resolved"
+    guidance = (f"none itself again at L = 128 on {n4} seeds of two machines (`long-tail-precision` int4, `s` "
+                f"{s_int4:.1f}): {q4} against the reference, MDE {int4.mde:.3f}.")
+    assert guidance in _section("Which correction for which K3 and response length")
+    assert f"int4, 128 tokens, {q4} ({n4} seeds, MDE {int4.mde:.3f})" in _readme_study_section()
+    basis = " ".join(recommend(int4.k3, 128).basis.split())
+    assert recommend(int4.k3, 128).regime == "sequence-level"
+    assert (f"none itself at 128 tokens on {n4} seeds of two machines (long-tail-precision int4, s {s_int4:.1f}): "
+            f"{q4} against the fp32 reference, MDE {int4.mde:.3f}") in basis
+    # the section above points here
+    assert "noise at n = 2-4 until repeated, as the next section does at int4 and bf16" in _section(
+        "Rollout precision with 128-token responses")
