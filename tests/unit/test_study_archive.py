@@ -4844,6 +4844,8 @@ def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     assert recommend(int4.k3, 128).regime == "sequence-level"
     assert (f"none itself at 128 tokens on {n4} seeds of two machines (long-tail-precision int4, s {s_int4:.1f}): "
             f"{q4} against the fp32 reference, MDE {int4.mde:.3f}") in basis
-    # the section above points here
+    # the section above points here, and the take-off section's k0 cell at 128 tokens quotes it
     assert "noise at n = 2-4 until repeated, as the next section does at int4 and bf16" in _section(
         "Rollout precision with 128-token responses")
+    assert (f"that 128-token cell, repeated on {len(seeds)} more seeds, is {steps(int4.steps_pooled)} over "
+            f"{int4.steps_pooled['n']}") in _section("Steps to take-off in the long-tail sweeps")
