@@ -250,7 +250,8 @@ def recommend(k3_mean: float, response_length: float, *, share_ratio_above: floa
             "correction helps (every CI includes 0), sequence MIS -0.054 [-0.154, +0.002] against none with one "
             "collapse in four, token TIS -0.011 [-0.033, +0.009], no collapse: a cautious choice, not a measured "
             "difference; none itself at 128 tokens on 16 seeds of two machines (long-tail-precision int4, s 0.5): "
-            "+0.001 [-0.006, +0.008] against the fp32 reference, MDE 0.011. Literature (When Speed Kills Stability) for sequence-level weights in this range",
+            "+0.001 [-0.006, +0.008] against the fp32 reference, MDE 0.011. Literature (When Speed Kills Stability) "
+            "for sequence-level weights in this range",
         )
     band = geometric_band(k3, length)
     criteria = {"seq_zscore_k1": {"k3": float(f"{k3:.3g}"), "z": 3.0}}
