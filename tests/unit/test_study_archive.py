@@ -488,9 +488,7 @@ def test_every_committed_run_is_in_a_report(sweep):
     report its own dose's runs)."""
     quoted = set()
     for report, arms in [(report, arms) for s, report, arms in _REPORTS if s == sweep]:
-        summary = _summary(sweep, report)
-        _committed_finals(sweep, summary)  # its dose's runs complete and of its step count
-        (dose,) = summary["doses"]
+        (dose,) = _summary(sweep, report)["doses"]  # its runs' completeness and step count: the test above
         runs = {(dose["setting"], arm, seed) for arm, seeds in arms.items() for seed in seeds}
         if "ref_fp32" in dose["arms"]:
             runs |= {(setting, "ref_fp32", seed) for setting, _, seed in runs}
@@ -840,11 +838,7 @@ def _lag2_128_three_machines(added: range = _LAG2_128_ZEN4[1]) -> SimpleNamespac
     seeds 25 up to ``added``'s end), each seed's difference taken on its own machine; with the reports' paired
     bootstrap over the earlier seeds (every seed before ``added``), the ``added`` seeds alone (a Zen 4 look's own:
     those of :data:`_LAG2_128_ZEN4` or of :data:`_LAG2_128_ZEN4_MORE`) and all of them, the pooled paired SD, MDE
-    and the seeds a 0.05 difference needs."""
-    import numpy as np
-
-    from megatron_mis.testbed.study.stats import paired_differences, seeds_for_effect
-
+    and the seeds a 0.05 difference needs (:func:`_pooled_look`)."""
     archive, report = "sweep-long-tail-stale-128-k2", _LAG2_128_ZEN4[0]
     zen4 = range(_LAG2_128_ZEN4[1].start, added.start)  # the Zen 4 seeds of earlier looks
     assert added.start in (_LAG2_128_ZEN4[1].start, _LAG2_128_ZEN4[1].stop)
@@ -856,7 +850,6 @@ def _lag2_128_three_machines(added: range = _LAG2_128_ZEN4[1]) -> SimpleNamespac
     assert all(study[k] == first["study"][k] for k in ("bootstrap", "confidence", "last_k", "collapse_fraction"))
     metrics = _committed_metrics(archive, summary)
     final = {key: m["final_reward"] for key, m in metrics.items()}
-    boot = {"confidence": study["confidence"], "resamples": study["bootstrap"]}
     zen3 = {"bypass_ppo": _LAG2_128_CORRECTIONS["bypass_ppo"][1], "none": _LAG2_128_SEEDS, "ref_fp32": _LAG2_128_SEEDS}
     out = {}
     for arm, base, name in _LAG2_128_POOLED:
@@ -868,14 +861,7 @@ def _lag2_128_three_machines(added: range = _LAG2_128_ZEN4[1]) -> SimpleNamespac
         assert sorted(earlier) == list(range(_LAG2_128_SEEDS.start))
         earlier |= {s: final[arm, s] - final[base, s] for s in (*zen3[arm], *zen4)}
         new = {s: final[arm, s] - final[base, s] for s in added}
-        assert not set(earlier) & set(new)
-        both = {**earlier, **new}
-        pooled = paired_differences(both, dict.fromkeys(both, 0.0), **boot)
-        sd = float(np.std(list(both.values()), ddof=1))
-        out[arm, base] = SimpleNamespace(
-            name=name, earlier=paired_differences(earlier, dict.fromkeys(earlier, 0.0), **boot),
-            alone=paired_differences(new, dict.fromkeys(new, 0.0), **boot), pooled=pooled, sd=sd,
-            mde=_paired_mde(pooled), needed=seeds_for_effect(sd, 0.05))
+        out[arm, base] = SimpleNamespace(name=name, **vars(_pooled_look(earlier, new, study)))
     return SimpleNamespace(comparisons=out, summary=summary, dose=dose, metrics=metrics, final=final, old=old,
                            added=added, zen3=zen3, zen4=zen4)
 
@@ -889,13 +875,28 @@ def _bypass_verdict(d: dict, word: str) -> str:
     return f"**Bypass is not measurably different from {word}**"
 
 
-def _split_over_looks(d: dict, looks: int, study: dict) -> dict:
-    """``d`` (a paired difference) again with the report's 5% split evenly over ``looks`` looks: the paired
-    bootstrap interval at confidence 1 - 0.05 / looks (``study``: the report's study parameters)."""
+def _mean_ci(diffs: dict, study: dict, looks: int = 1) -> dict:
+    """The reports' paired bootstrap of per-seed differences (``{seed: difference}``, against 0; ``study``: a
+    report's study parameters), with its 5% split evenly over ``looks`` looks (confidence 1 - 0.05 / looks)."""
     from megatron_mis.testbed.study.stats import paired_differences
 
-    return paired_differences(d["diffs"], dict.fromkeys(d["diffs"], 0.0),
-                              confidence=1 - (1 - study["confidence"]) / looks, resamples=study["bootstrap"])
+    return paired_differences(diffs, dict.fromkeys(diffs, 0.0), confidence=1 - (1 - study["confidence"]) / looks,
+                              resamples=study["bootstrap"])
+
+
+def _pooled_look(earlier: dict, added: dict, study: dict) -> SimpleNamespace:
+    """A look that adds seeds to earlier ones (``{seed: per-seed difference}`` each, no seed in both, each taken on
+    its own machine): :func:`_mean_ci` over the ``earlier`` seeds, the ``added`` seeds ``alone`` and both
+    ``pooled``, with the pooled paired SD, MDE and the seeds a 0.05 difference needs."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.stats import seeds_for_effect
+
+    assert not set(earlier) & set(added)
+    both = {**earlier, **added}
+    pooled, sd = _mean_ci(both, study), float(np.std(list(both.values()), ddof=1))
+    return SimpleNamespace(earlier=_mean_ci(earlier, study), alone=_mean_ci(added, study), pooled=pooled, sd=sd,
+                           mde=_paired_mde(pooled), needed=seeds_for_effect(sd, 0.05))
 
 
 def _lag2_128_zen4_look(r: SimpleNamespace, dose: dict, part: str) -> SimpleNamespace:
@@ -908,8 +909,6 @@ def _lag2_128_zen4_look(r: SimpleNamespace, dose: dict, part: str) -> SimpleName
     arm's collapses and seeds over the three machines (``total``, ``seeds``), none's collapsed seeds there
     (``every``), none - reference pooled without them (``without``) and the quotes both sections make of these."""
     import numpy as np
-
-    from megatron_mis.testbed.study.stats import paired_differences
 
     archive, added, arms, c = "sweep-long-tail-stale-128-k2", r.added, dose["arms"], r.comparisons
     assert sorted(arms) == ["bypass_ppo", "none", "ref_fp32"]
@@ -952,9 +951,7 @@ def _lag2_128_zen4_look(r: SimpleNamespace, dose: dict, part: str) -> SimpleName
     n = none_ref.pooled["n"]
     fisher = _fisher_one_sided(total["none"], total["none"] + total["ref_fp32"], n)
     others = {s: v for s, v in none_ref.pooled["diffs"].items() if s not in every}
-    study = r.summary["study"]
-    without = paired_differences(others, dict.fromkeys(others, 0.0), confidence=study["confidence"],
-                                 resamples=study["bootstrap"])
+    without = _mean_ci(others, r.summary["study"])
     quotes = [
         f"{len(walls)} runs, {sum(walls) / 3600:.1f} CPU-hours, {np.median(walls) / 60:.1f} min per run (median)",
         f"On seeds {added.start}-{added.stop - 1} the final rewards were none {mean['none']:.3f}, the reference "
@@ -999,7 +996,7 @@ def test_bypass_at_two_steps_of_lag_at_128_tokens_pools_three_machines():
     assert to_none.alone["low"] > 0 and to_none.pooled["low"] <= 0  # the sentence's "though ... it is above none"
     # question 3: the pooled figure, the earlier one, the added seeds alone; the look-adjusted interval and each of
     # none's failures here (its collapses over the three machines and the figure without them: the shared quotes)
-    adjusted = _split_over_looks(none_ref.pooled, 4, r.summary["study"])
+    adjusted = _mean_ci(none_ref.pooled["diffs"], r.summary["study"], looks=4)
     diffs = none_ref.alone["diffs"]
     (collapsed,) = [s for s in added if r.metrics["none", s]["collapsed"]]
     low_here = [s for s in added if s != collapsed and diffs[s] < -0.1]
@@ -1041,8 +1038,6 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     guidance table, the README and ``analyze``'s basis carry the pooled figures."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import paired_differences
-
     report, added = _LAG2_128_ZEN4_MORE
     r = _lag2_128_three_machines(added)
     summary = _summary("sweep-long-tail-stale-128-k2", report)
@@ -1061,7 +1056,8 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     # question 1 (a third look), question 2, question 3 (a fifth look): each pooled figure with its MDE, the added
     # seeds alone, the look-adjusted interval (none's collapses over the three machines and the figure without them:
     # the shared quotes)
-    adj_none, adj_ref = _split_over_looks(to_none.pooled, 3, study), _split_over_looks(none_ref.pooled, 5, study)
+    adj_none, adj_ref = (_mean_ci(to_none.pooled["diffs"], study, looks=3),
+                         _mean_ci(none_ref.pooled["diffs"], study, looks=5))
     diffs = none_ref.alone["diffs"]
     n = none_ref.pooled["n"]
     quotes += [
@@ -1091,8 +1087,7 @@ def test_more_seeds_at_two_steps_of_lag_at_128_tokens_on_the_zen4_vm():
     # token TIS - reference at k2 over the first machine's seeds and the Zen 3 VM's (the sections above)
     tis = {int(s): v for s, v in r.old["arms"]["token_tis"]["vs_reference"]["final_reward"]["diffs"].items()}
     tis |= {s: r.final["token_tis", s] - r.final["ref_fp32", s] for s in _LAG2_128_CORRECTIONS["token_tis"][1]}
-    tis_ref = paired_differences(tis, dict.fromkeys(tis, 0.0), confidence=study["confidence"],
-                                 resamples=study["bootstrap"])
+    tis_ref = _mean_ci(tis, study)
     # the answers table, the summary, the plan, the open part, the guidance table; the README's long-response row
     # and gap; analyze
     study_md = _prose(_STUDY_DOCS.parent / "study.md")
@@ -4697,16 +4692,23 @@ def _precision_128_zen4() -> SimpleNamespace:
     """long-tail-precision on the Zen 4 VM's seeds :data:`_PRECISION_128_SEEDS` (:func:`_one_vm_report` of each
     dose's report), recomputed from the archive, with the first machine's seeds (its summary.json: int4 0-3, bf16
     0-1; their runs were not kept), each seed's difference on its own machine: per dose none - reference on the final
-    reward over the added seeds, the earlier seeds and both (unadjusted and with the 5% split over the two looks),
-    its paired SD, MDE and the seeds a 0.05 difference needs, and on the steps to the take-off threshold; int4 -
-    bf16 on the added seeds; none's K3, mean final reward, collapses and runs ended low per dose; the runs' times.
-    Checks that the none runs were made on the Zen 4 VM at one thread and the reference runs are the k2 archive's,
-    copied."""
+    reward (``reward``: :func:`_pooled_look` of the earlier and the added seeds; ``adjusted``: pooled with the 5% split
+    over the two looks) and on the steps to the take-off threshold (``steps``: the same over the seeds where both
+    reached it); int4 - bf16 on the added seeds; none's K3, mean final reward, collapses and runs ended low per dose;
+    the runs' times. Checks that the none runs were made on the Zen 4 VM at one thread and the reference runs are the
+    k2 archive's, copied."""
     import numpy as np
 
-    from megatron_mis.testbed.study.stats import paired_differences, seeds_for_effect
-
     sweep, seeds, ref = "sweep-long-tail-precision", _PRECISION_128_SEEDS, "ref_fp32"
+
+    def took_off(a: dict, b: dict) -> dict:
+        """Steps to the threshold, a - b per seed (``{seed: step or None}`` each), over the seeds where both
+        reached it, as the reports pair them."""
+        return {s: a[s] - b[s] for s in seeds if a[s] is not None and b[s] is not None}
+
+    def steps_of(metrics: dict, arm: str) -> dict:
+        return {s: metrics[arm, s]["steps_to_threshold"] for s in seeds}
+
     k2 = _archive_records("sweep-long-tail-stale-128-k2")
     records, walls, out = _archive_records(sweep), [], {}
     for dose in _PRECISION_128_DOSES:
@@ -4715,7 +4717,6 @@ def _precision_128_zen4() -> SimpleNamespace:
         summary = _summary(sweep, f"{dose}-zen4")
         assert setting == f"long-tail-precision-{dose}" and summary["steps"] == 300
         metrics = _committed_metrics(sweep, summary)
-        boot = {"confidence": study["confidence"], "resamples": study["bootstrap"]}
         for s in seeds:
             none, copy = records[setting, "none", s][0], records[setting, ref, s]
             assert none["config"]["threads"] == 1 and "copied_from" not in none, s  # made here, one thread
@@ -4726,34 +4727,22 @@ def _precision_128_zen4() -> SimpleNamespace:
         first = _dose(sweep, ".", dose)
         earlier = {int(s): v for s, v in first["none_vs_reference"]["diffs"].items()}
         first_steps = first["arms"]["none"]["vs_reference"]["steps_to_threshold"]["diffs"]
-        earlier_steps = {int(s): v for s, v in first_steps.items()}
         assert sorted(earlier) == list(range({"int4": 4, "bf16": 2}[dose]))
-        added = paired("none", ref)
-        assert _quoted(added) == _quoted(summary["doses"][0]["none_vs_reference"])
-        both = {**earlier, **added["diffs"]}
-        pooled = paired_differences(both, dict.fromkeys(both, 0.0), **boot)
-        steps = {a: {s: metrics[a, s]["steps_to_threshold"] for s in seeds} for a in ("none", ref)}
-        steps_added = paired_differences(steps["none"], steps[ref], **boot)
-        assert _quoted(steps_added, "{:+.0f}") == _quoted(arms["none"]["vs_reference"]["steps_to_threshold"], "{:+.0f}")
-        steps_both = {**earlier_steps, **steps_added["diffs"]}
-        sd = float(np.std(list(both.values()), ddof=1))
+        reward = _pooled_look(earlier, paired("none", ref)["diffs"], study)
+        assert _quoted(reward.alone) == _quoted(summary["doses"][0]["none_vs_reference"])
+        steps = _pooled_look({int(s): v for s, v in first_steps.items()},
+                             took_off(steps_of(metrics, "none"), steps_of(metrics, ref)), study)
+        assert _quoted(steps.alone, "{:+.0f}") == _quoted(arms["none"]["vs_reference"]["steps_to_threshold"], "{:+.0f}")
         out[dose] = SimpleNamespace(
-            study=study, final=final, metrics=metrics, k3=arms["none"]["k3_mean"][0],
-            added=added, earlier=paired_differences(earlier, dict.fromkeys(earlier, 0.0), **boot), pooled=pooled,
-            adjusted=_split_over_looks(pooled, 2, study), sd=sd, mde=_paired_mde(pooled),
-            needed=seeds_for_effect(sd, 0.05), steps_added=steps_added,
-            steps_earlier=paired_differences(earlier_steps, dict.fromkeys(earlier_steps, 0.0), **boot),
-            steps_pooled=paired_differences(steps_both, dict.fromkeys(steps_both, 0.0), **boot),
+            study=study, final=final, metrics=metrics, k3=arms["none"]["k3_mean"][0], reward=reward, steps=steps,
+            adjusted=_mean_ci(reward.pooled["diffs"], study, looks=2),
             mean={a: float(np.mean([final[a, s] for s in seeds])) for a in ("none", ref)},
             collapsed={a: arms[a]["collapse"]["k"] for a in ("none", ref)},
             low={a: arms[a]["ended_low"]["k"] for a in ("none", ref)},
             reached={a: arms[a]["steps_to_threshold"]["reached"] for a in ("none", ref)})
     int4, bf16 = out["int4"], out["bf16"]
-    boot = {"confidence": int4.study["confidence"], "resamples": int4.study["bootstrap"]}
-    dose_final = paired_differences({s: int4.final["none", s] for s in seeds},
-                                    {s: bf16.final["none", s] for s in seeds}, **boot)
-    dose_steps = paired_differences({s: int4.metrics["none", s]["steps_to_threshold"] for s in seeds},
-                                    {s: bf16.metrics["none", s]["steps_to_threshold"] for s in seeds}, **boot)
+    dose_final = _mean_ci({s: int4.final["none", s] - bf16.final["none", s] for s in seeds}, int4.study)
+    dose_steps = _mean_ci(took_off(steps_of(int4.metrics, "none"), steps_of(bf16.metrics, "none")), int4.study)
     return SimpleNamespace(doses=out, dose_final=dose_final, dose_steps=dose_steps, walls=walls)
 
 
@@ -4772,14 +4761,14 @@ def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     int4, bf16 = d["int4"], d["bf16"]
     section = _section("Rollout precision at 128 tokens on more seeds")
     steps = functools.partial(_quoted, fmt="{:+.0f}")
-    rows = [f"| {dose} | {_e(x.k3, 1)} | {_quoted(x.added)} | {_seed_ranges(x.earlier['diffs'])} | "
-            f"{_quoted(x.earlier)} | {_quoted(x.pooled)} | {x.pooled['n']} | {x.sd:.3f} | {x.mde:.3f} | {x.needed} | "
-            f"{_quoted(x.adjusted)} |" for dose, x in d.items()]
-    rows += [f"| {dose} | {steps(x.steps_added)} ({x.steps_added['n']} seeds) | {steps(x.steps_earlier)} "
-             f"({x.steps_earlier['n']}) | {steps(x.steps_pooled)} ({x.steps_pooled['n']}) |" for dose, x in d.items()]
+    rows = [f"| {dose} | {_e(x.k3, 1)} | {_quoted(w.alone)} | {_seed_ranges(w.earlier['diffs'])} | "
+            f"{_quoted(w.earlier)} | {_quoted(w.pooled)} | {w.pooled['n']} | {w.sd:.3f} | {w.mde:.3f} | {w.needed} | "
+            f"{_quoted(x.adjusted)} |" for dose, x in d.items() for w in (x.reward,)]
+    rows += [f"| {dose} | {steps(x.steps.alone)} ({x.steps.alone['n']} seeds) | {steps(x.steps.earlier)} "
+             f"({x.steps.earlier['n']}) | {steps(x.steps.pooled)} ({x.steps.pooled['n']}) |" for dose, x in d.items()]
     assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
     # the take-off's earlier seeds are the first machine's report's, every pair of them reached the threshold
-    assert [x.steps_earlier["n"] for x in d.values()] == [len(x.earlier["diffs"]) for x in d.values()]
+    assert [x.steps.earlier["n"] for x in d.values()] == [len(x.reward.earlier["diffs"]) for x in d.values()]
     quotes = [*rows, f"{len(r.walls)} runs, {sum(r.walls) / 3600:.1f} CPU-hours, {np.median(r.walls) / 60:.1f} min "
               f"per run (median)",
               f"On seeds {seeds.start}-{seeds.stop - 1} the mean final rewards were none {int4.mean['none']:.3f} at "
@@ -4791,25 +4780,26 @@ def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     assert all(x.collapsed == x.low == {"none": 0, "ref_fp32": 0} for x in d.values())
     assert all(x.reached == {"none": len(seeds), "ref_fp32": len(seeds)} for x in d.values())
     for dose, x in d.items():
-        below = sum(v < 0 for v in x.added["diffs"].values())
-        verdict = "behind" if x.pooled["high"] < 0 else "ahead of" if x.pooled["low"] > 0 else "not measurably behind"
+        w = x.reward
+        below = sum(v < 0 for v in w.alone["diffs"].values())
+        verdict = "behind" if w.pooled["high"] < 0 else "ahead of" if w.pooled["low"] > 0 else "not measurably behind"
         quotes += [f"**None is {verdict} the reference at {dose}**",
-                   f"{_quoted(x.pooled)} over {x.pooled['n']} seeds",
-                   f"**MDE {x.mde:.3f}: the 0.05 target is {'met' if x.mde <= 0.05 else 'not met'}**",
-                   f"on the added seeds alone {_quoted(x.added)}",
+                   f"{_quoted(w.pooled)} over {w.pooled['n']} seeds",
+                   f"**MDE {w.mde:.3f}: the 0.05 target is {'met' if w.mde <= 0.05 else 'not met'}**",
+                   f"on the added seeds alone {_quoted(w.alone)}",
                    f"below 0 on {below} of {len(seeds)}",
                    f"With the 5% split over the two looks: {_quoted(x.adjusted)}"]
-    assert int4.pooled["low"] > -0.01  # "the interval excluding a cost of 0.01"
-    assert f"the lowest {min(int4.added['diffs'].values()):.3f}" in section
-    spread = sorted(bf16.added["diffs"].values())[:2]  # bf16's spread: its two lowest seeds, far below the rest
-    assert spread[1] < 3 * sorted(bf16.added["diffs"].values())[2]
+    assert int4.reward.pooled["low"] > -0.01  # "the interval excluding a cost of 0.01"
+    assert f"the lowest {min(int4.reward.alone['diffs'].values()):.3f}" in section
+    spread = sorted(bf16.reward.alone["diffs"].values())[:2]  # bf16's spread: its two lowest seeds, far below the rest
+    assert spread[1] < 3 * sorted(bf16.reward.alone["diffs"].values())[2]
     quotes.append(f"its spread from two seeds ({spread[0]:.3f} and {spread[1]:.3f}; below 0 on")
-    held = any(x.steps_added["low"] > 0 for x in d.values())
+    held = any(x.steps.alone["low"] > 0 for x in d.values())
     quotes += ["**The later take-off holds**" if held else "**The later take-off does not hold**",
-               f"on the added seeds none took off {steps(int4.steps_added)} steps from the reference at int4 and "
-               f"{steps(bf16.steps_added)} at bf16",
-               f"pooled, {steps(int4.steps_pooled)} and {steps(bf16.steps_pooled)}. The "
-               f"{bf16.steps_earlier['mean']:+.0f} and {int4.steps_earlier['mean']:+.0f} steps of 2-4 seeds"]
+               f"on the added seeds none took off {steps(int4.steps.alone)} steps from the reference at int4 and "
+               f"{steps(bf16.steps.alone)} at bf16",
+               f"pooled, {steps(int4.steps.pooled)} and {steps(bf16.steps.pooled)}. The "
+               f"{bf16.steps.earlier['mean']:+.0f} and {int4.steps.earlier['mean']:+.0f} steps of 2-4 seeds"]
     costs_more = r.dose_final["high"] < 0
     quotes.append("**The larger dose costs more**" if costs_more else "**The larger dose costs no more, measurably**")
     s_int4 = float(np.sqrt(2 * 128 * int4.k3))
@@ -4817,35 +4807,36 @@ def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     quotes.append(f"at int4 (s = {s_int4:.1f}, in `analyze`'s \"sequence-level\" range)")
     _assert_quoted(quotes, section)
     # the quotes elsewhere: the answers' row and summary, the plan, the guidance table, the README and analyze
-    n4, n16 = int4.pooled["n"], bf16.pooled["n"]
-    q4, q16 = _quoted(int4.pooled), _quoted(bf16.pooled)
+    n4, n16 = int4.reward.pooled["n"], bf16.reward.pooled["n"]
+    q4, q16 = _quoted(int4.reward.pooled), _quoted(bf16.reward.pooled)
     _assert_quoted([
         f"int4 and bf16 at 128 tokens, {n4} and {n16} seeds of two machines) | none (at 128 tokens none - reference "
-        f"{q4} at int4, MDE {int4.mde:.3f}, and {q16} at bf16, MDE {bf16.mde:.3f}; take-off not measurably later: "
-        f"{steps(int4.steps_pooled)} and {steps(bf16.steps_pooled)} steps) |",
+        f"{q4} at int4, MDE {int4.reward.mde:.3f}, and {q16} at bf16, MDE {bf16.reward.mde:.3f}; take-off not "
+        f"measurably later: {steps(int4.steps.pooled)} and {steps(bf16.steps.pooled)} steps) |",
         f"Numeric precision (none - reference at 128 tokens {q4} at int4 over {n4} seeds of two machines, MDE "
-        f"{int4.mde:.3f})",
+        f"{int4.reward.mde:.3f})",
         f"the long responses' int8 dose beyond 2 seeds of none (int4 and bf16 at 128 tokens: {n4} and {n16} seeds)",
     ], _section("The answers so far, per mechanism"))
-    assert not any(x.steps_pooled["low"] > 0 for x in d.values())  # "take-off not measurably later"
+    assert not any(x.steps.pooled["low"] > 0 for x in d.values())  # "take-off not measurably later"
     _assert_quoted([
         f"{sum(r.walls) / 3600:.1f} for the {len(r.walls)} runs of seeds {seeds.start}-{seeds.stop - 1} (Zen 4 VM, "
         f"{np.median(r.walls) / 60:.1f} min per run)",
         f"int4 and bf16: none x {len(seeds)} more on a Zen 4 VM, the reference copied from the k2 archive ({n4} and "
-        f"{n16} seeds, MDE {int4.mde:.3f} and {bf16.mde:.3f}: **resolved**, none not hurt;",
+        f"{n16} seeds, MDE {int4.reward.mde:.3f} and {bf16.reward.mde:.3f}: **resolved**, none not hurt;",
         f"`long-tail-precision` beyond 2 seeds of none at int8 (int4 and bf16: {n4} and {n16} seeds)",
     ], _section("What has been run, and what the rest would cost"))
-    assert max(int4.mde, bf16.mde) <= 0.05  # "resolved"
+    assert max(int4.reward.mde, bf16.reward.mde) <= 0.05  # "resolved"
     guidance = (f"none itself again at L = 128 on {n4} seeds of two machines (`long-tail-precision` int4, `s` "
-                f"{s_int4:.1f}): {q4} against the reference, MDE {int4.mde:.3f}.")
+                f"{s_int4:.1f}): {q4} against the reference, MDE {int4.reward.mde:.3f}.")
     assert guidance in _section("Which correction for which K3 and response length")
-    assert f"int4, 128 tokens, {q4} ({n4} seeds, MDE {int4.mde:.3f})" in _readme_study_section()
-    basis = " ".join(recommend(int4.k3, 128).basis.split())
-    assert recommend(int4.k3, 128).regime == "sequence-level"
+    assert f"int4, 128 tokens, {q4} ({n4} seeds, MDE {int4.reward.mde:.3f})" in _readme_study_section()
+    advice = recommend(int4.k3, 128)
+    basis = " ".join(advice.basis.split())
+    assert advice.regime == "sequence-level"
     assert (f"none itself at 128 tokens on {n4} seeds of two machines (long-tail-precision int4, s {s_int4:.1f}): "
-            f"{q4} against the fp32 reference, MDE {int4.mde:.3f}") in basis
+            f"{q4} against the fp32 reference, MDE {int4.reward.mde:.3f}") in basis
     # the section above points here, and the take-off section's k0 cell at 128 tokens quotes it
     assert "noise at n = 2-4 until repeated, as the next section does at int4 and bf16" in _section(
         "Rollout precision with 128-token responses")
-    assert (f"that 128-token cell, repeated on {len(seeds)} more seeds, is {steps(int4.steps_pooled)} over "
-            f"{int4.steps_pooled['n']}") in _section("Steps to take-off in the long-tail sweeps")
+    assert (f"that 128-token cell, repeated on {len(seeds)} more seeds, is {steps(int4.steps.pooled)} over "
+            f"{int4.steps.pooled['n']}") in _section("Steps to take-off in the long-tail sweeps")
