@@ -4908,7 +4908,10 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
               f"**int8's K3 is {'the smallest' if smallest else 'not the smallest'} of the three on these seeds**",
               "**A larger K3 costs more, measurably**" if costs_more else
               "**A larger K3 costs no more, measurably**",
-              f"across {np.log10(k3['int4'] / k3['int8']):.1f} decades of K3"]
+              f"bf16 - int8 {_quoted(curve['bf16'][1])} and int4 - int8 {_quoted(curve['int4'][1])} on the final "
+              f"reward, {curve['bf16'][2]['mean']:+.0f} and {curve['int4'][2]['mean']:+.0f} steps on the take-off, "
+              f"across {np.log10(k3['int4'] / k3['int8']):.1f} decades of K3",
+              f"the {t.earlier['mean']:+.0f} of {t.earlier['n']} seeds was noise"]
     # "no run of either arm collapsed or ended low, and every run reached the threshold"
     assert x.collapsed == x.low == {"none": 0, ref: 0}
     assert x.reached == {"none": len(seeds), ref: len(seeds)}
