@@ -4857,12 +4857,16 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     (:func:`_precision_dose_zen4`): both tables of none - reference (the final reward, the take-off), the runs' count
     and times, the means, collapses and runs ended low, and the dose curve on the seeds the three doses share (each
     dose's K3 there, int4 - int8 and bf16 - int8 on the final reward and the take-off), recomputed from the archive and
-    the first machine's summary.json; the outcome of each question fixed before the runs, each from its rule; the
-    answers, the plan and the README quote it."""
+    the first machine's summary.json; the spread of int8's K3 over its runs and the monitor's warnings, from the
+    archive's records; the outcome of each question fixed before the runs, each from its rule; the answers, the plan,
+    the guidance table, the README and ``analyze`` quote it."""
     import numpy as np
+
+    from megatron_mis.analysis.recommend import recommend
 
     seeds, ref = _PRECISION_INT8_SEEDS, "ref_fp32"
     x = _precision_dose_zen4("int8", seeds)
+    bf16, int4 = (_precision_dose_zen4(dose, _PRECISION_128_SEEDS) for dose in ("bf16", "int4"))
     section = _section("int8 rollouts at 128 tokens on more seeds")
     steps = functools.partial(_quoted, fmt="{:+.0f}")
     w, t = x.reward, x.steps
@@ -4875,8 +4879,7 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     shared = [s for s in _PRECISION_128_SEEDS if s in seeds]
     k3 = {"int8": float(np.mean([x.metrics["none", s]["k3_mean"] for s in shared]))}
     curve = {}
-    for dose in ("bf16", "int4"):
-        y = _precision_dose_zen4(dose, _PRECISION_128_SEEDS)
+    for dose, y in (("bf16", bf16), ("int4", int4)):
         k3[dose] = float(np.mean([y.metrics["none", s]["k3_mean"] for s in shared]))
         assert k3[dose] == y.k3 or len(shared) < len(_PRECISION_128_SEEDS)  # its report's K3 where all seeds shared
         curve[dose] = (
@@ -4918,7 +4921,7 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     # int8's K3 from seed to seed: its runs' means, and the seeds above bf16's mean
     run_k3 = {s: x.metrics["none", s]["k3_mean"] for s in seeds}
     above = [s for s in seeds if run_k3[s] > k3["bf16"]]
-    bf16_k3 = [_precision_dose_zen4("bf16", _PRECISION_128_SEEDS).metrics["none", s]["k3_mean"] for s in shared]
+    bf16_k3 = [bf16.metrics["none", s]["k3_mean"] for s in shared]
     assert min(bf16_k3) < min(run_k3.values()) < max(bf16_k3)  # "run by run the two overlap"
     quotes += [f"its runs' mean K3 went from {_e(min(run_k3.values()), 1)} to {_e(max(run_k3.values()), 1)} (bf16's "
                f"on seeds {shared[0]}-{shared[-1]} from {_e(min(bf16_k3), 1)} to {_e(max(bf16_k3), 1)}), "
@@ -4949,11 +4952,9 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     assert "int8 (K3 2.3e-6, below bf16's) was left at 2 seeds here: the next section repeats it." in _section(
         "Rollout precision at 128 tokens on more seeds")
     # the quotes elsewhere: the answers' row (all three doses at 128 tokens), the plan and the README
-    p = _precision_128_zen4().doses
-    int4, bf16 = p["int4"], p["bf16"]
-    row = (f"int4 and bf16 at 128 tokens, {int4.reward.pooled['n']} and {bf16.reward.pooled['n']} seeds of two machines; "
-           f"int8 at 128 tokens, {w.pooled['n']} seeds of two machines) | none (at 128 tokens none - reference "
-           f"{_quoted(int4.reward.pooled)} at int4, MDE {int4.reward.mde:.3f}, {_quoted(bf16.reward.pooled)} at bf16, "
+    row = (f"int4 and bf16 at 128 tokens, {int4.reward.pooled['n']} and {bf16.reward.pooled['n']} seeds of two "
+           f"machines; int8 at 128 tokens, {w.pooled['n']} seeds of two machines) | none (at 128 tokens none - "
+           f"reference {_quoted(int4.reward.pooled)} at int4, MDE {int4.reward.mde:.3f}, {_quoted(bf16.reward.pooled)} at bf16, "
            f"MDE {bf16.reward.mde:.3f}, and {_quoted(w.pooled)} at int8, MDE {w.mde:.3f}; take-off not measurably "
            f"later: {steps(int4.steps.pooled)}, {steps(bf16.steps.pooled)} and {steps(t.pooled)} steps) |")
     assert not any(y.steps.pooled["low"] > 0 for y in (int4, bf16, x))  # "take-off not measurably later"
@@ -4962,20 +4963,18 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     assert all(y.reward.mde <= 0.05 and y.reward.pooled["low"] < 0 < y.reward.pooled["high"] for y in (int4, bf16, x))
     n = sorted(y.reward.pooled["n"] for y in (int4, bf16, x))
     open_part = f"and `long-tail-precision`'s none and reference ({n[0]}-{n[-1]} seeds at each dose), are the open part"
-    # "all three precision doses are now resolved to the 0.05 target with 128-token responses (16, 14 and 19 seeds"
     assert (f"all three precision doses are now resolved to the 0.05 target with 128-token responses "
-            f"({int4.reward.pooled['n']}, {bf16.reward.pooled['n']} and {w.pooled['n']} seeds of two machines)") in section
+            f"({int4.reward.pooled['n']}, {bf16.reward.pooled['n']} and {w.pooled['n']} seeds of two machines)"
+            ) in section
     _assert_quoted([
-        f"{sum(x.walls) / 3600:.1f} for the {len(x.walls)} int8 runs of seeds {seeds.start}-{seeds.stop - 1} (Zen 4 VM, "
-        f"{np.median(x.walls) / 60:.1f} min per run)",
+        f"{sum(x.walls) / 3600:.1f} for the {len(x.walls)} int8 runs of seeds {seeds.start}-{seeds.stop - 1} "
+        f"(Zen 4 VM, {np.median(x.walls) / 60:.1f} min per run)",
         f"int8: none x {len(seeds)} more on a Zen 4 VM, the reference copied from the k2 archive ({w.pooled['n']} "
         f"seeds, MDE {w.mde:.3f}: **{'resolved' if w.mde <= 0.05 else 'not resolved'}**",
     ], _section("What has been run, and what the rest would cost"))
     assert open_part in _section("What has been run, and what the rest would cost")
     assert f"int8, 128 tokens, {_quoted(w.pooled)} ({w.pooled['n']} seeds, MDE {w.mde:.3f})" in _readme_study_section()
     # analyze's "measured-harmless" basis: bf16 and int8 at 128 tokens, each dose's s from its K3 on the added seeds
-    from megatron_mis.analysis.recommend import recommend
-
     doses = (("bf16", bf16), ("int8", x))
     s_of = {name: float(np.sqrt(2 * 128 * y.k3)) for name, y in doses}
     assert (f"at 128 tokens bf16 and int8 (s {s_of['bf16']:.2f} and {s_of['int8']:.2f}): none - reference "
