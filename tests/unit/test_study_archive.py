@@ -4954,7 +4954,8 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     # the quotes elsewhere: the answers' row (all three doses at 128 tokens), the plan and the README
     row = (f"int4 and bf16 at 128 tokens, {int4.reward.pooled['n']} and {bf16.reward.pooled['n']} seeds of two "
            f"machines; int8 at 128 tokens, {w.pooled['n']} seeds of two machines) | none (at 128 tokens none - "
-           f"reference {_quoted(int4.reward.pooled)} at int4, MDE {int4.reward.mde:.3f}, {_quoted(bf16.reward.pooled)} at bf16, "
+           f"reference {_quoted(int4.reward.pooled)} at int4, MDE {int4.reward.mde:.3f}, "
+           f"{_quoted(bf16.reward.pooled)} at bf16, "
            f"MDE {bf16.reward.mde:.3f}, and {_quoted(w.pooled)} at int8, MDE {w.mde:.3f}; take-off not measurably "
            f"later: {steps(int4.steps.pooled)}, {steps(bf16.steps.pooled)} and {steps(t.pooled)} steps) |")
     assert not any(y.steps.pooled["low"] > 0 for y in (int4, bf16, x))  # "take-off not measurably later"
