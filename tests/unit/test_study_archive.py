@@ -4763,6 +4763,34 @@ def _precision_128_zen4() -> SimpleNamespace:
                            walls=[w for x in out.values() for w in x.walls])
 
 
+def _precision_rows(dose: str, x: SimpleNamespace) -> tuple[str, str]:
+    """A precision section's two table rows for one dose (``x``: :func:`_precision_dose_zen4`): none - reference on
+    the final reward (the added seeds alone, the earlier, pooled, paired SD, MDE, seeds for 0.05, the 5% split over
+    the two looks) and on the steps to the take-off (alone, earlier, pooled, each with its seeds)."""
+    w, t, steps = x.reward, x.steps, functools.partial(_quoted, fmt="{:+.0f}")
+    return (f"| {dose} | {_e(x.k3, 1)} | {_quoted(w.alone)} | {_seed_ranges(w.earlier['diffs'])} | "
+            f"{_quoted(w.earlier)} | {_quoted(w.pooled)} | {w.pooled['n']} | {w.sd:.3f} | {w.mde:.3f} | {w.needed} | "
+            f"{_quoted(x.adjusted)} |",
+            f"| {dose} | {steps(t.alone)} ({t.alone['n']} seeds) | {steps(t.earlier)} ({t.earlier['n']}) | "
+            f"{steps(t.pooled)} ({t.pooled['n']}) |")
+
+
+def _precision_outcome(dose: str, x: SimpleNamespace) -> list[str]:
+    """What a precision section says of one dose's none - reference on the final reward (``x``:
+    :func:`_precision_dose_zen4`): the verdict from the pooled interval, the pooled figure and its seeds, whether the
+    MDE meets the 0.05 target, the added seeds alone and how many of them fell below 0, and the 5% split over the
+    two looks."""
+    w = x.reward
+    verdict = "behind" if w.pooled["high"] < 0 else "ahead of" if w.pooled["low"] > 0 else "not measurably behind"
+    below = sum(v < 0 for v in w.alone["diffs"].values())
+    return [f"**None is {verdict} the reference at {dose}**",
+            f"{_quoted(w.pooled)} over {w.pooled['n']} seeds",
+            f"**MDE {w.mde:.3f}: the 0.05 target is {'met' if w.mde <= 0.05 else 'not met'}**",
+            f"on the added seeds alone {_quoted(w.alone)}",
+            f"below 0 on {below} of {len(w.alone['diffs'])}",
+            f"With the 5% split over the two looks: {_quoted(x.adjusted)}"]
+
+
 def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     """docs/study.md's section on none at int4 and bf16 rollouts of the 128-token task on the Zen 4 VM's seeds
     (:func:`_precision_128_zen4`): both tables, the runs' count and times, the means, collapses and runs ended low,
@@ -4778,11 +4806,7 @@ def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     int4, bf16 = d["int4"], d["bf16"]
     section = _section("Rollout precision at 128 tokens on more seeds")
     steps = functools.partial(_quoted, fmt="{:+.0f}")
-    rows = [f"| {dose} | {_e(x.k3, 1)} | {_quoted(w.alone)} | {_seed_ranges(w.earlier['diffs'])} | "
-            f"{_quoted(w.earlier)} | {_quoted(w.pooled)} | {w.pooled['n']} | {w.sd:.3f} | {w.mde:.3f} | {w.needed} | "
-            f"{_quoted(x.adjusted)} |" for dose, x in d.items() for w in (x.reward,)]
-    rows += [f"| {dose} | {steps(x.steps.alone)} ({x.steps.alone['n']} seeds) | {steps(x.steps.earlier)} "
-             f"({x.steps.earlier['n']}) | {steps(x.steps.pooled)} ({x.steps.pooled['n']}) |" for dose, x in d.items()]
+    rows = [_precision_rows(dose, x)[i] for i in (0, 1) for dose, x in d.items()]  # the reward table, then the steps'
     assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
     # the take-off's earlier seeds are the first machine's report's, every pair of them reached the threshold
     assert [x.steps.earlier["n"] for x in d.values()] == [len(x.reward.earlier["diffs"]) for x in d.values()]
@@ -4797,15 +4821,7 @@ def test_rollout_precision_at_128_tokens_on_more_seeds_comes_from_the_archive():
     assert all(x.collapsed == x.low == {"none": 0, "ref_fp32": 0} for x in d.values())
     assert all(x.reached == {"none": len(seeds), "ref_fp32": len(seeds)} for x in d.values())
     for dose, x in d.items():
-        w = x.reward
-        below = sum(v < 0 for v in w.alone["diffs"].values())
-        verdict = "behind" if w.pooled["high"] < 0 else "ahead of" if w.pooled["low"] > 0 else "not measurably behind"
-        quotes += [f"**None is {verdict} the reference at {dose}**",
-                   f"{_quoted(w.pooled)} over {w.pooled['n']} seeds",
-                   f"**MDE {w.mde:.3f}: the 0.05 target is {'met' if w.mde <= 0.05 else 'not met'}**",
-                   f"on the added seeds alone {_quoted(w.alone)}",
-                   f"below 0 on {below} of {len(seeds)}",
-                   f"With the 5% split over the two looks: {_quoted(x.adjusted)}"]
+        quotes += _precision_outcome(dose, x)
     assert int4.reward.pooled["low"] > -0.01  # "the interval excluding a cost of 0.01"
     assert f"the lowest {min(int4.reward.alone['diffs'].values()):.3f}" in section
     spread = sorted(bf16.reward.alone["diffs"].values())[:2]  # bf16's spread: its two lowest seeds, far below the rest
@@ -4870,11 +4886,7 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     section = _section("int8 rollouts at 128 tokens on more seeds")
     steps = functools.partial(_quoted, fmt="{:+.0f}")
     w, t = x.reward, x.steps
-    rows = [f"| int8 | {_e(x.k3, 1)} | {_quoted(w.alone)} | {_seed_ranges(w.earlier['diffs'])} | "
-            f"{_quoted(w.earlier)} | {_quoted(w.pooled)} | {w.pooled['n']} | {w.sd:.3f} | {w.mde:.3f} | {w.needed} | "
-            f"{_quoted(x.adjusted)} |",
-            f"| int8 | {steps(t.alone)} ({t.alone['n']} seeds) | {steps(t.earlier)} ({t.earlier['n']}) | "
-            f"{steps(t.pooled)} ({t.pooled['n']}) |"]
+    rows = list(_precision_rows("int8", x))
     # the dose curve: the seeds where the section above ran int4 and bf16, int8's K3 over those seeds
     shared = [s for s in _PRECISION_128_SEEDS if s in seeds]
     k3 = {"int8": float(np.mean([x.metrics["none", s]["k3_mean"] for s in shared]))}
@@ -4893,19 +4905,15 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
     assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
     assert t.earlier["n"] == len(w.earlier["diffs"])  # every earlier pair reached the threshold
     below = sum(v < 0 for v in w.alone["diffs"].values())
-    verdict = "behind" if w.pooled["high"] < 0 else "ahead of" if w.pooled["low"] > 0 else "not measurably behind"
     smallest = min(k3, key=k3.get) == "int8"
     costs_more = any(f["low"] > 0 or f["high"] < 0 for _, f, _ in curve.values())
     quotes = [*rows,
               f"{len(x.walls)} runs, {sum(x.walls) / 3600:.1f} CPU-hours, {np.median(x.walls) / 60:.1f} min per run "
               f"(median)",
               f"the mean final rewards were none {x.mean['none']:.3f} and the reference {x.mean[ref]:.3f}",
-              f"**None is {verdict} the reference at int8**",
-              f"{_quoted(w.pooled)} over {w.pooled['n']} seeds",
-              f"**MDE {w.mde:.3f}: the 0.05 target is {'met' if w.mde <= 0.05 else 'not met'}**",
+              *_precision_outcome("int8", x),
               f"on the added seeds alone {_quoted(w.alone)} (below 0 on {below} of {len(seeds)}, the lowest "
               f"{min(w.alone['diffs'].values()):.3f})",
-              f"With the 5% split over the two looks: {_quoted(x.adjusted)}",
               "**The later take-off holds**" if t.alone["low"] > 0 else "**The later take-off does not hold**",
               f"on the added seeds none took off {steps(t.alone)} steps from the reference, pooled {steps(t.pooled)}",
               f"**int8's K3 is {'the smallest' if smallest else 'not the smallest'} of the three on these seeds**",
