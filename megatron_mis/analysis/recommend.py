@@ -94,7 +94,8 @@ S_SEQUENCE_DEGENERATE = 1.0
 ONE_SIDED_LOG10 = 0.05
 #: Above K3_CONFIG_BUG, a share of such tokens below this marks one-sided log-ratios (truncation).
 ONE_SIDED_SHARE = 0.01
-#: What the sampling-mismatch advice rests on (docs/study.md, "Top-p and top-k on the long-tail task").
+#: What the sampling-mismatch advice rests on (docs/study.md, "Top-p and top-k on the long-tail task" and "Top-k 64
+#: over processed log-probs on more seeds").
 TRUNCATION_BASIS = (
     "study: long-tail-top-k-processed k64 (512 ids, 64-token responses, top-k 64 with the processed log-probs "
     "recorded; mean K3 KL 4.8e-1 uncorrected, 16 seeds): token TIS -0.031 [-0.068, -0.004] against the reference "
@@ -105,7 +106,10 @@ TRUNCATION_BASIS = (
     "never learned: -0.365 [-0.372, -0.356]; token TIS self-normalised (token_tis_normalized) -0.009 [-0.019, "
     "-0.000], 0/16 ended low, 16/16 took off; none -0.004 [-0.012, +0.005] against the reference (no weight: the "
     "same run as with raw log-probs); replaying the support (long-tail-top-k-replay) +0.010 [-0.014, +0.034] "
-    "against the run without it (4 seeds)"
+    "against the run without it (4 seeds); at 26 seeds (10 more, long-tail-top-k-processed-k64-more) token TIS "
+    "-0.030 [-0.058, -0.006] against the reference and -0.027 [-0.056, -0.002] against none (not excluding 0 with "
+    "the 5% split over the two looks), 4/26 below the plateau (greedy reward under 0.3; no run of none, the "
+    "reference or token_tis_normalized), token_tis_normalized -0.005 [-0.015, +0.005], none -0.003 [-0.014, +0.008]"
 )
 
 
