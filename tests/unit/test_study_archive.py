@@ -5197,6 +5197,12 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     mdes = [look.mde for look in r.values()]
     assert max(mdes) <= 0.05  # "All five comparisons now resolve the 0.05 target"
     assert len(mdes) == 5
+    assert tis_none.earlier["low"] < 0 < tis_none.earlier["high"]  # "the CI that straddled 0"
+    first_n = len(_TOP_K64_FIRST)
+    quotes += [f"So the CI that straddled 0 at {first_n} seeds now just excludes it",
+               f"token TIS is measurably behind the reference ({len(all_seeds)} seeds)",
+               f"Two readings of {first_n} seeds did not survive {len(seeds)} more",
+               f"into the sweep's archive beside seeds {_TOP_K64_FIRST.start}-{_TOP_K64_FIRST.stop - 1}:"]
     quotes.append(f"All five comparisons now resolve the 0.05 target (MDE {min(mdes):.3f}-{max(mdes):.3f})")
     _assert_quoted(quotes, section)
     # the quotes elsewhere: the section above, the answers' row, "Not yet measured", the plan, the README, analyze
