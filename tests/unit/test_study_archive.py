@@ -5201,7 +5201,7 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     first_n = len(_TOP_K64_FIRST)
     quotes += [f"So the CI that straddled 0 at {first_n} seeds now just excludes it",
                f"token TIS is measurably behind the reference ({len(all_seeds)} seeds)",
-               f"Two readings of {first_n} seeds did not survive {len(seeds)} more",
+               f"Three readings of {first_n} seeds did not survive {len(seeds)} more",
                f"into the sweep's archive beside seeds {_TOP_K64_FIRST.start}-{_TOP_K64_FIRST.stop - 1}:"]
     quotes.append(f"All five comparisons now resolve the 0.05 target (MDE {min(mdes):.3f}-{max(mdes):.3f})")
     _assert_quoted(quotes, section)
@@ -5212,6 +5212,7 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
             f"{len(_TOP_K64_FIRST)} seeds do not hold there") in _section("Top-p and top-k on the long-tail task")
     answers = _section("The answers so far, per mechanism")
     assert f"on a 512-id tail p = 0.8 and top-k 256 / 64 / 16 at 4-{n} seeds) did not" in answers
+    assert f"(`long-tail-top-p-*`, `long-tail-top-k-*`, 64 tokens, 4-{n}, greedy reward)" in answers
     assert (f"at top-k 64 over {n} seeds ({len(seeds)} added) token TIS {_quoted(tis_ref.pooled)} against the "
             f"reference, {len(below['token_tis'])} of its {n} runs below the plateau, self-normalised "
             f"{_quoted(norm_ref.pooled)} and none {_quoted(none_ref.pooled)} (MDE {none_ref.mde:.3f}) |") in answers
