@@ -5025,34 +5025,29 @@ def _top_k64_more() -> SimpleNamespace:
     :data:`_TOP_K64_PAIRS` on the greedy reward ``reward[name]`` (:func:`_pooled_look` of the earlier and the added
     seeds) and ``adjusted[name]`` (pooled, the 5% split over the two looks); on the take-off ``steps[name]`` (the same
     over the seeds where both reached it; ``steps_adjusted``: pooled with the 5% split); ``greedy`` ``{(arm, seed):
-    greedy reward}`` on both seeds' sets; per arm on the added seeds the report's row (``arms``), the runs ended low,
-    never taking off and collapsed; the added runs' wall times. Checks that the report quotes exactly these seeds, its
-    figures are the recomputed ones, the earlier figures the processed sweep's report's, and every added run was made
-    on the Zen 4 VM at one thread, not copied."""
+    greedy reward}`` on both seeds' sets; ``metrics``: the runs' metrics (:func:`_committed_metrics`); per arm on the
+    added seeds the report's row (``arms``), the runs ended low, never taking off and collapsed; the added runs' wall
+    times. Checks that the report quotes exactly these seeds, its figures are the recomputed ones, the earlier figures
+    the processed sweep's report's, and every added run was made on the Zen 4 VM at one thread, not copied."""
     archive = "sweep-long-tail-truncation"
     report, seeds = _TOP_K64_MORE
     summary = _summary(archive, report)
-    (dose,) = summary["doses"]
-    arms, study, setting = dose["arms"], summary["study"], dose["setting"]
+    arms, _, runs, setting, _, study = _one_vm_report(report, {a for pair in _TOP_K64_PAIRS for a in pair[:2]}, seeds,
+                                                      _ZEN4, archive)
     assert setting == "long-tail-top-k-processed-k64" and summary["outcome"] == "greedy_reward"
-    assert sorted(arms) == sorted({a for pair in _TOP_K64_PAIRS for a in pair[:2]})
-    assert all(list(arms[a]["seeds"]) == list(seeds) for a in arms)
     first = _dose(archive, "long-tail-top-k-processed", "k64")
     first_study = _summary(archive, "long-tail-top-k-processed")["study"]
     assert all(list(first["arms"][a]["seeds"]) == list(_TOP_K64_FIRST) for a in arms)
     assert {k: study[k] for k in ("last_k", "collapse_fraction", "confidence", "bootstrap")} == {
         k: first_study[k] for k in ("last_k", "collapse_fraction", "confidence", "bootstrap")}
-    records, runs = _archive_records(archive), _archive_runs(archive)
-    for a in arms:
-        for s in seeds:
-            header = records[setting, a, s][0]
-            assert header["config"]["threads"] == 1 and "copied_from" not in header, (a, s)
-            assert (header["machine"]["cpu_family_model"], header["machine"]["cpu_capability"]) == _ZEN4, (a, s)
+    headers = _archive_headers(archive)
+    for a in arms:  # made here, at one thread (the VM: _one_vm_report)
+        assert all(headers[setting, a, s]["config"]["threads"] == 1 and "copied_from" not in headers[setting, a, s]
+                   for s in seeds), a
     greedy = {(a, s): _greedy(runs[setting, a, s][1]) for a in arms for s in (*_TOP_K64_FIRST, *seeds)}
-    metrics = _committed_metrics(archive, summary)
+    # one set of run metrics serves both reports' seeds: the same setting, threshold and statistics settings
     assert summary["threshold"] == _summary(archive, "long-tail-top-k-processed")["threshold"]
-    first_metrics = _archive_metrics(archive, setting, summary["steps"], study["last_k"], summary["threshold"],
-                                     study["collapse_fraction"])
+    metrics = _committed_metrics(archive, summary)
     reward, adjusted, steps = {}, {}, {}
     for arm, base, name in _TOP_K64_PAIRS:
         key = "vs_reference" if base == "ref_fp32" else "vs_none"
@@ -5061,15 +5056,16 @@ def _top_k64_more() -> SimpleNamespace:
         assert _quoted(look.alone) == _quoted(arms[arm][key]["greedy_reward"]), name
         assert _quoted(look.earlier) == _quoted(first["arms"][arm][key]["greedy_reward"]), name
         reward[name], adjusted[name] = look, _mean_ci(look.pooled["diffs"], study, looks=2)
-        took = _pooled_look(_took_off(_steps_of(first_metrics, arm, _TOP_K64_FIRST),
-                                      _steps_of(first_metrics, base, _TOP_K64_FIRST)),
+        took = _pooled_look(_took_off(_steps_of(metrics, arm, _TOP_K64_FIRST),
+                                      _steps_of(metrics, base, _TOP_K64_FIRST)),
                             _took_off(_steps_of(metrics, arm, seeds), _steps_of(metrics, base, seeds)), study)
         assert _quoted(took.alone, "{:+.0f}") == _quoted(arms[arm][key]["steps_to_threshold"], "{:+.0f}"), name
         assert _quoted(took.earlier, "{:+.0f}") == _quoted(first["arms"][arm][key]["steps_to_threshold"],
                                                            "{:+.0f}"), name
         steps[name] = took
     return SimpleNamespace(
-        seeds=seeds, first=first, arms=arms, study=study, summary=summary, reward=reward, adjusted=adjusted,
+        seeds=seeds, first=first, arms=arms, study=study, summary=summary, metrics=metrics, reward=reward,
+        adjusted=adjusted,
         steps=steps, steps_adjusted={name: _mean_ci(s.pooled["diffs"], study, looks=2) for name, s in steps.items()},
         greedy=greedy, low={a: arms[a]["ended_low"]["k"] for a in arms},
         never={a: arms[a]["steps_to_threshold"]["n"] - arms[a]["steps_to_threshold"]["reached"] for a in arms},
@@ -5127,7 +5123,7 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     first = x.first["arms"]
     tis_none, tis_ref = r["token TIS - none"], r["token TIS - reference"]
     norm_ref, none_ref = r["self-normalised - reference"], r["none - reference"]
-    metrics = _committed_metrics("sweep-long-tail-truncation", x.summary)
+    metrics = x.metrics
     (low_none,) = x.arms["none"]["ended_low"]["seeds"]
     (low_norm,) = x.arms["token_tis_normalized"]["ended_low"]["seeds"]
     assert x.arms["token_tis_normalized"]["collapse"]["k"] == 1 and x.collapsed["none"] == x.collapsed["token_tis"] == 0
@@ -5149,7 +5145,8 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         f"{_quoted(adj['token TIS - none'])}",
         _look_verdict(tis_ref.pooled, adj["token TIS - reference"], "Token TIS", "the reference")
         + f": {_quoted(tis_ref.pooled)} pooled, {_quoted(adj['token TIS - reference'])} with the split",
-        f"{x.low['token_tis']} of the {len(seeds)} added token TIS runs ended low and {x.never['token_tis']} never took "
+        f"{x.low['token_tis']} of the {len(seeds)} added token TIS runs ended low and {x.never['token_tis']} never "
+        "took "
         f"off (seeds 0-15: {first['token_tis']['ended_low']['k']} and {never(first['token_tis'])}); none "
         f"{x.low['none']} of {len(seeds)} (seed {low_none}: its training reward, sampled through the truncation, ended "
         f"at {metrics['none', low_none]['final_reward']:.2f} against the bar "
@@ -5183,7 +5180,8 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         f"{_quoted(none_ref.pooled)} over {none_ref.pooled['n']} seeds, **MDE {none_ref.mde:.3f}: the 0.05 target is "
         f"{'met' if none_ref.mde <= 0.05 else 'not met'}**",
         f"earlier take-off of none at top-k 64 ({steps(t['none - reference'].earlier)} steps, 16 seeds) does not hold "
-        f"either: {steps(t['none - reference'].alone)} on the added seeds, {steps(t['none - reference'].pooled)} pooled",
+        f"either: {steps(t['none - reference'].alone)} on the added seeds, {steps(t['none - reference'].pooled)} "
+        "pooled",
         # what it changes
         f"its runs alone end below the plateau ({len(below['token_tis'])} of {len(all_seeds)}); against none its "
         f"deficit is {tis_none.pooled['mean']:.3f} at {tis_none.pooled['n']} seeds, resolved unadjusted only",
@@ -5216,7 +5214,8 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     assert (f"at top-k 64 over {n} seeds ({len(seeds)} added) token TIS {_quoted(tis_ref.pooled)} against the "
             f"reference, {len(below['token_tis'])} of its {n} runs below the plateau, self-normalised "
             f"{_quoted(norm_ref.pooled)} and none {_quoted(none_ref.pooled)} (MDE {none_ref.mde:.3f}) |") in answers
-    assert (f"top-k 256 / 64 / 16 at 4-{len(_TOP_K64_FIRST)} seeds ({n} at top-k 64 for none, the reference and token TIS with and without "
+    assert (f"top-k 256 / 64 / 16 at 4-{len(_TOP_K64_FIRST)} seeds ({n} at top-k 64 for none, the reference and "
+            "token TIS with and without "
             f"self-normalisation, each comparison's MDE at most {max(mdes):.3f}; run there:") in answers
     plan = _section("What has been run, and what the rest would cost")
     _assert_quoted([
