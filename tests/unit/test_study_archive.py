@@ -1408,20 +1408,21 @@ _TOP_P_CONFIRMS = {"top-p-raw-p0.95-to-0.05": "above"}
 _TOP_P_MORE = {label: report for report, (_, label, *_) in _TOP_P_MORE_CHAIN.items()}
 #: the raw sweep's seeds, run on the Zen 4 VM
 _TOP_P_FIRST_SEEDS = range(16)
-#: docs/study/sweep-long-tail-truncation/long-tail-top-k-processed-k64-more: none, the reference, token TIS and
-#: self-normalised token TIS over processed top-k 64 log-probs on seeds past the processed sweep's 16, on a Zen 4 VM of
-#: the kind that made those (2026-12-07; the questions fixed before any of them ran): (the report, the seeds whose four
-#: runs finished by the pre-registered cut)
-_TOP_K64_MORE = ("long-tail-top-k-processed-k64-more", range(16, 26))
-#: the comparisons the section pools with the processed sweep's seeds 0-15: (arm, base, its name in the section)
-_TOP_K64_PAIRS = (("none", "ref_fp32", "none - reference"), ("token_tis", "none", "token TIS - none"),
-                  ("token_tis", "ref_fp32", "token TIS - reference"),
-                  ("token_tis_normalized", "ref_fp32", "self-normalised - reference"),
-                  ("token_tis_normalized", "none", "self-normalised - none"))
-#: the processed sweep's own seeds at top-k 64 (its report, the Zen 4 VM of 2026-11-29)
-_TOP_K64_FIRST = range(16)
+#: docs/study/sweep-long-tail-truncation/long-tail-top-k-processed-k{64,16}-more: none, the reference, token TIS and
+#: self-normalised token TIS over processed top-k log-probs on seeds past the processed sweep's 16, on Zen 4 VMs of the
+#: kind that made those (2026-12-07, one session per dose; the questions fixed before any of them ran): {dose label:
+#: (the report, the seeds whose four runs finished by the pre-registered cut)}
+_TOP_K_MORE = {"k64": ("long-tail-top-k-processed-k64-more", range(16, 26))}
+#: the comparisons each section pools with the processed sweep's seeds 0-15: (arm, base, its name in the section)
+_TOP_K_PAIRS = (("none", "ref_fp32", "none - reference"), ("token_tis", "none", "token TIS - none"),
+                ("token_tis", "ref_fp32", "token TIS - reference"),
+                ("token_tis_normalized", "ref_fp32", "self-normalised - reference"),
+                ("token_tis_normalized", "none", "self-normalised - none"))
+#: the processed sweep's own seeds at top-k 64 and 16 (its report, the Zen 4 VM of 2026-11-29)
+_TOP_K_FIRST = range(16)
 #: {archive: the reports over more seeds than a sweep's own report (at one dose)}
-_TOP_P_MORE_REPORTS = {"sweep-top-p": tuple(_TOP_P_MORE_CHAIN), "sweep-long-tail-truncation": (_TOP_K64_MORE[0],)}
+_TOP_P_MORE_REPORTS = {"sweep-top-p": tuple(_TOP_P_MORE_CHAIN),
+                       "sweep-long-tail-truncation": tuple(report for report, _ in _TOP_K_MORE.values())}
 
 
 def _top_p(label: str) -> str:
@@ -1700,10 +1701,11 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
 
 
 def _first_truncation_runs() -> dict:
-    """:func:`_archive_runs` of the long-tail truncation archive without the seeds that :data:`_TOP_K64_MORE` added at
-    top-k 64: the runs of the section "Top-p and top-k on the long-tail task"."""
+    """:func:`_archive_runs` of the long-tail truncation archive without the seeds that :data:`_TOP_K_MORE` added at
+    its doses: the runs of the section "Top-p and top-k on the long-tail task"."""
+    added = {(f"long-tail-top-k-processed-{label}", s) for label, (_, seeds) in _TOP_K_MORE.items() for s in seeds}
     return {key: run for key, run in _archive_runs("sweep-long-tail-truncation").items()
-            if not (key[0] == "long-tail-top-k-processed-k64" and key[2] in _TOP_K64_MORE[1])}
+            if (key[0], key[2]) not in added}
 
 
 def _token_tis_mean_weight(setting: str, seeds: range | None = None) -> float:
@@ -5019,45 +5021,57 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
 
 
 @functools.cache
-def _top_k64_more() -> SimpleNamespace:
-    """Processed top-k 64 on the seeds of :data:`_TOP_K64_MORE` beside the processed sweep's seeds 0-15, recomputed from
-    the archive (each run's greedy reward and steps to the take-off threshold): for each comparison of
-    :data:`_TOP_K64_PAIRS` on the greedy reward ``reward[name]`` (:func:`_pooled_look` of the earlier and the added
+def _top_k_more(label: str) -> SimpleNamespace:
+    """Processed top-k at dose ``label`` on the seeds of :data:`_TOP_K_MORE` beside the processed sweep's seeds 0-15,
+    recomputed from the archive (each run's greedy reward and steps to the take-off threshold): for each comparison of
+    :data:`_TOP_K_PAIRS` on the greedy reward ``reward[name]`` (:func:`_pooled_look` of the earlier and the added
     seeds) and ``adjusted[name]`` (pooled, the 5% split over the two looks); on the take-off ``steps[name]`` (the same
     over the seeds where both reached it; ``steps_adjusted``: pooled with the 5% split); ``greedy`` ``{(arm, seed):
     greedy reward}`` on both seeds' sets; ``metrics``: the runs' metrics (:func:`_committed_metrics`); per arm on the
-    added seeds the report's row (``arms``), the runs ended low, never taking off and collapsed; the added runs' wall
-    times. Checks that the report quotes exactly these seeds, its figures are the recomputed ones, the earlier figures
-    the processed sweep's report's, and every added run was made on the Zen 4 VM at one thread, not copied."""
+    added seeds the report's row (``arms``), the runs ended low, never taking off and collapsed; the wall times of the
+    runs made for it. Checks that the report quotes exactly these seeds, its figures are the recomputed ones, the
+    earlier figures the processed sweep's report's, and every added run was made on the Zen 4 VM at one thread, not
+    copied, but the reference's runs at the seeds of a report listed before it: the untruncated reference is one run at every dose,
+    so those are that report's runs, copied (their count ``copied``)."""
     archive = "sweep-long-tail-truncation"
-    report, seeds = _TOP_K64_MORE
+    report, seeds = _TOP_K_MORE[label]
     summary = _summary(archive, report)
-    arms, _, runs, setting, _, study = _one_vm_report(report, {a for pair in _TOP_K64_PAIRS for a in pair[:2]}, seeds,
+    arms, _, runs, setting, _, study = _one_vm_report(report, {a for pair in _TOP_K_PAIRS for a in pair[:2]}, seeds,
                                                       _ZEN4, archive)
-    assert setting == "long-tail-top-k-processed-k64" and summary["outcome"] == "greedy_reward"
-    first = _dose(archive, "long-tail-top-k-processed", "k64")
+    assert setting == f"long-tail-top-k-processed-{label}" and summary["outcome"] == "greedy_reward"
+    first = _dose(archive, "long-tail-top-k-processed", label)
     first_study = _summary(archive, "long-tail-top-k-processed")["study"]
-    assert all(list(first["arms"][a]["seeds"]) == list(_TOP_K64_FIRST) for a in arms)
+    assert all(list(first["arms"][a]["seeds"]) == list(_TOP_K_FIRST) for a in arms)
     assert {k: study[k] for k in ("last_k", "collapse_fraction", "confidence", "bootstrap")} == {
         k: first_study[k] for k in ("last_k", "collapse_fraction", "confidence", "bootstrap")}
     headers = _archive_headers(archive)
-    for a in arms:  # made here, at one thread (the VM: _one_vm_report)
-        assert all(headers[setting, a, s]["config"]["threads"] == 1 and "copied_from" not in headers[setting, a, s]
-                   for s in seeds), a
-    greedy = {(a, s): _greedy(runs[setting, a, s][1]) for a in arms for s in (*_TOP_K64_FIRST, *seeds)}
+    before = list(_TOP_K_MORE)[:list(_TOP_K_MORE).index(label)]  # the reports made before this one, in order
+    earlier = {f"long-tail-top-k-processed-{other}/ref_fp32/seed-{s}.jsonl": s
+               for other in before for s in _TOP_K_MORE[other][1]}
+    made_here = []
+    for a in arms:  # made here, at one thread (the VM: _one_vm_report), or the reference copied from an earlier report
+        for s in seeds:
+            header = headers[setting, a, s]
+            assert header["config"]["threads"] == 1, (a, s)
+            source = header.get("copied_from")
+            if source is None:
+                made_here.append((a, s))
+            else:
+                assert a == "ref_fp32" and earlier.get("/".join(Path(source).parts[-3:])) == s, (a, s, source)
+    greedy = {(a, s): _greedy(runs[setting, a, s][1]) for a in arms for s in (*_TOP_K_FIRST, *seeds)}
     # one set of run metrics serves both reports' seeds: the same setting, threshold and statistics settings
     assert summary["threshold"] == _summary(archive, "long-tail-top-k-processed")["threshold"]
     metrics = _committed_metrics(archive, summary)
     reward, adjusted, steps = {}, {}, {}
-    for arm, base, name in _TOP_K64_PAIRS:
+    for arm, base, name in _TOP_K_PAIRS:
         key = "vs_reference" if base == "ref_fp32" else "vs_none"
-        look = _pooled_look({s: greedy[arm, s] - greedy[base, s] for s in _TOP_K64_FIRST},
+        look = _pooled_look({s: greedy[arm, s] - greedy[base, s] for s in _TOP_K_FIRST},
                             {s: greedy[arm, s] - greedy[base, s] for s in seeds}, study)
         assert _quoted(look.alone) == _quoted(arms[arm][key]["greedy_reward"]), name
         assert _quoted(look.earlier) == _quoted(first["arms"][arm][key]["greedy_reward"]), name
         reward[name], adjusted[name] = look, _mean_ci(look.pooled["diffs"], study, looks=2)
-        took = _pooled_look(_took_off(_steps_of(metrics, arm, _TOP_K64_FIRST),
-                                      _steps_of(metrics, base, _TOP_K64_FIRST)),
+        took = _pooled_look(_took_off(_steps_of(metrics, arm, _TOP_K_FIRST),
+                                      _steps_of(metrics, base, _TOP_K_FIRST)),
                             _took_off(_steps_of(metrics, arm, seeds), _steps_of(metrics, base, seeds)), study)
         assert _quoted(took.alone, "{:+.0f}") == _quoted(arms[arm][key]["steps_to_threshold"], "{:+.0f}"), name
         assert _quoted(took.earlier, "{:+.0f}") == _quoted(first["arms"][arm][key]["steps_to_threshold"],
@@ -5070,11 +5084,11 @@ def _top_k64_more() -> SimpleNamespace:
         greedy=greedy, low={a: arms[a]["ended_low"]["k"] for a in arms},
         never={a: arms[a]["steps_to_threshold"]["n"] - arms[a]["steps_to_threshold"]["reached"] for a in arms},
         collapsed={a: arms[a]["collapse"]["k"] for a in arms},
-        walls=[runs[setting, a, s][1]["wall_s"] for a in arms for s in seeds])
+        walls=[runs[setting, a, s][1]["wall_s"] for a, s in made_here], copied=len(seeds) * len(arms) - len(made_here))
 
 
-def _top_k64_rows(x: SimpleNamespace) -> list[str]:
-    """The section's table of the added seeds (``x``: :func:`_top_k64_more`), one row per arm from the report: its
+def _top_k_rows(x: SimpleNamespace) -> list[str]:
+    """The section's table of the added seeds (``x``: :func:`_top_k_more`), one row per arm from the report: its
     seeds, mean K3, greedy reward, against the reference and none, runs ended low, runs that took off, and runs the
     monitor warned on the mismatch."""
     from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
@@ -5103,17 +5117,18 @@ def _look_verdict(pooled: dict, adjusted: dict, subject: str, other: str) -> str
 
 
 def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive():
-    """docs/study.md's section on processed top-k 64 past the processed sweep's 16 seeds (:func:`_top_k64_more`): its
+    """docs/study.md's section on processed top-k 64 past the processed sweep's 16 seeds (:func:`_top_k_more`): its
     three tables (the added seeds' rows, the pooled looks on the greedy reward, the pooled take-off), the runs' count
     and times, the runs ended low, never taking off, collapsed and below the plateau, and the outcome of each question
     fixed before the runs, each from its rule; recomputed from the archive and both reports."""
     import numpy as np
 
-    x = _top_k64_more()
-    seeds, all_seeds = x.seeds, (*_TOP_K64_FIRST, *x.seeds)
+    x = _top_k_more("k64")
+    assert x.copied == 0
+    seeds, all_seeds = x.seeds, (*_TOP_K_FIRST, *x.seeds)
     section = _section("Top-k 64 over processed log-probs on more seeds")
     steps = functools.partial(_quoted, fmt="{:+.0f}")
-    rows = _top_k64_rows(x)
+    rows = _top_k_rows(x)
     rows += [f"| {name} | {_quoted(r.alone)} | {_quoted(r.earlier)} | {_quoted(r.pooled)} | {r.pooled['n']} | "
              f"{r.sd:.3f} | {r.mde:.3f} | {r.needed} | {_quoted(x.adjusted[name])} |" for name, r in x.reward.items()]
     rows += [f"| {name} | {steps(t.alone)} ({t.alone['n']}) | {steps(t.earlier)} ({t.earlier['n']}) | "
@@ -5196,25 +5211,25 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     assert max(mdes) <= 0.05  # "All five comparisons now resolve the 0.05 target"
     assert len(mdes) == 5
     assert tis_none.earlier["low"] < 0 < tis_none.earlier["high"]  # "the CI that straddled 0"
-    first_n = len(_TOP_K64_FIRST)
+    first_n = len(_TOP_K_FIRST)
     quotes += [f"So the CI that straddled 0 at {first_n} seeds now just excludes it",
                f"token TIS is measurably behind the reference ({len(all_seeds)} seeds)",
                f"Three readings of {first_n} seeds did not survive {len(seeds)} more",
-               f"into the sweep's archive beside seeds {_TOP_K64_FIRST.start}-{_TOP_K64_FIRST.stop - 1}:"]
+               f"into the sweep's archive beside seeds {_TOP_K_FIRST.start}-{_TOP_K_FIRST.stop - 1}:"]
     quotes.append(f"All five comparisons now resolve the 0.05 target (MDE {min(mdes):.3f}-{max(mdes):.3f})")
     _assert_quoted(quotes, section)
     # the quotes elsewhere: the section above, the answers' row, "Not yet measured", the plan, the README, analyze
     n = len(all_seeds)
     assert (f"The next section adds seeds {seeds.start}-{seeds.stop - 1} at top-k 64 (none, the reference, token TIS "
             "and self-normalised token TIS): token TIS stays behind the reference, and three readings of these "
-            f"{len(_TOP_K64_FIRST)} seeds do not hold there") in _section("Top-p and top-k on the long-tail task")
+            f"{len(_TOP_K_FIRST)} seeds do not hold there") in _section("Top-p and top-k on the long-tail task")
     answers = _section("The answers so far, per mechanism")
     assert f"on a 512-id tail p = 0.8 and top-k 256 / 64 / 16 at 4-{n} seeds) did not" in answers
     assert f"(`long-tail-top-p-*`, `long-tail-top-k-*`, 64 tokens, 4-{n}, greedy reward)" in answers
     assert (f"at top-k 64 over {n} seeds ({len(seeds)} added) token TIS {_quoted(tis_ref.pooled)} against the "
             f"reference, {len(below['token_tis'])} of its {n} runs below the plateau, self-normalised "
             f"{_quoted(norm_ref.pooled)} and none {_quoted(none_ref.pooled)} (MDE {none_ref.mde:.3f}) |") in answers
-    assert (f"top-k 256 / 64 / 16 at 4-{len(_TOP_K64_FIRST)} seeds ({n} at top-k 64 for none, the reference and "
+    assert (f"top-k 256 / 64 / 16 at 4-{len(_TOP_K_FIRST)} seeds ({n} at top-k 64 for none, the reference and "
             "token TIS with and without "
             f"self-normalisation, each comparison's MDE at most {max(mdes):.3f}; run there:") in answers
     plan = _section("What has been run, and what the rest would cost")
@@ -5231,7 +5246,7 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         _STUDY_DOCS.parents[1] / "README.md")
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
-    assert (f"at {n} seeds ({len(seeds)} more, {_TOP_K64_MORE[0]}) token TIS {_quoted(tis_ref.pooled)} against the "
+    assert (f"at {n} seeds ({len(seeds)} more, {_TOP_K_MORE['k64'][0]}) token TIS {_quoted(tis_ref.pooled)} against the "
             f"reference and {_quoted(tis_none.pooled)} against none (not excluding 0 with the 5% split over the two "
             f"looks), {len(below['token_tis'])}/{n} below the plateau (greedy reward under 0.3; no run of none, the "
             f"reference or token_tis_normalized), token_tis_normalized {_quoted(norm_ref.pooled)}, none "
