@@ -109,7 +109,10 @@ TRUNCATION_BASIS = (
     "against the run without it (4 seeds); at 26 seeds (10 more, long-tail-top-k-processed-k64-more) token TIS "
     "-0.030 [-0.058, -0.006] against the reference and -0.027 [-0.056, -0.002] against none (not excluding 0 with "
     "the 5% split over the two looks), 4/26 below the plateau (greedy reward under 0.3; no run of none, the "
-    "reference or token_tis_normalized), token_tis_normalized -0.005 [-0.015, +0.005], none -0.003 [-0.014, +0.008]"
+    "reference or token_tis_normalized), token_tis_normalized -0.005 [-0.015, +0.005], none -0.003 [-0.014, +0.008]; "
+    "at top-k 16 over 30 seeds (14 more, long-tail-top-k-processed-k16-more) token TIS -0.046 [-0.082, -0.016] "
+    "against the reference and -0.035 [-0.071, -0.003] against none (not excluding 0 with the 5% split), "
+    "token_tis_normalized -0.008 [-0.024, +0.006], none -0.011 [-0.025, +0.000]"
 )
 
 

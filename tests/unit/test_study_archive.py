@@ -1412,7 +1412,8 @@ _TOP_P_FIRST_SEEDS = range(16)
 #: self-normalised token TIS over processed top-k log-probs on seeds past the processed sweep's 16, on Zen 4 VMs of the
 #: kind that made those (2026-12-07, one session per dose; the questions fixed before any of them ran): {dose label:
 #: (the report, the seeds whose four runs finished by the pre-registered cut)}
-_TOP_K_MORE = {"k64": ("long-tail-top-k-processed-k64-more", range(16, 26))}
+_TOP_K_MORE = {"k64": ("long-tail-top-k-processed-k64-more", range(16, 26)),
+               "k16": ("long-tail-top-k-processed-k16-more", range(16, 30))}
 #: the comparisons each section pools with the processed sweep's seeds 0-15: (arm, base, its name in the section)
 _TOP_K_PAIRS = (("none", "ref_fp32", "none - reference"), ("token_tis", "none", "token TIS - none"),
                 ("token_tis", "ref_fp32", "token TIS - reference"),
@@ -1646,8 +1647,8 @@ def test_the_quoted_top_p_table_and_replay_figures_come_from_the_archive(archive
 def test_the_readme_s_top_p_figures_come_from_the_archives():
     """The README's truncation row quotes the archives' reports: none - reference at each top-p dose run past the raw
     sweep's 16 seeds on the 3-token task (its newest report; the unresolved ones also in "Not yet measured to a 0.05
-    resolution"), and over processed top-k log-probs on the long tail token TIS against the reference at top-k 16
-    and token MIS at top-k 64 (greedy reward, as those sweeps compare)."""
+    resolution"), and over processed top-k log-probs on the long tail token MIS at top-k 64 (greedy reward, as
+    those sweeps compare; token TIS at top-k 16 and 64: the tests of their sections over more seeds)."""
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     assert set(_TOP_P_MORE) <= {"p0.95", "p0.9", "p0.8"}
     for label, report in _TOP_P_MORE.items():  # the doses run past the raw sweep's 16 seeds, at their newest report
@@ -1665,9 +1666,6 @@ def test_the_readme_s_top_p_figures_come_from_the_archives():
     for label in {"p0.95", "p0.9", "p0.8"} - set(_TOP_P_MORE):  # still at the raw sweep's 16 seeds: unresolved
         assert f"p = {_top_p(label)} (16 seeds resolve about 0.16" in readme, label
     archive = "sweep-long-tail-truncation"
-    tis = _dose(archive, "long-tail-top-k-processed", "k16")["arms"]["token_tis"]
-    assert (f"token TIS hurts, {_quoted(tis['vs_reference']['greedy_reward'])} at top-k 16 ({tis['n']} "
-            "seeds)") in readme
     mis = _dose(archive, "long-tail-top-k-processed", "k64")["arms"]["token_mis"]
     assert f"token MIS trains nothing ({_quoted(mis['vs_reference']['greedy_reward'])}, {mis['n']} seeds)" in readme
     assert mis["ended_low"]["k"] == mis["n"]  # "trains nothing": every run ended low
@@ -5088,9 +5086,10 @@ def _top_k_more(label: str) -> SimpleNamespace:
 
 
 def _top_k_rows(x: SimpleNamespace) -> list[str]:
-    """The section's table of the added seeds (``x``: :func:`_top_k_more`), one row per arm from the report: its
-    seeds, mean K3, greedy reward, against the reference and none, runs ended low, runs that took off, and runs the
-    monitor warned on the mismatch."""
+    """A section's three tables' rows (``x``: :func:`_top_k_more`), in order: the added seeds', one row per arm from
+    the report (its seeds, mean K3, greedy reward, against the reference and none, runs ended low, runs that took off,
+    runs the monitor warned on the mismatch); per comparison the pooled looks on the greedy reward (added seeds alone,
+    seeds 0-15, pooled, its seeds, paired SD, MDE, seeds for 0.05, the 5% split); and on the take-off."""
     from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
 
     rows = []
@@ -5100,6 +5099,11 @@ def _top_k_rows(x: SimpleNamespace) -> list[str]:
         rows.append(f"| {arm} | {n} | {_e(a['k3_mean'][0], 1)} | {_fmt_ci(a['greedy_reward'])} | "
                     f"{_fmt_diff(a['vs_reference']['greedy_reward'])} | {_fmt_diff(a['vs_none']['greedy_reward'])} | "
                     f"{x.low[arm]}/{n} | {n - x.never[arm]}/{n} | {mon['k']}/{mon['n']} |")
+    steps = functools.partial(_quoted, fmt="{:+.0f}")
+    rows += [f"| {name} | {_quoted(r.alone)} | {_quoted(r.earlier)} | {_quoted(r.pooled)} | {r.pooled['n']} | "
+             f"{r.sd:.3f} | {r.mde:.3f} | {r.needed} | {_quoted(x.adjusted[name])} |" for name, r in x.reward.items()]
+    rows += [f"| {name} | {steps(t.alone)} ({t.alone['n']}) | {steps(t.earlier)} ({t.earlier['n']}) | "
+             f"{steps(t.pooled)} ({t.pooled['n']}) |" for name, t in x.steps.items()]
     return rows
 
 
@@ -5129,10 +5133,6 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     section = _section("Top-k 64 over processed log-probs on more seeds")
     steps = functools.partial(_quoted, fmt="{:+.0f}")
     rows = _top_k_rows(x)
-    rows += [f"| {name} | {_quoted(r.alone)} | {_quoted(r.earlier)} | {_quoted(r.pooled)} | {r.pooled['n']} | "
-             f"{r.sd:.3f} | {r.mde:.3f} | {r.needed} | {_quoted(x.adjusted[name])} |" for name, r in x.reward.items()]
-    rows += [f"| {name} | {steps(t.alone)} ({t.alone['n']}) | {steps(t.earlier)} ({t.earlier['n']}) | "
-             f"{steps(t.pooled)} ({t.pooled['n']}) |" for name, t in x.steps.items()]
     assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
     r, t, adj = x.reward, x.steps, x.adjusted
     first = x.first["arms"]
@@ -5224,24 +5224,18 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
             "and self-normalised token TIS): token TIS stays behind the reference, and three readings of these "
             f"{len(_TOP_K_FIRST)} seeds do not hold there") in _section("Top-p and top-k on the long-tail task")
     answers = _section("The answers so far, per mechanism")
-    assert f"on a 512-id tail p = 0.8 and top-k 256 / 64 / 16 at 4-{n} seeds) did not" in answers
-    assert f"(`long-tail-top-p-*`, `long-tail-top-k-*`, 64 tokens, 4-{n}, greedy reward)" in answers
     assert (f"at top-k 64 over {n} seeds ({len(seeds)} added) token TIS {_quoted(tis_ref.pooled)} against the "
             f"reference, {len(below['token_tis'])} of its {n} runs below the plateau, self-normalised "
-            f"{_quoted(norm_ref.pooled)} and none {_quoted(none_ref.pooled)} (MDE {none_ref.mde:.3f}) |") in answers
-    assert (f"top-k 256 / 64 / 16 at 4-{len(_TOP_K_FIRST)} seeds ({n} at top-k 64 for none, the reference and "
-            "token TIS with and without "
-            f"self-normalisation, each comparison's MDE at most {max(mdes):.3f}; run there:") in answers
+            f"{_quoted(norm_ref.pooled)} and none {_quoted(none_ref.pooled)} (MDE {none_ref.mde:.3f});") in answers
+    assert f"top-k 256 / 64 / 16 at 4-{len(_TOP_K_FIRST)} seeds ({n} at top-k 64 and " in answers  # with top-k 16's
     plan = _section("What has been run, and what the rest would cost")
     _assert_quoted([
         f"{sum(x.walls) / 3600:.1f} for the {len(x.walls)} runs of seeds {seeds.start}-{seeds.stop - 1} at processed "
         f"top-k 64 (Zen 4 VM, {np.median(x.walls) / 60:.1f} min per run)",
         f"processed top-k 64: none, the reference, token TIS and self-normalised token TIS x {len(seeds)} more on a "
         f"Zen 4 VM ({n} seeds, MDE {min(mdes):.3f}-{max(mdes):.3f}: **resolved**, none not hurt, token TIS behind the "
-        "reference;",
-        f"every long-tail sweep but `long-tail-top-k-processed` k64's none, reference, token TIS and self-normalised "
-        f"token TIS ({n} seeds), `long-tail-stale-128` k2's"], plan)
-    assert (f"-0.060 [-0.120, -0.011] at top-k 16 (16 seeds) and {_quoted(tis_ref.pooled)} at top-k 64 ({n} seeds; "
+        "reference;"], plan)
+    assert (f") and {_quoted(tis_ref.pooled)} at top-k 64 ({n} seeds; "  # after top-k 16's (its test)
             f"self-normalised {_quoted(norm_ref.pooled)}, none {_quoted(none_ref.pooled)})") in _prose(
         _STUDY_DOCS.parents[1] / "README.md")
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
@@ -5250,4 +5244,144 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
             f"reference and {_quoted(tis_none.pooled)} against none (not excluding 0 with the 5% split over the two "
             f"looks), {len(below['token_tis'])}/{n} below the plateau (greedy reward under 0.3; no run of none, the "
             f"reference or token_tis_normalized), token_tis_normalized {_quoted(norm_ref.pooled)}, none "
+            f"{_quoted(none_ref.pooled)}") in " ".join(TRUNCATION_BASIS.split())
+
+
+def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive():
+    """docs/study.md's section on processed top-k 16 past the processed sweep's 16 seeds (:func:`_top_k_more`): its
+    three tables, the runs made and copied and their times, the runs ended low, collapsed, never taking off and below
+    the plateau, and the outcome of each question fixed before the runs, each from its rule; and its figures where the
+    answers, the plan, the README and analyze's basis quote them; recomputed from the archive and both reports."""
+    import numpy as np
+
+    x, k64 = _top_k_more("k16"), _top_k_more("k64")
+    seeds, all_seeds = x.seeds, (*_TOP_K_FIRST, *x.seeds)
+    n, n64 = len(all_seeds), len(_TOP_K_FIRST) + len(k64.seeds)
+    section = _section("Top-k 16 over processed log-probs on more seeds")
+    rows = _top_k_rows(x)
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    steps = functools.partial(_quoted, fmt="{:+.0f}")
+    r, t, adj, t_adj = x.reward, x.steps, x.adjusted, x.steps_adjusted
+    first = x.first["arms"]
+    tis_none, tis_ref = r["token TIS - none"], r["token TIS - reference"]
+    norm_ref, norm_none, none_ref = r["self-normalised - reference"], r["self-normalised - none"], r["none - reference"]
+    metrics, bar = x.metrics, x.study["collapse_fraction"]
+
+    def collapsed(arm: str, s: int) -> bool:  # the report's rule (its legend), on the run's metrics
+        m = metrics[arm, s]
+        gain = m["peak_reward"] - m["start_reward"]
+        return gain >= 0.1 and m["final_reward"] - m["start_reward"] < (1 - bar) * gain
+
+    def never(arm: dict) -> int:
+        return arm["steps_to_threshold"]["n"] - arm["steps_to_threshold"]["reached"]
+
+    low_norm = x.arms["token_tis_normalized"]["ended_low"]["seeds"]
+    assert [s for s in seeds if collapsed("token_tis_normalized", s)] == low_norm == [26, 29]
+    assert x.collapsed["token_tis_normalized"] == len(low_norm) and x.collapsed["none"] == 1
+    below = {a: [s for s in all_seeds if x.greedy[a, s] < 0.3] for a in x.arms}  # below the plateau (0.32-0.46)
+    (none_below,), (norm_below,) = below["none"], below["token_tis_normalized"]
+    assert not below["ref_fp32"] and norm_below == low_norm[0] and x.greedy["token_tis_normalized", low_norm[1]] > 0.3
+    # the rules behind the phrases
+    assert tis_ref.pooled["high"] < 0 and adj["token TIS - reference"]["high"] < 0
+    assert tis_none.pooled["high"] < 0 < adj["token TIS - none"]["high"]
+    assert 0.4 < tis_ref.alone["mean"] / tis_ref.earlier["mean"] < 0.6  # "half of seeds 0-15's"
+    assert t["token TIS - reference"].pooled["low"] > 0 and t_adj["token TIS - reference"]["low"] > 0
+    assert norm_ref.pooled["low"] < 0 < norm_ref.pooled["high"] and norm_none.pooled["low"] < 0 < norm_none.pooled["high"]
+    assert t["self-normalised - reference"].pooled["high"] < 0 and t_adj["self-normalised - reference"]["high"] < 0
+    sn_none = t["self-normalised - none"]
+    assert sn_none.pooled["low"] < 0 < sn_none.pooled["high"] and sn_none.earlier["low"] < 0 < sn_none.earlier["high"]
+    assert none_ref.pooled["low"] < 0 < none_ref.pooled["high"] and none_ref.alone["high"] < 0
+    assert t["none - reference"].pooled["high"] < 0 < t_adj["none - reference"]["high"]
+    mdes = [look.mde for look in r.values()]
+    assert len(mdes) == 5 and max(mdes) <= 0.05  # "All five comparisons resolve the 0.05 target"
+    quotes = [
+        f"The cut stopped it at 19:30\nUTC with seeds {seeds.start}-{seeds.stop - 1} finished",
+        f"{len(x.walls)} runs made here, {sum(x.walls) / 3600:.1f} CPU-hours, {np.median(x.walls) / 60:.1f} min per run "
+        f"(median), and the\nreference's {x.copied} runs at seeds {k64.seeds.start}-{k64.seeds.stop - 1} copied",
+        "--first-seed 16 --seeds " + str(len(seeds)),
+        # question 1
+        _look_verdict(tis_ref.pooled, adj["token TIS - reference"], "Token TIS", "the reference") + " (question 1): "
+        f"{_quoted(tis_ref.pooled)} over {n} seeds, {_quoted(adj['token TIS - reference'])} with the 5% split over the "
+        f"two looks; on the added seeds alone {_quoted(tis_ref.alone)}, half of seeds 0-15's "
+        f"{tis_ref.earlier['mean']:.3f}",
+        _look_verdict(tis_none.pooled, adj["token TIS - none"], "Token TIS", "none")
+        + f": {_quoted(tis_none.pooled)} pooled, {_quoted(adj['token TIS - none'])} with the split; on the added seeds "
+        f"alone {_quoted(tis_none.alone)}",
+        f"Its take-off stays later than the reference's: {steps(t['token TIS - reference'].pooled)} steps pooled "
+        f"({t['token TIS - reference'].pooled['n']} seeds; {steps(t_adj['token TIS - reference'])} with the split)",
+        f"{x.low['token_tis']} of the {len(seeds)} added token TIS runs ended low, {x.collapsed['token_tis']} "
+        f"collapsed and {x.never['token_tis']} never took off (seeds 0-15: {first['token_tis']['ended_low']['k']}, "
+        f"{first['token_tis']['collapse']['k']} and {never(first['token_tis'])})",
+        # question 2
+        _look_verdict(norm_ref.pooled, adj["self-normalised - reference"], "Self-normalised token TIS",
+                      "the reference") + f" (question 2): {_quoted(norm_ref.pooled)} over {n} seeds, and "
+        f"{_quoted(norm_none.pooled)} against none",
+        f"Its earlier take-off than the reference's holds: {steps(t['self-normalised - reference'].pooled)} steps "
+        f"pooled ({steps(t_adj['self-normalised - reference'])} with the split); against none {steps(sn_none.pooled)}, "
+        f"not excluding 0 (the 16 seeds' {steps(sn_none.earlier)} neither)",
+        f"{x.low['token_tis_normalized']} of its {len(seeds)} added runs ended low (seeds {low_norm[0]} and "
+        f"{low_norm[1]}, both counted also as collapses; {first['token_tis_normalized']['ended_low']['k']} of 16 "
+        f"before): seed {low_norm[0]}'s",
+        *[f"seed {s}'s peaked at {metrics['token_tis_normalized', s]['peak_reward']:.3f} and ended at "
+          f"{metrics['token_tis_normalized', s]['final_reward']:.3f}" for s in low_norm[1:]],
+        f"training reward peaked at {metrics['token_tis_normalized', low_norm[0]]['peak_reward']:.3f} and ended at "
+        f"{metrics['token_tis_normalized', low_norm[0]]['final_reward']:.3f}, its greedy reward "
+        f"{x.greedy['token_tis_normalized', low_norm[0]]:.3f}, below",
+        f"while its greedy reward, {x.greedy['token_tis_normalized', low_norm[1]]:.3f}, was on",
+        # question 3
+        "**None is not measurably different from the reference pooled, but the added seeds alone put it\n  behind** "
+        f"(question 3): {_quoted(none_ref.pooled)} over {n} seeds ({_quoted(adj['none - reference'])} with the\n  "
+        f"split), **MDE {none_ref.mde:.3f}: the 0.05 target is met**; the interval leaves a cost up to "
+        f"{-none_ref.pooled['low']:.3f}",
+        f"On the\n  added seeds alone {_quoted(none_ref.alone)}",
+        f"where {x.low['none']} of its {len(seeds)} runs ended\n  low ({first['none']['ended_low']['k']} of 16 "
+        f"before) and one collapsed",
+        f"None's earlier take-off holds unadjusted, not with the\n  split: {steps(t['none - reference'].pooled)} steps "
+        f"pooled, {steps(t_adj['none - reference'])} with the split ({steps(t['none - reference'].alone)} on the added"
+        f"\n  seeds alone)",
+        # below the plateau, and what it changes
+        f"{len(below['token_tis'])} of token\n  TIS's {n} runs ended with a greedy reward below 0.3 (seeds "
+        + ", ".join(str(s) for s in below["token_tis"][:-1]) + f" and {below['token_tis'][-1]}), 1 of\n  none's "
+        f"(seed {none_below}, {x.greedy['none', none_below]:.3f}), 1 of self-normalised token TIS's (seed "
+        f"{norm_below}) and none of the reference's",
+        f"measurably behind the reference ({n} seeds)",
+        f"(MDE {none_ref.mde:.3f}), though at this dose, the smallest kept\n  mass run, the added seeds alone put it "
+        f"{-none_ref.alone['mean']:.3f} behind",
+        f"All five comparisons resolve the 0.05 target (MDE {min(mdes):.3f}-{max(mdes):.3f})",
+    ]
+    _assert_quoted([" ".join(q.split()) for q in quotes], " ".join(section.split()))
+    # the quotes elsewhere: the section before it, the answers' row, "Not yet measured", the plan, README, analyze
+    assert (f"The section after it adds seeds {seeds.start}-{seeds.stop - 1} at top-k 16: token TIS stays behind the "
+            "reference, and behind none only unadjusted; self-normalised token TIS stays level with the reference; "
+            f"none is not measurably behind it pooled ({_quoted(none_ref.pooled)}, {n} seeds).") in " ".join(
+        _section("Top-p and top-k on the long-tail task").split())
+    answers = _section("The answers so far, per mechanism")
+    top = max(n, n64)
+    assert f"on a 512-id tail p = 0.8 and top-k 256 / 64 / 16 at 4-{top} seeds) did not" in " ".join(answers.split())
+    assert f"(`long-tail-top-p-*`, `long-tail-top-k-*`, 64 tokens, 4-{top}, greedy reward)" in answers
+    assert (f"; at top-k 16 over {n} seeds ({len(seeds)} added) token TIS {_quoted(tis_ref.pooled)} against the "
+            f"reference and {_quoted(tis_none.pooled)} against none (not excluding 0 with the 5% split over the two "
+            f"looks), self-normalised {_quoted(norm_ref.pooled)} and none {_quoted(none_ref.pooled)} (MDE "
+            f"{none_ref.mde:.3f}; {_quoted(none_ref.alone)} on the {len(seeds)} added seeds alone) |") in answers
+    mdes64 = [look.mde for look in k64.reward.values()]
+    assert (f"top-k 256 / 64 / 16 at 4-{len(_TOP_K_FIRST)} seeds ({n64} at top-k 64 and {n} at top-k 16 for none, "
+            "the reference and token TIS with and without self-normalisation, each comparison's MDE at most "
+            f"{max(mdes64):.3f} and {max(mdes):.3f}; run there:") in " ".join(answers.split())
+    plan = " ".join(_section("What has been run, and what the rest would cost").split())
+    _assert_quoted([
+        f"{sum(x.walls) / 3600:.1f} for the {len(x.walls)} runs of seeds {seeds.start}-{seeds.stop - 1} at processed "
+        f"top-k 16 (Zen 4 VM, {np.median(x.walls) / 60:.1f} min per run)",
+        f"processed top-k 16: the same four arms x {len(seeds)} more on a Zen 4 VM ({n} seeds, MDE "
+        f"{min(mdes):.3f}-{max(mdes):.3f}: **resolved**, none not measurably behind pooled, token TIS behind the "
+        "reference;",
+        f"every long-tail sweep but `long-tail-top-k-processed` k64's and k16's none, reference, token TIS and "
+        f"self-normalised token TIS ({n64} and {n} seeds), `long-tail-stale-128` k2's"], plan)
+    assert (f"token TIS hurts, {_quoted(tis_ref.pooled)} at top-k 16 ({n} seeds; self-normalised "
+            f"{_quoted(norm_ref.pooled)}, none {_quoted(none_ref.pooled)}) and") in _prose(
+        _STUDY_DOCS.parents[1] / "README.md")
+    from megatron_mis.analysis.recommend import TRUNCATION_BASIS
+
+    assert (f"at top-k 16 over {n} seeds ({len(seeds)} more, {_TOP_K_MORE['k16'][0]}) token TIS "
+            f"{_quoted(tis_ref.pooled)} against the reference and {_quoted(tis_none.pooled)} against none (not "
+            f"excluding 0 with the 5% split), token_tis_normalized {_quoted(norm_ref.pooled)}, none "
             f"{_quoted(none_ref.pooled)}") in " ".join(TRUNCATION_BASIS.split())
