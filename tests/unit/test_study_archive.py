@@ -2172,8 +2172,9 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
         f"it stalled {k64['tis_low']} of {k64['n']} runs at top-k 64 and {k16['tis_low']} of {k16['n']} at top-k 16",
         f"Self-normalising the weight removed the stalls ({k16['low']} of {k16['n']} and {k64['low']} of {k64['n']} "
         f"ended low at top-k 16 and 64; none {k16['none_low']} and {k64['none_low']})",
-        f"self-normalised, token TIS ended low in {k16['low'] + k64['low']} of {k16['n'] + k64['n']} runs at top-k 16 "
-        f"and 64 (unnormalised {k16['tis_low'] + k64['tis_low']} of {k16['n'] + k64['n']})",
+        # over more seeds the counts before it are the top-k 16 section's test's
+        f"; at {k16['n']} seeds each {k16['low'] + k64['low']} and {k16['tis_low'] + k64['tis_low']} of "
+        f"{k16['n'] + k64['n']})",
         # the answers table and the correction table
         f"token TIS self-normalised (`token_tis_normalized`) left no run low at top-k 64 ({k64['low']}/{k64['n']}, "
         f"{k64['ref']}",
@@ -5029,8 +5030,8 @@ def _top_k_more(label: str) -> SimpleNamespace:
     added seeds the report's row (``arms``), the runs ended low, never taking off and collapsed; the wall times of the
     runs made for it. Checks that the report quotes exactly these seeds, its figures are the recomputed ones, the
     earlier figures the processed sweep's report's, and every added run was made on the Zen 4 VM at one thread, not
-    copied, but the reference's runs at the seeds of a report listed before it: the untruncated reference is one run at every dose,
-    so those are that report's runs, copied (their count ``copied``)."""
+    copied, but the reference's runs at the seeds of a report listed before it: the untruncated reference is one run
+    at every dose, so those are that report's runs, copied (their count ``copied``)."""
     archive = "sweep-long-tail-truncation"
     report, seeds = _TOP_K_MORE[label]
     summary = _summary(archive, report)
@@ -5240,7 +5241,8 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         _STUDY_DOCS.parents[1] / "README.md")
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
-    assert (f"at {n} seeds ({len(seeds)} more, {_TOP_K_MORE['k64'][0]}) token TIS {_quoted(tis_ref.pooled)} against the "
+    assert (f"at {n} seeds ({len(seeds)} more, {_TOP_K_MORE['k64'][0]}) token TIS {_quoted(tis_ref.pooled)} against "
+            "the "
             f"reference and {_quoted(tis_none.pooled)} against none (not excluding 0 with the 5% split over the two "
             f"looks), {len(below['token_tis'])}/{n} below the plateau (greedy reward under 0.3; no run of none, the "
             f"reference or token_tis_normalized), token_tis_normalized {_quoted(norm_ref.pooled)}, none "
@@ -5251,7 +5253,8 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     """docs/study.md's section on processed top-k 16 past the processed sweep's 16 seeds (:func:`_top_k_more`): its
     three tables, the runs made and copied and their times, the runs ended low, collapsed, never taking off and below
     the plateau, and the outcome of each question fixed before the runs, each from its rule; and its figures where the
-    answers, the plan, the README and analyze's basis quote them; recomputed from the archive and both reports."""
+    answers, the plan, the README, the self-normalised preset and analyze's basis quote them; recomputed from the
+    archive and both reports."""
     import numpy as np
 
     x, k64 = _top_k_more("k16"), _top_k_more("k64")
@@ -5286,7 +5289,8 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     assert tis_none.pooled["high"] < 0 < adj["token TIS - none"]["high"]
     assert 0.4 < tis_ref.alone["mean"] / tis_ref.earlier["mean"] < 0.6  # "half of seeds 0-15's"
     assert t["token TIS - reference"].pooled["low"] > 0 and t_adj["token TIS - reference"]["low"] > 0
-    assert norm_ref.pooled["low"] < 0 < norm_ref.pooled["high"] and norm_none.pooled["low"] < 0 < norm_none.pooled["high"]
+    assert all(look.pooled["low"] < 0 < look.pooled["high"] for look in (norm_ref, norm_none))
+    assert len(below["token_tis"]) > max(len(b) for a, b in below.items() if a != "token_tis")  # "more often than"
     assert t["self-normalised - reference"].pooled["high"] < 0 and t_adj["self-normalised - reference"]["high"] < 0
     sn_none = t["self-normalised - none"]
     assert sn_none.pooled["low"] < 0 < sn_none.pooled["high"] and sn_none.earlier["low"] < 0 < sn_none.earlier["high"]
@@ -5296,8 +5300,8 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     assert len(mdes) == 5 and max(mdes) <= 0.05  # "All five comparisons resolve the 0.05 target"
     quotes = [
         f"The cut stopped it at 19:30\nUTC with seeds {seeds.start}-{seeds.stop - 1} finished",
-        f"{len(x.walls)} runs made here, {sum(x.walls) / 3600:.1f} CPU-hours, {np.median(x.walls) / 60:.1f} min per run "
-        f"(median), and the\nreference's {x.copied} runs at seeds {k64.seeds.start}-{k64.seeds.stop - 1} copied",
+        f"{len(x.walls)} runs made here, {sum(x.walls) / 3600:.1f} CPU-hours, {np.median(x.walls) / 60:.1f} min per "
+        f"run (median), and the\nreference's {x.copied} runs at seeds {k64.seeds.start}-{k64.seeds.stop - 1} copied",
         "--first-seed 16 --seeds " + str(len(seeds)),
         # question 1
         _look_verdict(tis_ref.pooled, adj["token TIS - reference"], "Token TIS", "the reference") + " (question 1): "
@@ -5387,6 +5391,20 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     assert (f"token TIS hurts, {_quoted(tis_ref.pooled)} at top-k 16 ({n} seeds; self-normalised "
             f"{_quoted(norm_ref.pooled)}, none {_quoted(none_ref.pooled)}) and") in _prose(
         _STUDY_DOCS.parents[1] / "README.md")
+    # "Not yet measured": the runs ended low over both sections' seeds
+    low = {a: x.first["arms"][a]["ended_low"]["k"] + x.low[a] + k64.first["arms"][a]["ended_low"]["k"] + k64.low[a]
+           for a in ("token_tis_normalized", "token_tis")}
+    assert (f"self-normalised, token TIS ended low in {low['token_tis_normalized']} of {n + n64} runs at top-k 16 and "
+            f"64 (unnormalised {low['token_tis']} of {n + n64};") in " ".join(answers.split())
+    preset = " ".join(line.lstrip("# ") for line in (_STUDY_DOCS.parents[1] / "configs" / "presets" /
+                                                    "token_tis_normalized.yaml").read_text().splitlines())
+    assert (f"ended measurably below the reference on the greedy reward "
+            f"({_quoted(k64.reward['token TIS - reference'].pooled)} at top-k 64, {n64} seeds; "
+            f"{_quoted(tis_ref.pooled)} at top-k 16, {n} seeds); self-normalised, it was level with the reference "
+            f"({_quoted(k64.reward['self-normalised - reference'].pooled)} and {_quoted(norm_ref.pooled)})"
+            ) in " ".join(preset.split())
+    assert all(look.pooled["low"] < 0 < look.pooled["high"]
+               for look in (k64.reward["self-normalised - reference"], norm_ref))  # "level with the reference"
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
     assert (f"at top-k 16 over {n} seeds ({len(seeds)} more, {_TOP_K_MORE['k16'][0]}) token TIS "
