@@ -2180,11 +2180,11 @@ def test_the_self_normalised_token_tis_figures_come_from_the_archive():
         f"{k64['ref']}",
     ]
     assert k64["low"] == 0 and k64["after_none"]  # "measurably after none"
-    # the reference's seeds 8-15 at top-k 16: the runner copied the top-k 64 runs (its header says so), and the
-    # archive stores them in full under top-k 16, the top-k 64 files as copies of them
+    # the reference's seeds 8-15 (and 16-25) at top-k 16: the runner copied the top-k 64 runs (its header says so),
+    # and the archive stores them in full under top-k 16, the top-k 64 files as copies of them
     root = _STUDY_DOCS / archive / "runs"
     texts = read_archive(root)
-    for seed in range(8, 16):
+    for seed in (*range(8, 16), *_TOP_K_MORE["k64"][1]):  # and so the top-k 16 section's copies of seeds 16-25
         copy = json.loads((root / "long-tail-top-k-processed-k64" / "ref_fp32" / f"seed-{seed}.copy.json").read_text())
         assert copy["body_of"] == f"long-tail-top-k-processed-k16/ref_fp32/seed-{seed}.jsonl"
         header = json.loads(texts[f"long-tail-top-k-processed-k16/ref_fp32/seed-{seed}.jsonl"].split("\n", 1)[0])
