@@ -94,8 +94,8 @@ S_SEQUENCE_DEGENERATE = 1.0
 ONE_SIDED_LOG10 = 0.05
 #: Above K3_CONFIG_BUG, a share of such tokens below this marks one-sided log-ratios (truncation).
 ONE_SIDED_SHARE = 0.01
-#: What the sampling-mismatch advice rests on (docs/study.md, "Top-p and top-k on the long-tail task" and "Top-k 64
-#: over processed log-probs on more seeds").
+#: What the sampling-mismatch advice rests on (docs/study.md, "Top-p and top-k on the long-tail task", "Top-k 64 over
+#: processed log-probs on more seeds" and "Top-k 16 over processed log-probs on more seeds").
 TRUNCATION_BASIS = (
     "study: long-tail-top-k-processed k64 (512 ids, 64-token responses, top-k 64 with the processed log-probs "
     "recorded; mean K3 KL 4.8e-1 uncorrected, 16 seeds): token TIS -0.031 [-0.068, -0.004] against the reference "

@@ -5019,6 +5019,11 @@ def test_int8_rollouts_at_128_tokens_on_more_seeds_come_from_the_archive():
                 f"{y.reward.mde:.3f})") in " ".join(advice.basis.split()), name
 
 
+def _never(arm: dict) -> int:
+    """The runs of a report's arm row that never reached the take-off threshold."""
+    return arm["steps_to_threshold"]["n"] - arm["steps_to_threshold"]["reached"]
+
+
 @functools.cache
 def _top_k_more(label: str) -> SimpleNamespace:
     """Processed top-k at dose ``label`` on the seeds of :data:`_TOP_K_MORE` beside the processed sweep's seeds 0-15,
@@ -5027,8 +5032,8 @@ def _top_k_more(label: str) -> SimpleNamespace:
     seeds) and ``adjusted[name]`` (pooled, the 5% split over the two looks); on the take-off ``steps[name]`` (the same
     over the seeds where both reached it; ``steps_adjusted``: pooled with the 5% split); ``greedy`` ``{(arm, seed):
     greedy reward}`` on both seeds' sets; ``metrics``: the runs' metrics (:func:`_committed_metrics`); per arm on the
-    added seeds the report's row (``arms``), the runs ended low, never taking off and collapsed; the wall times of the
-    runs made for it. Checks that the report quotes exactly these seeds, its figures are the recomputed ones, the
+    added seeds the report's row (``arms``), the runs ended low, never taking off (on seeds 0-15 too: ``first_never``)
+    and collapsed; the wall times of the runs made for it. Checks that the report quotes exactly these seeds, its figures are the recomputed ones, the
     earlier figures the processed sweep's report's, and every added run was made on the Zen 4 VM at one thread, not
     copied, but the reference's runs at the seeds of a report listed before it: the untruncated reference is one run
     at every dose, so those are that report's runs, copied (their count ``copied``)."""
@@ -5081,7 +5086,7 @@ def _top_k_more(label: str) -> SimpleNamespace:
         adjusted=adjusted,
         steps=steps, steps_adjusted={name: _mean_ci(s.pooled["diffs"], study, looks=2) for name, s in steps.items()},
         greedy=greedy, low={a: arms[a]["ended_low"]["k"] for a in arms},
-        never={a: arms[a]["steps_to_threshold"]["n"] - arms[a]["steps_to_threshold"]["reached"] for a in arms},
+        never={a: _never(arms[a]) for a in arms}, first_never={a: _never(first["arms"][a]) for a in arms},
         collapsed={a: arms[a]["collapse"]["k"] for a in arms},
         walls=[runs[setting, a, s][1]["wall_s"] for a, s in made_here], copied=len(seeds) * len(arms) - len(made_here))
 
@@ -5146,10 +5151,6 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     below = {a: [s for s in all_seeds if x.greedy[a, s] < 0.3] for a in x.arms}  # below the plateau (0.32-0.46)
     assert not below["none"] and not below["ref_fp32"] and not below["token_tis_normalized"]
     others = min(x.greedy[a, s] for a in ("none", "ref_fp32", "token_tis_normalized") for s in all_seeds)
-
-    def never(arm: dict) -> int:
-        return arm["steps_to_threshold"]["n"] - arm["steps_to_threshold"]["reached"]
-
     quotes = [
         f"all {len(x.walls)} runs finished by",
         f"every one made here: {len(x.walls)} runs, {sum(x.walls) / 3600:.1f} CPU-hours, "
@@ -5163,7 +5164,7 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         + f": {_quoted(tis_ref.pooled)} pooled, {_quoted(adj['token TIS - reference'])} with the split",
         f"{x.low['token_tis']} of the {len(seeds)} added token TIS runs ended low and {x.never['token_tis']} never "
         "took "
-        f"off (seeds 0-15: {first['token_tis']['ended_low']['k']} and {never(first['token_tis'])}); none "
+        f"off (seeds 0-15: {first['token_tis']['ended_low']['k']} and {x.first_never['token_tis']}); none "
         f"{x.low['none']} of {len(seeds)} (seed {low_none}: its training reward, sampled through the truncation, ended "
         f"at {metrics['none', low_none]['final_reward']:.2f} against the bar "
         f"{x.arms['none']['ended_low']['bar']:.2f}, while its greedy reward, {x.greedy['none', low_none]:.3f}, was on "
@@ -5242,8 +5243,7 @@ def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
     assert (f"at {n} seeds ({len(seeds)} more, {_TOP_K_MORE['k64'][0]}) token TIS {_quoted(tis_ref.pooled)} against "
-            "the "
-            f"reference and {_quoted(tis_none.pooled)} against none (not excluding 0 with the 5% split over the two "
+            f"the reference and {_quoted(tis_none.pooled)} against none (not excluding 0 with the 5% split over the two "
             f"looks), {len(below['token_tis'])}/{n} below the plateau (greedy reward under 0.3; no run of none, the "
             f"reference or token_tis_normalized), token_tis_normalized {_quoted(norm_ref.pooled)}, none "
             f"{_quoted(none_ref.pooled)}") in " ".join(TRUNCATION_BASIS.split())
@@ -5268,18 +5268,9 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
     first = x.first["arms"]
     tis_none, tis_ref = r["token TIS - none"], r["token TIS - reference"]
     norm_ref, norm_none, none_ref = r["self-normalised - reference"], r["self-normalised - none"], r["none - reference"]
-    metrics, bar = x.metrics, x.study["collapse_fraction"]
-
-    def collapsed(arm: str, s: int) -> bool:  # the report's rule (its legend), on the run's metrics
-        m = metrics[arm, s]
-        gain = m["peak_reward"] - m["start_reward"]
-        return gain >= 0.1 and m["final_reward"] - m["start_reward"] < (1 - bar) * gain
-
-    def never(arm: dict) -> int:
-        return arm["steps_to_threshold"]["n"] - arm["steps_to_threshold"]["reached"]
-
+    metrics = x.metrics
     low_norm = x.arms["token_tis_normalized"]["ended_low"]["seeds"]
-    assert [s for s in seeds if collapsed("token_tis_normalized", s)] == low_norm == [26, 29]
+    assert [s for s in seeds if metrics["token_tis_normalized", s]["collapsed"]] == low_norm == [26, 29]
     assert x.collapsed["token_tis_normalized"] == len(low_norm) and x.collapsed["none"] == 1
     below = {a: [s for s in all_seeds if x.greedy[a, s] < 0.3] for a in x.arms}  # below the plateau (0.32-0.46)
     (none_below,), (norm_below,) = below["none"], below["token_tis_normalized"]
@@ -5315,7 +5306,7 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         f"({t['token TIS - reference'].pooled['n']} seeds; {steps(t_adj['token TIS - reference'])} with the split)",
         f"{x.low['token_tis']} of the {len(seeds)} added token TIS runs ended low, {x.collapsed['token_tis']} "
         f"collapsed and {x.never['token_tis']} never took off (seeds 0-15: {first['token_tis']['ended_low']['k']}, "
-        f"{first['token_tis']['collapse']['k']} and {never(first['token_tis'])})",
+        f"{first['token_tis']['collapse']['k']} and {x.first_never['token_tis']})",
         # question 2
         _look_verdict(norm_ref.pooled, adj["self-normalised - reference"], "Self-normalised token TIS",
                       "the reference") + f" (question 2): {_quoted(norm_ref.pooled)} over {n} seeds, and "
