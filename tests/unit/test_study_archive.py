@@ -1414,6 +1414,10 @@ _TOP_P_FIRST_SEEDS = range(16)
 #: (the report, the seeds whose four runs finished by the pre-registered cut)}
 _TOP_K_MORE = {"k64": ("long-tail-top-k-processed-k64-more", range(16, 26)),
                "k16": ("long-tail-top-k-processed-k16-more", range(16, 30))}
+#: docs/study/sweep-long-tail-truncation/long-tail-top-k-processed-k16-none: none and the reference alone at processed
+#: top-k 16 on seeds past _TOP_K_MORE["k16"]'s, on a Zen 4 VM of that kind (2026-12-07; the questions fixed before any
+#: of them ran): (the report, the seeds whose two runs finished by the pre-registered cut)
+_TOP_K_NONE = ("long-tail-top-k-processed-k16-none", range(30, 50))
 #: the comparisons each section pools with the processed sweep's seeds 0-15: (arm, base, its name in the section)
 _TOP_K_PAIRS = (("none", "ref_fp32", "none - reference"), ("token_tis", "none", "token TIS - none"),
                 ("token_tis", "ref_fp32", "token TIS - reference"),
@@ -1423,7 +1427,8 @@ _TOP_K_PAIRS = (("none", "ref_fp32", "none - reference"), ("token_tis", "none", 
 _TOP_K_FIRST = range(16)
 #: {archive: the reports over more seeds than a sweep's own report (at one dose)}
 _TOP_P_MORE_REPORTS = {"sweep-top-p": tuple(_TOP_P_MORE_CHAIN),
-                       "sweep-long-tail-truncation": tuple(report for report, _ in _TOP_K_MORE.values())}
+                       "sweep-long-tail-truncation": (*(report for report, _ in _TOP_K_MORE.values()),
+                                                      _TOP_K_NONE[0])}
 
 
 def _top_p(label: str) -> str:
@@ -1699,9 +1704,10 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
 
 
 def _first_truncation_runs() -> dict:
-    """:func:`_archive_runs` of the long-tail truncation archive without the seeds that :data:`_TOP_K_MORE` added at
-    its doses: the runs of the section "Top-p and top-k on the long-tail task"."""
+    """:func:`_archive_runs` of the long-tail truncation archive without the seeds that :data:`_TOP_K_MORE` and
+    :data:`_TOP_K_NONE` added at their doses: the runs of the section "Top-p and top-k on the long-tail task"."""
     added = {(f"long-tail-top-k-processed-{label}", s) for label, (_, seeds) in _TOP_K_MORE.items() for s in seeds}
+    added |= {("long-tail-top-k-processed-k16", s) for s in _TOP_K_NONE[1]}
     return {key: run for key, run in _archive_runs("sweep-long-tail-truncation").items()
             if (key[0], key[2]) not in added}
 
@@ -5114,16 +5120,61 @@ def _top_k_rows(x: SimpleNamespace) -> list[str]:
 
 
 
-def _look_verdict(pooled: dict, adjusted: dict, subject: str, other: str) -> str:
-    """How the section reads a pooled difference ``subject - other`` at a second look (``pooled``: its unadjusted
-    paired-differences result; ``adjusted``: with the 5% split over the two looks): behind or ahead where both
+def _look_verdict(pooled: dict, adjusted: dict, subject: str, other: str, looks: str = "two") -> str:
+    """How the section reads a pooled difference ``subject - other`` at a later look (``pooled``: its unadjusted
+    paired-differences result; ``adjusted``: with the 5% split over the ``looks`` looks): behind or ahead where both
     intervals exclude 0, qualified where only the unadjusted one does."""
     for side, word in (("high", "behind"), ("low", "ahead of")):
         if (pooled[side] < 0) if side == "high" else (pooled[side] > 0):
             held = (adjusted[side] < 0) if side == "high" else (adjusted[side] > 0)
-            return f"**{subject} is {word} {other}" + ("**" if held else
-                                                       " unadjusted, not with the 5% split over the two looks**")
+            return f"**{subject} is {word} {other}" + (
+                "**" if held else f" unadjusted, not with the 5% split over the {looks} looks**")
     return f"**{subject} is not measurably different from {other}**"
+
+
+@functools.cache
+def _top_k_none() -> SimpleNamespace:
+    """None and the reference at processed top-k 16 on the seeds of :data:`_TOP_K_NONE` beside seeds 0-15 and 16-29
+    (:func:`_top_k_more` ``("k16")``), recomputed from the archive: none - reference on the greedy reward (``reward``:
+    :func:`_pooled_look` of seeds 0-29 and the added seeds; ``adjusted``: pooled, the 5% split over the three looks)
+    and on the steps to the take-off (``steps``, ``steps_adjusted``: the same over the seeds where both reached it);
+    ``greedy`` ``{(arm, seed): greedy reward}`` on every seed; per arm on the added seeds the report's row (``arms``),
+    the runs ended low, collapsed and never taking off; the wall times of the runs. Checks that the report quotes
+    exactly these seeds with its study settings the top-k 16 section's, its figures are the recomputed ones, seeds
+    0-29's are that section's pooled figures, and every added run was made on the Zen 4 VM at one thread, none
+    copied."""
+    archive = "sweep-long-tail-truncation"
+    report, seeds = _TOP_K_NONE
+    k16 = _top_k_more("k16")
+    summary = _summary(archive, report)
+    arms, _, runs, setting, _, study = _one_vm_report(report, {"none", "ref_fp32"}, seeds, _ZEN4, archive)
+    assert setting == "long-tail-top-k-processed-k16" and summary["outcome"] == "greedy_reward"
+    keys = ("last_k", "collapse_fraction", "confidence", "bootstrap")
+    assert {k: study[k] for k in keys} == {k: k16.study[k] for k in keys}
+    assert (summary["threshold"], summary["steps"]) == (k16.summary["threshold"], k16.summary["steps"])
+    headers = _archive_headers(archive)
+    for a in arms:
+        for s in seeds:
+            assert headers[setting, a, s]["config"]["threads"] == 1 and not headers[setting, a, s].get("copied_from")
+    earlier = (*_TOP_K_FIRST, *k16.seeds)
+    greedy = {**{(a, s): k16.greedy[a, s] for a in arms for s in earlier},
+              **{(a, s): _greedy(runs[setting, a, s][1]) for a in arms for s in seeds}}
+    metrics = _committed_metrics(archive, summary)
+    reward = _pooled_look(*({s: greedy["none", s] - greedy["ref_fp32", s] for s in ss} for ss in (earlier, seeds)),
+                          study)
+    steps = _pooled_look(*(_took_off(_steps_of(metrics, "none", ss), _steps_of(metrics, "ref_fp32", ss))
+                           for ss in (earlier, seeds)), study)
+    row = arms["none"]["vs_reference"]
+    assert _quoted(reward.alone) == _quoted(row["greedy_reward"])
+    assert _quoted(steps.alone, "{:+.0f}") == _quoted(row["steps_to_threshold"], "{:+.0f}")
+    assert _quoted(reward.earlier) == _quoted(k16.reward["none - reference"].pooled)  # as that section pooled them
+    assert _quoted(steps.earlier, "{:+.0f}") == _quoted(k16.steps["none - reference"].pooled, "{:+.0f}")
+    return SimpleNamespace(
+        seeds=seeds, k16=k16, arms=arms, study=study, metrics=metrics, greedy=greedy, reward=reward,
+        adjusted=_mean_ci(reward.pooled["diffs"], study, looks=3), steps=steps,
+        steps_adjusted=_mean_ci(steps.pooled["diffs"], study, looks=3),
+        low={a: arms[a]["ended_low"]["k"] for a in arms}, collapsed={a: arms[a]["collapse"]["k"] for a in arms},
+        never={a: _never(arms[a]) for a in arms}, walls=[runs[setting, a, s][1]["wall_s"] for a in arms for s in seeds])
 
 
 def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive():
@@ -5348,10 +5399,14 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
         "second look at the 5% level, not a resolved difference",
         f"a look at {len(seeds)} seeds, not the pre-registered pooled question",
         f"a cost of about {-none_ref.alone['mean']:.2f} at top-k 16 is not excluded",
-        f"the two runs of seed {seeds.stop} going then were stopped; none of seed {seeds.stop} reached the archive",
+        f"the two runs of seed {seeds.stop} going then were stopped; none of seed {seeds.stop} reached the archive "
+        f"from this run; the section after runs none and the reference from seed {_TOP_K_NONE[1].start}",
     ]
-    assert not any(key[2] >= seeds.stop for key in _archive_runs("sweep-long-tail-truncation")
-                   if key[0] == "long-tail-top-k-processed-k16")
+    # past the cut the archive holds only the section after's runs (none and the reference, made there)
+    assert _TOP_K_NONE[1].start == seeds.stop
+    assert {key[1:] for key in _archive_runs("sweep-long-tail-truncation")
+            if key[0] == "long-tail-top-k-processed-k16" and key[2] >= seeds.stop} == {
+        (a, s) for a in ("none", "ref_fp32") for s in _TOP_K_NONE[1]}
     _assert_quoted([" ".join(q.split()) for q in quotes], " ".join(section.split()))
     # the quotes elsewhere: the section before it, the answers' row, "Not yet measured", the plan, README, analyze
     assert (f"The section after it adds seeds {seeds.start}-{seeds.stop - 1} at top-k 16: token TIS stays behind the "
@@ -5402,3 +5457,93 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
             f"{_quoted(tis_ref.pooled)} against the reference and {_quoted(tis_none.pooled)} against none (not "
             f"excluding 0 with the 5% split), token_tis_normalized {_quoted(norm_ref.pooled)}, none "
             f"{_quoted(none_ref.pooled)}") in " ".join(TRUNCATION_BASIS.split())
+
+
+def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive():
+    """docs/study.md's section on none and the reference at processed top-k 16 past seed 29 (:func:`_top_k_none`): its
+    three tables, the runs made and their times, the runs ended low, collapsed and below the plateau, and the outcome
+    of each question fixed before the runs, each from its rule; and its figures where the answers, the plan, the
+    README and analyze's basis quote them; recomputed from the archive and the three reports."""
+    import numpy as np
+
+    from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
+
+    x = _top_k_none()
+    k16, seeds, r, t = x.k16, x.seeds, x.reward, x.steps
+    first, second = k16.reward["none - reference"], k16.steps["none - reference"]
+    all_seeds = (*_TOP_K_FIRST, *k16.seeds, *seeds)
+    n = len(all_seeds)
+    steps = functools.partial(_quoted, fmt="{:+.0f}")
+    section = _section("None and the reference at top-k 16 on more seeds")
+    span = f"seeds {seeds.start}-{seeds.stop - 1}"
+    rows = [f"| {arm} | {a['n']} | {_e(a['k3_mean'][0], 1)} | {_fmt_ci(a['greedy_reward'])} | "
+            f"{_fmt_diff(a['vs_reference']['greedy_reward'])} | {x.low[arm]}/{a['n']} | {x.collapsed[arm]}/{a['n']} | "
+            f"{a['n'] - x.never[arm]}/{a['n']} | {a['monitor_flagged']['k']}/{a['monitor_flagged']['n']} |"
+            for arm, a in ((arm, x.arms[arm]) for arm in ("ref_fp32", "none"))]
+    rows += [f"| comparison | {span} alone | seeds 0-15 | seeds {k16.seeds.start}-{k16.seeds.stop - 1} | pooled |",
+             f"| none - reference | {_quoted(r.alone)} | {_quoted(first.earlier)} | {_quoted(first.alone)} | "
+             f"{_quoted(r.pooled)} | {r.pooled['n']} | {r.sd:.3f} | {r.mde:.3f} | {r.needed} | {_quoted(x.adjusted)} |",
+             f"| none - reference | {steps(t.alone)} ({t.alone['n']}) | {steps(second.earlier)} "
+             f"({second.earlier['n']}) | {steps(second.alone)} ({second.alone['n']}) | {steps(t.pooled)} "
+             f"({t.pooled['n']}) | {steps(x.steps_adjusted)} |"]
+    _assert_quoted(rows, section)
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    assert section.count("| none - reference |") == 2  # one row in each table of looks, no other
+    assert x.collapsed == {"none": 0, "ref_fp32": 0} and x.never == {"none": 0, "ref_fp32": 0}
+    (low,) = x.arms["none"]["ended_low"]["seeds"]
+    assert not x.arms["ref_fp32"]["ended_low"]["seeds"]
+    below = {a: [s for s in all_seeds if x.greedy[a, s] < 0.3] for a in x.arms}  # below the plateau (0.32-0.46)
+    assert not below["ref_fp32"] and low in below["none"]
+    # the rules behind the phrases
+    assert r.pooled["high"] < 0 and x.adjusted["high"] < 0  # "None is behind the reference", at a third look
+    assert r.alone["low"] < 0 < r.alone["high"]  # the added seeds alone do not exclude 0
+    assert t.pooled["high"] < 0 and x.steps_adjusted["high"] < 0  # "None's earlier take-off holds"
+    assert r.mde < 0.05
+    k64 = _top_k_more("k64").reward["none - reference"]
+    norm_none = k16.reward["self-normalised - none"]
+    assert k64.pooled["low"] < 0 < k64.pooled["high"] and norm_none.pooled["low"] < 0 < norm_none.pooled["high"]
+    cost = -r.pooled["mean"]
+    assert norm_none.mde > cost  # "too coarse for" none's cost
+    quotes = [
+        f"{len(x.walls)} runs made here, none copied, {sum(x.walls) / 3600:.1f} CPU-hours, "
+        f"{np.median(x.walls) / 60:.1f} min per run (median)",
+        f"All {len(seeds)} seeds finished before the cut",
+        f"--first-seed {seeds.start} --seeds {len(seeds)}",
+        f"up to {len(seeds)} seeds ({seeds.start}-{seeds.stop - 1})",
+        # question 1
+        f"**None is behind the reference** (question 1): {_quoted(r.pooled)} over {n} seeds, "
+        f"{_quoted(x.adjusted)} with the 5% split over the three looks; MDE {r.mde:.3f}. The added seeds alone do not "
+        f"exclude 0 ({_quoted(r.alone)}, the upper bound {r.alone['high']:+.4f}); the three sets' means are "
+        f"{first.earlier['mean']:.3f}, {first.alone['mean']:.3f} and {r.alone['mean']:.3f}. So sampling from the top "
+        f"16 of 512 ids cost the uncorrected run about {cost:.3f} of greedy reward, between "
+        f"{-x.adjusted['high']:.3f} and {-x.adjusted['low']:.3f} at the split's level: about a quarter of the 0.05 "
+        "target",
+        # question 2
+        f"**None's earlier take-off holds** (question 2): {steps(t.pooled)} steps over {t.pooled['n']} seeds, "
+        f"{steps(x.steps_adjusted)} with the split; {steps(t.alone)} on the added seeds alone",
+        # question 3
+        f"**Ended low** (question 3): {x.low['none']} of none's {len(seeds)} added runs ended low (seed {low}: its "
+        f"{x.study['last_k']}-step mean training reward peaked at {x.metrics['none', low]['peak_reward']:.3f} and "
+        f"ended at {x.metrics['none', low]['final_reward']:.3f}, its greedy reward {x.greedy['none', low]:.3f}) and "
+        "none collapsed; no run of the reference ended low",
+        f"over the {n} seeds (a count not fixed before the first runs): {len(below['none'])} of none's (seeds "
+        + ", ".join(str(s) for s in below["none"][:-1]) + f" and {below['none'][-1]}: "
+        + ", ".join(f"{x.greedy['none', s]:.3f}" for s in below["none"][:-1])
+        + f" and {x.greedy['none', below['none'][-1]]:.3f}) and none of the reference's",
+        # what it changes
+        f"where none falls measurably behind the reference, by about {cost:.3f}; at top-k 64 it did not "
+        f"({_quoted(k64.pooled)}, {k64.pooled['n']} seeds, MDE {k64.mde:.3f})",
+        f"self-normalised token TIS was level with none ({_quoted(norm_none.pooled)}, {norm_none.pooled['n']} seeds; "
+        f"MDE {norm_none.mde:.3f}, too coarse for {cost:.3f})",
+        # the pre-registration's figures: the earlier sections'
+        f"over 30 seeds ({_quoted(first.pooled)}, MDE {first.mde:.3f}; the section above), but seeds 16-29 alone put "
+        f"it behind ({_quoted(first.alone)})",
+        f"none's earlier take-off held unadjusted only ({steps(second.pooled)} steps)",
+        f"({k16.first['arms']['none']['ended_low']['k']} of seeds 0-15's 16)",
+        f"({k16.first['arms']['none']['ended_low']['k']} and {k16.first['arms']['none']['collapse']['k']} of seeds "
+        f"0-15's 16 runs, {k16.low['none']} and {k16.collapsed['none']} of seeds 16-29's 14)",
+        f"(none {len([s for s in (*_TOP_K_FIRST, *k16.seeds) if x.greedy['none', s] < 0.3])} and the reference 0 of "
+        "30 before)",
+    ]
+    assert first.pooled["n"] == 30 and len(k16.seeds) == 14 and (k16.seeds.start, k16.seeds.stop) == (16, seeds.start)
+    _assert_quoted([" ".join(q.split()) for q in quotes], " ".join(section.split()))
