@@ -5572,6 +5572,8 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
     # the quotes elsewhere: the sections before, the answers' row, the summary, "Not yet measured", the plan, README,
     # analyze's basis
     pooled = f"{_quoted(r.pooled)} over {n} seeds (MDE {r.mde:.3f}; a third look, {_quoted(x.adjusted)} with the 5% split"
+    assert (f"top-k 256, 64 and 16, on these 4-16 seeds; {n} seeds later put none {cost:.3f} behind at top-k 16"
+            in " ".join(_section("Top-p and top-k on the long-tail task").split()))
     for part in ("Top-p and top-k on the long-tail task", "Top-k 16 over processed log-probs on more seeds"):
         assert (f"none's and the reference's seeds {seeds.start}-{seeds.stop - 1}" in _section(part)
                 and f"over {n} seeds none is behind" in " ".join(_section(part).split())
