@@ -5502,6 +5502,7 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
     assert k64.pooled["low"] < 0 < k64.pooled["high"] and norm_none.pooled["low"] < 0 < norm_none.pooled["high"]
     cost = -r.pooled["mean"]
     assert norm_none.mde > cost  # "too coarse for" none's cost
+    assert 0.2 < cost / 0.05 < 0.3  # "about a quarter of the 0.05 target"
     quotes = [
         f"{len(x.walls)} runs made here, none copied, {sum(x.walls) / 3600:.1f} CPU-hours, "
         f"{np.median(x.walls) / 60:.1f} min per run (median)",
@@ -5509,7 +5510,8 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
         f"--first-seed {seeds.start} --seeds {len(seeds)}",
         f"up to {len(seeds)} seeds ({seeds.start}-{seeds.stop - 1})",
         # question 1
-        f"**None is behind the reference** (question 1): {_quoted(r.pooled)} over {n} seeds, "
+        _look_verdict(r.pooled, x.adjusted, "None", "the reference", looks="three")
+        + f" (question 1): {_quoted(r.pooled)} over {n} seeds, "
         f"{_quoted(x.adjusted)} with the 5% split over the three looks; MDE {r.mde:.3f}. The added seeds alone do not "
         f"exclude 0 ({_quoted(r.alone)}, the upper bound {r.alone['high']:+.4f}); the three sets' means are "
         f"{first.earlier['mean']:.3f}, {first.alone['mean']:.3f} and {r.alone['mean']:.3f}. So sampling from the top "
