@@ -5170,7 +5170,7 @@ def _top_k_none() -> SimpleNamespace:
     assert _quoted(reward.earlier) == _quoted(k16.reward["none - reference"].pooled)  # as that section pooled them
     assert _quoted(steps.earlier, "{:+.0f}") == _quoted(k16.steps["none - reference"].pooled, "{:+.0f}")
     return SimpleNamespace(
-        seeds=seeds, k16=k16, arms=arms, study=study, metrics=metrics, greedy=greedy, reward=reward,
+        seeds=seeds, k16=k16, summary=summary, arms=arms, study=study, metrics=metrics, greedy=greedy, reward=reward,
         adjusted=_mean_ci(reward.pooled["diffs"], study, looks=3), steps=steps,
         steps_adjusted=_mean_ci(steps.pooled["diffs"], study, looks=3),
         low={a: arms[a]["ended_low"]["k"] for a in arms}, collapsed={a: arms[a]["collapse"]["k"] for a in arms},
@@ -5542,19 +5542,17 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
         f"({k16.first['arms']['none']['ended_low']['k']} of seeds 0-15's 16)",
         f"({k16.first['arms']['none']['ended_low']['k']} and {k16.first['arms']['none']['collapse']['k']} of seeds "
         f"0-15's 16 runs, {k16.low['none']} and {k16.collapsed['none']} of seeds 16-29's 14)",
-        f"(none {len([s for s in (*_TOP_K_FIRST, *k16.seeds) if x.greedy['none', s] < 0.3])} and the reference 0 of "
-        "30 before)",
+        f"(none {len([s for s in below['none'] if s < seeds.start])} and the reference 0 of 30 before)",
     ]
     # the machine, the report, the take-off's threshold and the other doses' seeds, as the runs and reports give them
-    summary = _summary("sweep-long-tail-truncation", _TOP_K_NONE[0])
+    summary = x.summary
     (made_on,) = summary["runs_made_on"]
     family, model = summary["machine"]["cpu_family_model"].split("/")
     replay = _dose("sweep-long-tail-truncation", "long-tail-top-k-replay", "k64")["arms"]["none"]["n"]
     others = [_dose("sweep-long-tail-truncation", f"long-tail-{kind}-processed", label)["arms"]["none"]["n"]
               for kind, label in (("top-k", "k256"), ("top-p", "p0.95"), ("top-p", "p0.8"))]
     python, torch_version = summary["machine"]["python"], summary["machine"]["torch"].split("+")[0]
-    top_k = _TOP_K_NONE[0].split("-k")[-1].split("-")[0]  # long-tail-top-k-processed-k16-none: 16
-    assert summary["doses"][0]["setting"] == f"long-tail-top-k-processed-k{top_k}"
+    top_k = summary["doses"][0]["label"].removeprefix("k")  # the dose k16 (its setting checked in _top_k_none)
     quotes += [
         f"The added runs, on the Zen 4 VM (AMD EPYC family {family} model {model}, AVX-512 kernels, Python {python}, "
         f"torch {torch_version}, {summary['threads_per_run']} thread each)",
@@ -5583,7 +5581,7 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
     assert (f"{_quoted(r.pooled)} (a third look; {_quoted(x.adjusted)} with the 5% split over the three looks)."
             in " ".join(_section("Top-p and top-k on the long-tail task").split()))
     answers = " ".join(_section("The answers so far, per mechanism").split())
-    k64_n = _top_k_more("k64").reward["none - reference"].pooled["n"]
+    k64_n = k64.pooled["n"]
     k256_n = _dose("sweep-long-tail-truncation", "long-tail-top-k-processed", "k256")["arms"]["none"]["n"]
     _assert_quoted([
         f"(`long-tail-top-p-*`, `long-tail-top-k-*`, 64 tokens, 4-{n}, greedy reward) | top-k 16, by about "
