@@ -25,6 +25,7 @@ _VALUE_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--top-p", "top_p", {"type": float, "metavar": "P"}),
     ("--top-k", "top_k", {"type": int, "metavar": "K"}),
     ("--rollout-logprobs", "rollout_logprobs", {"choices": ("raw", "processed")}),
+    ("--replay-entropy", "replay_entropy", {"choices": ("kept", "full")}),
     ("--staleness", "staleness", {"type": int, "metavar": "K"}),
     ("--stale-fraction", "stale_fraction", {"type": float, "metavar": "F"}),
     ("--task", "task", {"choices": ("copy", "reverse", "sort")}),
@@ -250,7 +251,8 @@ def _mechanisms(cfg) -> str:
         parts.append(f"rollout temperature {cfg.temperature:g}, trainer temperature {cfg.resolved_trainer_temperature:g}")
     if cfg.top_p < 1 or cfg.top_k:
         parts.append(f"rollout top_p {cfg.top_p:g} / top_k {cfg.top_k} ({cfg.rollout_logprobs} log-probs recorded), "
-                     + ("the trainer replays the rollout's support" if cfg.trainer_truncation else "no truncation in the trainer"))
+                     + (f"the trainer replays the rollout's support (entropy: {cfg.replay_entropy})" if cfg.trainer_truncation
+                        else "no truncation in the trainer"))
     if cfg.scratchpad or cfg.distractors:
         parts.append(f"long-tail task: {cfg.scratchpad} scratchpad tokens {cfg.scratchpad_position} the answer, {cfg.distractors} distractors")
     return "".join(f"\n  mechanism: {p}" for p in parts)

@@ -141,6 +141,15 @@ class LossConfig(ConfigBase):
     log_probs_chunk_size: int = doc(
         1024, "Tokens per chunk in the vocab-parallel log-prob computation (bounds memory); -1: one chunk."
     )
+    replay_entropy: Literal["full", "kept"] = doc(
+        "full",
+        "With a rollout support (top-p / top-k replay, RLMicroBatch.rollout_support) the log-probs are those of the "
+        "distribution renormalised over the kept ids; the entropy (bonus and metric) is that of the full "
+        "softmax(logits / T) (full: as slime's top-p replay, whose keep-mask reaches the log-probs only, "
+        "slime/backends/megatron_utils/loss.py:531 at 624b824a; one more log-prob pass per micro-batch) or of the "
+        "renormalised distribution (kept: at most log of the kept count, so an entropy bonus flattens the kept ids "
+        "whatever the tail holds). No effect without a support.",
+    )
 
     @classmethod
     def from_namespace(cls, namespace: Any, *, source: str | None = None) -> "LossConfig":

@@ -335,20 +335,28 @@ class MegatronRLLoss:
 
     def _log_probs(self, output_tensor: torch.Tensor, view: _LocalView, with_entropy: bool):
         """Log pi and entropy of this rank's response tokens: ``[R_local]`` each (the package's
-        one log-prob function; the true-on-policy rollout path records the same numbers)."""
+        one log-prob function; the true-on-policy rollout path records the same numbers). With a
+        rollout support the log-probs are the renormalised distribution's and the entropy that of
+        ``config.replay_entropy``: the full softmax's (a second pass without the support) or the
+        renormalised one's."""
         logits = output_tensor.reshape(-1, output_tensor.shape[-1])
         # rows= computes at the response rows without an [R_local, V/tp] copy of the logits
         # (and of its gradient): one chunk of rows is gathered at a time
-        return vocab_parallel_log_probs(
+        pass_ = functools.partial(
+            vocab_parallel_log_probs,
             logits,
             _on(view.targets, logits.device),
             rows=_on(view.rows, logits.device),
             group=self.tp_group,
             temperature=self.config.rollout_temperature,
-            with_entropy=with_entropy,
             chunk_size=self.config.log_probs_chunk_size,
-            support=None if view.support is None else view.support.to(logits.device),
         )
+        support = None if view.support is None else view.support.to(logits.device)
+        if support is None or not with_entropy or self.config.replay_entropy == "kept":
+            return pass_(with_entropy=with_entropy, support=support)
+        log_probs, _ = pass_(with_entropy=False, support=support)
+        _, entropy = pass_(with_entropy=True, support=None)
+        return log_probs, entropy
 
     def forward_step(self, denominators: Denominators, *, num_microbatches: int):
         """``forward_step_func(data_iterator, model)`` for this step: runs the model on this CP

@@ -29,8 +29,10 @@ distribution (nucleus or top-k), the trainer's ``softmax(logits / T)`` spreads p
 the rollout could never draw, a support mismatch no importance weight can repair. Given the
 rollout's kept ids per token (:class:`TokenSupport`), the log-probs and entropy are those of the
 distribution renormalised over that support, as the rollout engine's processed log-probs are:
-the trainer replays the rollout's truncation (as slime's ``--rollout-top-p`` replay does). The
-mask is built chunk by chunk on the device from the sparse ids (no ``[T, V/tp]`` mask is kept).
+the trainer replays the rollout's truncation (as slime's ``--rollout-top-p`` replay does for the
+log-probs; slime takes the entropy of the unmasked logits, which a second call without the support
+gives: ``MegatronRLLoss`` does so unless ``LossConfig.replay_entropy`` is ``kept``). The mask is
+built chunk by chunk on the device from the sparse ids (no ``[T, V/tp]`` mask is kept).
 
 Equal (up to rounding) to ``-megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` and to
 ``log_softmax`` of the gathered logits; ``tests/distributed/test_tp_logprobs.py`` checks both, on a real

@@ -755,6 +755,33 @@ def test_rollout_support_is_replayed_under_tp_cp_and_dp(pool1, pool2):
         _compare(run, ref, f"support DP=2 rank {r}")
 
 
+def test_the_replayed_entropy_is_the_whole_softmax_s_as_slime_s_or_the_kept_ids_(pool1, pool2):
+    """With a rollout support the log-probs are the renormalised distribution's, and the entropy (bonus and metric) is
+    by default the whole softmax's, as slime's top-p replay computes it: its keep-mask reaches the log-probs only
+    (slime/backends/megatron_utils/loss.py:531-532, and :556 where the mask is built, at 624b824a); replay_entropy
+    kept gives the renormalised distribution's. At the first step (same weights) the default's entropy is the run
+    without a support's and its policy loss the kept run's; the kept ids' entropy is lower; the entropy's gradient
+    differs; and TP=2 and CP=2 equal one process under both."""
+    cfg = dict(policy_loss="decoupled_ppo", loss_aggregation="token_mean", entropy_coef=0.05)
+    mis = dict(use_tis=True, tis_upper_bound=2.0)
+    plain = make_micro_batches(4)
+    batches = _with_supports(plain)
+    full = pool1.run(train, 1, batches, cfg, mis)[0]
+    kept = pool1.run(train, 1, batches, {**cfg, "replay_entropy": "kept"}, mis)[0]
+    base = pool1.run(train, 1, plain, cfg, mis)[0]
+    first = {name: run["history"][0] for name, run in (("full", full), ("kept", kept), ("base", base))}
+    assert first["full"]["entropy_loss"] == pytest.approx(first["base"]["entropy_loss"], rel=1e-6)
+    assert first["kept"]["entropy_loss"] < first["full"]["entropy_loss"] - 0.5  # 2-7 of 48 ids kept on 70% of tokens
+    assert first["full"]["pg_loss"] == pytest.approx(first["kept"]["pg_loss"], rel=1e-6)
+    assert first["full"]["pg_loss"] != pytest.approx(first["base"]["pg_loss"], rel=1e-4)  # the replayed log-probs
+    assert any(not torch.allclose(full["grads"][n], kept["grads"][n], rtol=1e-3, atol=0) for n in full["grads"])
+    for name, ref, extra_cfg in (("full", full, {}), ("kept", kept, {"replay_entropy": "kept"})):
+        for r, run in enumerate(pool2.run(train, 2, batches, {**cfg, **extra_cfg}, mis)):
+            _compare(run, ref, f"{name} entropy TP=2 rank {r}")
+        for r, run in enumerate(pool2.run(train, 1, batches, {**cfg, **extra_cfg}, mis, cp=2)):
+            _compare(run, ref, f"{name} entropy CP=2 rank {r}", extra=True)
+
+
 def test_rollout_support_is_validated():
     from megatron_mis.parallel.tp_logprobs import TokenSupport
 

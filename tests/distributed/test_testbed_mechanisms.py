@@ -448,3 +448,9 @@ def test_trainer_truncation_is_validated():
         DemoConfig(trainer_truncation=True)
     with pytest.raises(ConfigError, match="set rollout_logprobs: processed"):
         DemoConfig(trainer_truncation=True, top_p=0.9)
+    with pytest.raises(ConfigError, match=r"replay_entropy='full' needs trainer_truncation"):
+        DemoConfig(replay_entropy="full", top_k=16, rollout_logprobs="processed")
+    with pytest.raises(ConfigError, match=r"replay_entropy='all' is not one of 'kept', 'full'"):
+        DemoConfig(replay_entropy="all", trainer_truncation=True, top_k=16, rollout_logprobs="processed")
+    assert DemoConfig(replay_entropy="full", trainer_truncation=True, top_k=16,
+                      rollout_logprobs="processed").replay_entropy == "full"

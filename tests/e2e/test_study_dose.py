@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -74,13 +75,16 @@ def test_sweep_settings_carry_their_dose_and_the_reference_resets_it():
     p1 = run_config(StudyConfig(sweep="long-tail-top-p-replay").for_dose("p1"), "none", 0)
     assert (p1.top_p, p1.rollout_logprobs, p1.trainer_truncation) == (1.0, "raw", False)  # p1 has nothing to replay
     ltk = {kind: run_config(StudyConfig(sweep=f"long-tail-top-k-{kind}").for_dose("k64"), "none", 0)
-           for kind in ("raw", "processed", "replay")}
+           for kind in ("raw", "processed", "replay", "replay-full-entropy")}
     assert {(c.precision, c.scratchpad, c.top_k, c.top_p) for c in ltk.values()} == {("fp32", 61, 64, 1.0)}
-    assert [(c.rollout_logprobs, c.trainer_truncation) for c in ltk.values()] == [
-        ("raw", False), ("processed", False), ("processed", True)]
-    # the reference is one configuration at every dose of the six (the archive copies it)
+    assert [(c.rollout_logprobs, c.trainer_truncation, c.replay_entropy) for c in ltk.values()] == [
+        ("raw", False, "kept"), ("processed", False, "kept"), ("processed", True, "kept"), ("processed", True, "full")]
+    # the replay as slime's differs from the archived replay in the entropy alone
+    assert dataclasses.replace(ltk["replay-full-entropy"], replay_entropy="kept") == ltk["replay"]
+    # the reference is one configuration at every dose of the eight (the archive copies it)
     refs = [run_config(StudyConfig(sweep=f"long-tail-{m}-{k}").for_dose(d), "ref_fp32", 0)
-            for k in ("raw", "processed", "replay") for m, d in (("top-p", "p1"), ("top-p", "p0.9"), ("top-k", "k16"))]
+            for k in ("raw", "processed", "replay", "replay-full-entropy")
+            for m, d in (("top-p", "p1"), ("top-p", "p0.9"), ("top-k", "k16"))]
     assert all(r == refs[0] for r in refs) and refs[0].top_p == 1.0 and refs[0].precision == "fp32"
     assert [run_config(StudyConfig(sweep="long-tail-precision").for_dose(p), "none", 0).precision
             for p in ("bf16", "int8", "int4")] == ["bf16", "int8", "int4"]

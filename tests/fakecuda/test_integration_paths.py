@@ -152,8 +152,10 @@ def one_rank_group(tmp_path):
 @pytest.mark.parametrize("loss", [dict(policy_loss="decoupled_ppo"), dict(policy_loss="ppo", use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, use_opsm=True),
                                   dict(policy_loss="gspo", eps_clip=3e-4, eps_clip_high=4e-4, use_opsm=True),
                                   dict(policy_loss="cispo", eps_clip=1.0, eps_clip_high=0.28),
-                                  dict(policy_loss="decoupled_ppo", entropy_coef=0.01, support=True)],
-                         ids=["decoupled_ppo", "ppo+kl+entropy+opsm", "gspo+opsm", "cispo", "decoupled_ppo+entropy+rollout_support"])
+                                  dict(policy_loss="decoupled_ppo", entropy_coef=0.01, support=True),
+                                  dict(policy_loss="decoupled_ppo", entropy_coef=0.01, support=True, replay_entropy="kept")],
+                         ids=["decoupled_ppo", "ppo+kl+entropy+opsm", "gspo+opsm", "cispo", "decoupled_ppo+entropy+rollout_support",
+                              "decoupled_ppo+kept_entropy+rollout_support"])
 def test_megatron_rl_loss_step_has_no_host_synchronisation(probe, one_rank_group, loss):
     from megatron_mis import MISConfig
     from megatron_mis.config.loss import LossConfig

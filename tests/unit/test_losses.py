@@ -284,9 +284,11 @@ def test_length_mismatches():
 
 def test_unknown_names_are_config_errors():
     with pytest.raises(ConfigError) as exc:
-        LossConfig(policy_loss="ppo_clip", kl_loss_type="kl", advantage_estimator="gae", loss_aggregation="mean")
+        LossConfig(policy_loss="ppo_clip", kl_loss_type="kl", advantage_estimator="gae", loss_aggregation="mean",
+                   replay_entropy="support")
     text = str(exc.value)
-    assert "4 problem(s)" in text
+    assert "5 problem(s)" in text
+    assert "replay_entropy='support' is not one of 'full', 'kept'" in text
     assert "unknown policy loss 'ppo_clip'" in text and "valid: bypass_ppo, cispo, decoupled_ppo, gspo, ppo, reinforce" in text
     assert "unknown KL estimator 'kl'" in text and "valid: k1, k2, k3, low_var_kl" in text
     assert "unknown advantage estimator 'gae'" in text

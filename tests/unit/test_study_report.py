@@ -288,7 +288,8 @@ def test_top_p_settings_compare_the_greedy_reward_where_the_training_reward_misl
 
     greedy = {n for n, w in SWEEPS.items() if w.outcome == "greedy_reward"}
     assert greedy == {f"{task}-{kind}" for task in ("top-p", "long-tail-top-p", "long-tail-top-k")
-                      for kind in ("raw", "processed", "replay")}
+                      for kind in ("raw", "processed", "replay")} | {
+        f"long-tail-{mech}-replay-full-entropy" for mech in ("top-p", "top-k")}
     assert SETTINGS["top-p-raw-p0.8"].outcome == "greedy_reward"
     assert SETTINGS["temperature-t0.5"].outcome == "final_reward"
     runs = {"none": {}, "ref_fp32": {}, "token_tis": {}}

@@ -180,6 +180,12 @@ class DemoConfig(ConfigBase):
         "(its pi_old and pi_theta are those of the truncated, renormalised distribution, as slime's top-p replay; "
         "megatron_mis.parallel.tp_logprobs.TokenSupport). Needs rollout_logprobs: processed.",
     )
+    replay_entropy: Literal["kept", "full"] = doc(
+        "kept",
+        "With trainer_truncation, the entropy of the loss's bonus and metric (LossConfig.replay_entropy): kept, the "
+        "renormalised distribution's over the replayed support (every replay run archived up to 2026-12-07), or full, "
+        "the whole softmax's, as slime's top-p replay computes it (LossConfig's default).",
+    )
     staleness: int = doc(
         0,
         "Policy staleness as in asynchronous RL: each rollout uses the weights of this many optimizer steps "
@@ -350,6 +356,9 @@ class DemoConfig(ConfigBase):
             if abs(groups - round(groups)) > 1e-9 or round(groups) < 1:
                 out.append(f"stale_fraction={self.stale_fraction!r} x prompts_per_step={self.prompts_per_step} = {groups:g} "
                            "must be a whole number of prompt groups >= 1")
+        if self.replay_entropy != "kept" and not self.trainer_truncation:
+            out.append(f"replay_entropy={self.replay_entropy!r} needs trainer_truncation (without a replayed support "
+                       "the entropy is the whole softmax's already)")
         if self.trainer_truncation and not (self.top_k or self.top_p < 1):
             out.append("trainer_truncation needs top_p < 1 or top_k > 0 (there is no truncation to replay)")
         elif self.trainer_truncation and self.rollout_logprobs != "processed":

@@ -99,6 +99,7 @@ def arm_spec(correction: str, cfg: DemoConfig) -> ArmSpec:
         advantage_estimator=cfg.advantage_estimator,
         loss_aggregation="seq_mean_token_mean",
         entropy_coef=cfg.entropy_coef,
+        replay_entropy=cfg.replay_entropy,
         rollout_temperature=cfg.resolved_trainer_temperature,  # the trainer's (the rollout's unless set apart)
     )
     off = MISConfig(use_tis=False, use_rs=False)  # the engine only measures the mismatch

@@ -333,6 +333,10 @@ SWEEPS: dict[str, Sweep] = {
                  "log-weight is about 61 times its log", {"rollout_logprobs": "processed"}),
                 ("replay", "the truncated distribution's log-probs recorded and the rollout's support replayed in the "
                  "trainer (trainer_truncation)", {"rollout_logprobs": "processed", "trainer_truncation": True}),
+                ("replay-full-entropy", "the truncated distribution's log-probs recorded and the rollout's support "
+                 "replayed in the trainer for the log-probs only: the entropy bonus stays the whole softmax's, as in "
+                 "slime's top-p replay (trainer_truncation, replay_entropy full)",
+                 {"rollout_logprobs": "processed", "trainer_truncation": True, "replay_entropy": "full"}),
             )
         ),
         Sweep(
@@ -390,7 +394,8 @@ if DEMO_COMPARE_SETTING not in SETTINGS or SETTINGS[DEMO_COMPARE_SETTING].demo_c
 #: arm resets them (fresh weights, the rollout's temperature in the trainer, no truncation), and
 #: ``megatron-mis demo --true-on-policy`` drops a preset's values of them.
 NO_MECHANISM: dict[str, Any] = {"staleness": 0, "stale_fraction": 1.0, "trainer_temperature": None, "top_p": 1.0, "top_k": 0,
-                                "rollout_logprobs": "raw", "trainer_truncation": False, "rollout_router_noise": 0.0}
+                                "rollout_logprobs": "raw", "trainer_truncation": False, "replay_entropy": "kept",
+                                "rollout_router_noise": 0.0}
 
 
 def _arm(name: str, description: str, reference: bool = False, **overrides: Any) -> Arm:
