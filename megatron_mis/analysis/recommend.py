@@ -115,7 +115,10 @@ TRUNCATION_BASIS = (
     "against the reference and -0.035 [-0.071, -0.003] against none (not excluding 0 with the 5% split), "
     "token_tis_normalized -0.008 [-0.024, +0.006], none -0.011 [-0.025, +0.000]; at top-k 16 over 50 seeds (20 "
     "more of none and the reference, long-tail-top-k-processed-k16-none) none -0.013 [-0.024, -0.003] against "
-    "the reference (-0.013 [-0.027, -0.001] with the 5% split over the three looks; MDE 0.015)"
+    "the reference (-0.013 [-0.027, -0.001] with the 5% split over the three looks; MDE 0.015); replaying the "
+    "support there (42 seeds, long-tail-top-k-replay-k16, the entropy bonus over the kept ids) removed the mismatch "
+    "(mean K3 8.9e-13) but not the cost: -0.027 [-0.052, -0.007] against the reference, -0.013 [-0.041, +0.010] "
+    "against none (a small sampling support costs reward whatever the trainer does)"
 )
 
 

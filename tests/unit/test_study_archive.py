@@ -1418,6 +1418,15 @@ _TOP_K_MORE = {"k64": ("long-tail-top-k-processed-k64-more", range(16, 26)),
 #: top-k 16 on seeds past _TOP_K_MORE["k16"]'s, on a Zen 4 VM of that kind (2026-12-07; the questions fixed before any
 #: of them ran): (the report, the seeds whose two runs finished by the pre-registered cut)
 _TOP_K_NONE = ("long-tail-top-k-processed-k16-none", range(30, 50))
+#: docs/study/sweep-long-tail-truncation/long-tail-top-k-replay-k16: the replay's none at top-k 16 (the rollout's
+#: support replayed in the trainer) from seed 0, its reference copied from the archived untruncated reference, on a Zen
+#: 4 VM of that kind (2026-12-07; the questions fixed before any of them ran): (the report, the seeds whose replay run
+#: finished by the pre-registered cut)
+_TOP_K_REPLAY = ("long-tail-top-k-replay-k16", range(0, 42))
+#: docs/study/sweep-long-tail-truncation/long-tail-top-k-replay-full-entropy-k16-check: slime's replay (the entropy
+#: bonus over the whole softmax) at top-k 16 on the seeds of _TOP_K_REPLAY whose run ended at the kept ids' entropy ln 16
+#: (a check fixed before it ran, after the cut): (the report, its seeds)
+_TOP_K_REPLAY_CHECK = ("long-tail-top-k-replay-full-entropy-k16-check", range(4, 5))
 #: the comparisons each section pools with the processed sweep's seeds 0-15: (arm, base, its name in the section)
 _TOP_K_PAIRS = (("none", "ref_fp32", "none - reference"), ("token_tis", "none", "token TIS - none"),
                 ("token_tis", "ref_fp32", "token TIS - reference"),
@@ -1428,7 +1437,7 @@ _TOP_K_FIRST = range(16)
 #: {archive: the reports over more seeds than a sweep's own report (at one dose)}
 _TOP_P_MORE_REPORTS = {"sweep-top-p": tuple(_TOP_P_MORE_CHAIN),
                        "sweep-long-tail-truncation": (*(report for report, _ in _TOP_K_MORE.values()),
-                                                      _TOP_K_NONE[0])}
+                                                      _TOP_K_NONE[0], _TOP_K_REPLAY[0], _TOP_K_REPLAY_CHECK[0])}
 
 
 def _top_p(label: str) -> str:
@@ -1704,10 +1713,13 @@ def test_the_top_p_sweep_reports_rebuilt_from_the_archive_compare_the_greedy_rew
 
 
 def _first_truncation_runs() -> dict:
-    """:func:`_archive_runs` of the long-tail truncation archive without the seeds that :data:`_TOP_K_MORE` and
-    :data:`_TOP_K_NONE` added at their doses: the runs of the section "Top-p and top-k on the long-tail task"."""
+    """:func:`_archive_runs` of the long-tail truncation archive without the seeds that :data:`_TOP_K_MORE`,
+    :data:`_TOP_K_NONE`, :data:`_TOP_K_REPLAY` and :data:`_TOP_K_REPLAY_CHECK` added at their doses: the runs of the
+    section "Top-p and top-k on the long-tail task"."""
     added = {(f"long-tail-top-k-processed-{label}", s) for label, (_, seeds) in _TOP_K_MORE.items() for s in seeds}
     added |= {("long-tail-top-k-processed-k16", s) for s in _TOP_K_NONE[1]}
+    added |= {("long-tail-top-k-replay-k16", s) for s in _TOP_K_REPLAY[1]}
+    added |= {("long-tail-top-k-replay-full-entropy-k16", s) for s in _TOP_K_REPLAY_CHECK[1]}
     return {key: run for key, run in _archive_runs("sweep-long-tail-truncation").items()
             if (key[0], key[2]) not in added}
 
@@ -5177,6 +5189,70 @@ def _top_k_none() -> SimpleNamespace:
         never={a: _never(arms[a]) for a in arms}, walls=[runs[setting, a, s][1]["wall_s"] for a in arms for s in seeds])
 
 
+@functools.cache
+def _top_k_replay() -> SimpleNamespace:
+    """The replay's none at top-k 16 on the seeds of :data:`_TOP_K_REPLAY` beside the processed none and the reference
+    on the same seeds (:func:`_top_k_none`), recomputed from the archive, paired per seed on the greedy reward
+    (``reward``) and on the steps to the take-off (``steps``, over the seeds where both reached it): ``{name:
+    (:func:`_mean_ci` result, paired SD, MDE, seeds for 0.05)}`` for replay - reference, replay - none (processed) and
+    none (processed) - reference; ``greedy`` ``{(arm, seed): greedy reward}`` with the replay's runs as ``"replay"``;
+    the report's rows (``arms``), the runs ended low, collapsed and never taking off, and the wall times of the runs made
+    here. Checks that the report quotes exactly these seeds with the top-k 16 sections' study settings, its figures are
+    the recomputed ones, every replay run was made on the Zen 4 VM at one thread with the truncated log-probs recorded
+    and the support replayed, and every reference run is a copy of the processed sweep's reference at that seed (the
+    untruncated reference is one run at every dose)."""
+    import numpy as np
+
+    from megatron_mis.testbed.demo.config import DemoConfig
+    from megatron_mis.testbed.study.runner import _comparable
+    from megatron_mis.testbed.study.stats import seeds_for_effect
+
+    archive = "sweep-long-tail-truncation"
+    report, seeds = _TOP_K_REPLAY
+    x = _top_k_none()
+    summary = _summary(archive, report)
+    arms, _, runs, setting, _, study = _one_vm_report(report, {"none", "ref_fp32"}, seeds, _ZEN4, archive)
+    processed = "long-tail-top-k-processed-k16"
+    assert setting == "long-tail-top-k-replay-k16" and summary["outcome"] == "greedy_reward"
+    keys = ("last_k", "collapse_fraction", "confidence", "bootstrap")
+    assert {k: study[k] for k in keys} == {k: x.study[k] for k in keys}
+    assert (summary["threshold"], summary["steps"]) == (x.summary["threshold"], x.summary["steps"])
+    headers, defaults = _archive_headers(archive), DemoConfig().to_dict()
+    for s in seeds:
+        config = headers[setting, "none", s]["config"]
+        assert not headers[setting, "none", s].get("copied_from"), s
+        assert (config["threads"], config["top_k"], config["rollout_logprobs"], config["trainer_truncation"]) == (
+            1, 16, "processed", True), s
+        assert headers[setting, "ref_fp32", s].get("copied_from"), s
+        assert runs[setting, "ref_fp32", s] == runs[processed, "ref_fp32", s], s  # the same run, step for step
+        # the run without the replay: only the replay differs (as the runner compares configurations: a key a run
+        # file lacks, written before its field existed, counts as the field's default)
+        other = headers[processed, "none", s]["config"]
+        assert _comparable({**defaults, **other, "trainer_truncation": True}) == _comparable({**defaults, **config}), s
+        assert other["trainer_truncation"] is False, s
+    greedy = {**{(a, s): x.greedy[a, s] for a in ("none", "ref_fp32") for s in seeds},
+              **{("replay", s): _greedy(runs[setting, "none", s][1]) for s in seeds}}
+    metrics = _committed_metrics(archive, summary)
+    steps_of = {"replay": _steps_of(metrics, "none", seeds), "none": _steps_of(x.metrics, "none", seeds),
+                "ref_fp32": _steps_of(x.metrics, "ref_fp32", seeds)}
+    assert steps_of["ref_fp32"] == _steps_of(metrics, "ref_fp32", seeds)  # the copies take off where their sources do
+    reward, steps = {}, {}
+    for a, b, name in (("replay", "ref_fp32", "replay - reference"), ("replay", "none", "replay - none"),
+                       ("none", "ref_fp32", "none - reference")):
+        d = _mean_ci({s: greedy[a, s] - greedy[b, s] for s in seeds}, study)
+        sd = float(np.std(list(d["diffs"].values()), ddof=1))
+        reward[name] = (d, sd, _paired_mde(d), seeds_for_effect(sd, 0.05))
+        steps[name] = _mean_ci(_took_off(steps_of[a], steps_of[b]), study)
+    row = arms["none"]["vs_reference"]
+    assert _quoted(reward["replay - reference"][0]) == _quoted(row["greedy_reward"])
+    assert _quoted(steps["replay - reference"], "{:+.0f}") == _quoted(row["steps_to_threshold"], "{:+.0f}")
+    return SimpleNamespace(
+        seeds=seeds, none=x, summary=summary, arms=arms, study=study, metrics=metrics, greedy=greedy, reward=reward,
+        steps=steps, low={a: arms[a]["ended_low"]["k"] for a in arms},
+        collapsed={a: arms[a]["collapse"]["k"] for a in arms}, never={a: _never(arms[a]) for a in arms},
+        walls=[runs[setting, "none", s][1]["wall_s"] for s in seeds])
+
+
 def test_top_k_64_over_processed_log_probs_on_more_seeds_comes_from_the_archive():
     """docs/study.md's section on processed top-k 64 past the processed sweep's 16 seeds (:func:`_top_k_more`): its
     three tables (the added seeds' rows, the pooled looks on the greedy reward, the pooled take-off), the runs' count
@@ -5560,7 +5636,8 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
         f"into {_TOP_K_NONE[0]}/)", f"archive beside seeds 0-{seeds.start - 1};",
         f"(the {x.study['last_k']}-step mean training reward reaching {summary['threshold']})",
         f"nor at top-k 256 or top-p down to 0.8 ({min(others)}-{max(others)} seeds on this task)",
-        f"(run only at top-k 64, {replay} seeds)", "| seeds for 0.05 | pooled, 5% split over three looks |",
+        f"(run only at top-k 64, {replay} seeds; the section after runs it at top-k 16 and finds the sampling's)",
+        "| seeds for 0.05 | pooled, 5% split over three looks |",
         "Below a greedy reward of 0.3 over", f"**What it changes**: top-k {top_k}, the smallest kept mass run",
         f"the support in the trainer at top-k {top_k} would",
         f"({summary['machine']['cpu']} family {family} model {model}, Zen 4, torch kernels AVX-512, Python {python}, "
@@ -5592,24 +5669,200 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
         f"on a 512-id tail p = 0.8 and top-k 256 / 64 at 4-{max(k64_n, k256_n)} seeds) did not; top-k 16 on that tail "
         f"did, by about {cost:.3f} (none - reference {_quoted(r.pooled)}, {n} seeds, a third look).",
         f"and {n} at top-k 16 for none and the reference, MDE {r.mde:.3f}; run there: harmless to none but at top-k "
-        f"16, where it cost about {cost:.3f};"], answers)
+        f"16, where it cost about {cost:.3f},"], answers)
     plan = " ".join(_section("What has been run, and what the rest would cost").split())
     _assert_quoted([
         f"{sum(x.walls) / 3600:.1f} for the {len(x.walls)} runs of none and the reference at {span} at processed "
-        f"top-k 16 (Zen 4 VM, {np.median(x.walls) / 60:.1f} min per run) |",
+        f"top-k 16 (Zen 4 VM, {np.median(x.walls) / 60:.1f} min per run);",
         f"then none and the reference x {len(seeds)} more there ({n} seeds, MDE {r.mde:.3f}: **resolved**, none "
-        f"behind the reference by {cost:.3f}, a third look; \"None and the reference at top-k 16 on more seeds\") |",
+        f"behind the reference by {cost:.3f}, a third look; \"None and the reference at top-k 16 on more seeds\");",
         f"self-normalised token TIS ({k64_n} and {first.pooled['n']} seeds; none and the reference {n} at k16), "
-        "`long-tail-stale-128` k2's"], plan)
+        "`long-tail-top-k-replay` k16's"], plan)
     readme = _prose(_STUDY_DOCS.parents[1] / "README.md")
     _assert_quoted([
         f"| top-k 16 of a 512-id tail, by about {cost:.3f}: {_quoted(r.pooled)} ({n} seeds, MDE {r.mde:.3f}; a third "
         "look, excluding 0 also with the 5% split over the looks); none at top-p 0.95-0.8 or top-k 256-64:",
         "level with none: no correction run recovers none's cost there) and",
         f"did not measurably hurt the uncorrected run at the doses run but one (top-k 16 of a 512-id tail, by about "
-        f"{cost:.3f} over {n} seeds)"], readme)
+        f"{cost:.3f} over {n} seeds,"], readme)
     from megatron_mis.analysis.recommend import TRUNCATION_BASIS
 
     assert (f"; at top-k 16 over {n} seeds ({len(seeds)} more of none and the reference, {_TOP_K_NONE[0]}) none "
             f"{_quoted(r.pooled)} against the reference ({_quoted(x.adjusted)} with the 5% split over the three looks; "
             f"MDE {r.mde:.3f})") in " ".join(TRUNCATION_BASIS.split())
+
+
+def _verdict(d: dict, subject: str, other: str) -> str:
+    """How a section reads a first look at a paired difference ``subject - other`` (``d``: its paired-differences
+    result): behind or ahead where the interval excludes 0, else not measurably different."""
+    if d["high"] < 0:
+        return f"**{subject} is behind {other}**"
+    if d["low"] > 0:
+        return f"**{subject} is ahead of {other}**"
+    return f"**{subject} is not measurably different from {other}**"
+
+
+def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
+    """docs/study.md's section on the replay's none at top-k 16 (:func:`_top_k_replay`): its two tables, the runs made
+    and their times, the runs ended low, collapsed, never taking off, below the plateau and stuck at the kept ids'
+    entropy, each question's outcome from its rule and the reading fixed with them before the runs; recomputed from
+    the archive and the reports."""
+    import math
+
+    import numpy as np
+
+    from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
+
+    x = _top_k_replay()
+    seeds, r, t, n = x.seeds, x.reward, x.steps, len(x.seeds)
+    section = _section("The support replayed at top-k 16")
+    steps = functools.partial(_quoted, fmt="{:+.0f}")
+    names = {"ref_fp32": "ref_fp32", "none": "none (replay)"}
+    rows = [f"| {names[arm]} | {a['n']} | {_e(a['k3_mean'][0], 1)} | {_fmt_ci(a['greedy_reward'])} | "
+            f"{_fmt_diff(a['vs_reference']['greedy_reward'])} | {x.low[arm]}/{a['n']} | {x.collapsed[arm]}/{a['n']} | "
+            f"{a['n'] - x.never[arm]}/{a['n']} | {a['monitor_flagged']['k']}/{a['monitor_flagged']['n']} |"
+            for arm, a in ((arm, x.arms[arm]) for arm in ("ref_fp32", "none"))]
+    rows += [f"| {name} | {_quoted(d)} | {sd:.3f} | {mde:.3f} | {needed} | {steps(t[name])} ({t[name]['n']}) |"
+             for name, (d, sd, mde, needed) in r.items()]
+    _assert_quoted(rows, section)
+    assert [section.index(row) for row in rows] == sorted(section.index(row) for row in rows)
+    assert sum(section.count(f"| {name} |") for name in r) == len(r)  # one row per comparison, no other
+    q1, q2, scale = (r[name][0] for name in ("replay - reference", "replay - none", "none - reference"))
+    # the reading fixed before the runs
+    if q1["high"] < 0 and q2["low"] < 0 < q2["high"]:
+        reading = "the cost is the truncated sampling's"
+    elif q2["low"] > 0 and q1["low"] < 0 < q1["high"]:
+        reading = "the cost is the mismatch's"
+    else:
+        reading = f"not separated at {n} seeds"
+    runs = _archive_runs("sweep-long-tail-truncation")
+    records = {s: runs["long-tail-top-k-replay-k16", "none", s][0] for s in seeds}
+    stuck = [s for s in seeds if abs(records[s][-1]["entropy"] - math.log(16)) < 1e-3]
+    below = {a: [s for s in seeds if x.greedy[a, s] < 0.3] for a in ("replay", "none", "ref_fp32")}
+    never = [s for s in seeds if x.metrics["none", s]["steps_to_threshold"] is None]
+    assert len(never) == x.never["none"]
+    quotes = [
+        f"{len(x.walls)} runs made here, the reference's {n} copied, {sum(x.walls) / 3600:.1f} CPU-hours, "
+        f"{np.median(x.walls) / 60:.1f} min per run (median)",
+        f"--first-seed {seeds.start} --seeds 50", "up to 50 seeds (0-49)",  # the pre-registered count, cut by the clock
+        _verdict(q1, "The replay", "the reference") + f" (question 1): {_quoted(q1)} over {n} seeds (MDE "
+        f"{r['replay - reference'][2]:.3f})",
+        _verdict(q2, "The replay", "none without it") + f" (question 2): {_quoted(q2)} (MDE "
+        f"{r['replay - none'][2]:.3f}); none without it - reference on the same seeds {_quoted(scale)} (MDE "
+        f"{r['none - reference'][2]:.3f})",
+        f"**Reading** (the rule fixed before the runs): {reading}",
+        f"The replay's mean K3 {_e(x.arms['none']['k3_mean'][0], 1)}: the mismatch is gone, and the monitor warned on "
+        f"{x.arms['none']['monitor_flagged']['k'] or 'none'} of the {n} runs",
+        f"{x.low['none']} of the replay's {n} runs ended low, {x.collapsed['none']} collapsed and "
+        f"{x.never['none']} never took off",
+        f"below a greedy reward of 0.3: the replay {len(below['replay'])}, none without it {len(below['none'])}, the "
+        f"reference {len(below['ref_fp32'])}",
+        "ended with its entropy within 1e-3 of ln 16: seed" + ("s " if len(stuck) > 1 else " ")
+        + ", ".join(map(str, stuck)),
+    ]
+    # the prose's figures: the take-off, none's cost against the interval's upper end, the look without the stuck
+    # seeds (not fixed before the runs), the cut, and the earlier section's cost
+    back = {name: f"{-t[name]['mean']:.0f} [{-t[name]['high']:.0f}, {-t[name]['low']:.0f}]" for name in t}
+    without = {name: _mean_ci({s: x.greedy["replay", s] - x.greedy[b, s] for s in seeds if s not in stuck}, x.study)
+               for name, b in (("replay - reference", "ref_fp32"), ("replay - none", "none"))}
+    pooled = x.none.reward.pooled
+    summary = x.summary
+    (made_on,) = summary["runs_made_on"]
+    family, model = summary["machine"]["cpu_family_model"].split("/")
+    python, torch_version = summary["machine"]["python"], summary["machine"]["torch"].split("+")[0]
+    quotes += [
+        f"the replay took off {back['replay - reference']} steps before the reference ({t['replay - reference']['n']} "
+        f"seeds where both did) and {back['replay - none']} before none without it, then ended lower",
+        f"The interval's upper end, {q2['high']:+.3f}, is below none's cost on these seeds ({-scale['mean']:.3f})",
+        f"(seeds {', '.join(map(str, below['replay'][:-1]))} and {below['replay'][-1]} of the replay: "
+        + ", ".join(f"{x.greedy['replay', s]:.3f}" for s in below["replay"][:-1])
+        + f" and {x.greedy['replay', below['replay'][-1]]:.3f})",
+        f"replay - reference {_quoted(without['replay - reference'])} and replay - none "
+        f"{_quoted(without['replay - none'])} over {without['replay - none']['n']} seeds",
+        f"By the cut {n} seeds had finished (seeds {seeds.start}-{seeds.stop - 1}; the runs of seeds {seeds.stop} and "
+        f"{seeds.stop + 1} going then were stopped and left out)",
+        f"`--seeds {n}` then copied the reference's seeds {seeds.start}-{seeds.stop - 1}",
+        f"(0.{round(-pooled['mean'] * 1000):03d} over {pooled['n']} seeds)",
+        f"behind the reference ({-q1['mean']:.3f} here, {-without['replay - reference']['mean']:.3f} without seed "
+        + ", ".join(map(str, stuck)) + ")",
+        f"Report: [{_TOP_K_REPLAY[0]}/](study/sweep-long-tail-truncation/{_TOP_K_REPLAY[0]}/report.md)",
+        f"into {_TOP_K_REPLAY[0]}/)",
+        f"The replay runs, on the Zen 4 VM (AMD EPYC family {family} model {model}, AVX-512 kernels, Python {python}, "
+        f"torch {torch_version}, {summary['threads_per_run']} thread each)",
+    ]
+    assert made_on == (f"{summary['machine']['cpu']} (family {family} model {model}) [AVX512], Python {python}, "
+                       f"torch {summary['machine']['torch']}") and summary["runs_made_on"][made_on] == len(x.walls) + n  # + the copies
+    assert q2["high"] < -scale["mean"]  # "the replay did not win all of it back"
+    assert without["replay - reference"]["high"] < 0  # "the finding does not hang on the one run that never learned"
+    assert len(stuck) == 1 and x.greedy["replay", stuck[0]] == 0.0  # "greedy reward 0"
+    _assert_quoted([" ".join(q.split()) for q in quotes], " ".join(section.split()))
+    assert set(stuck) <= set(never)  # a run stuck at the kept ids' entropy never took off
+    # the quotes elsewhere (each says the cost is the truncated sampling's: the reading above)
+    assert reading == "the cost is the truncated sampling's"
+    mde1, mde2 = r["replay - reference"][2], r["replay - none"][2]
+    k3 = _e(x.arms["none"]["k3_mean"][0], 1)
+    _assert_quoted([
+        f"replay removes it (K3 to rounding) but not none's cost at top-k 16, which is the truncated sampling's: the "
+        f"replay {_quoted(q1)} against the reference and {_quoted(q2)} against none ({n} seeds, MDE {mde1:.3f} and "
+        f"{mde2:.3f}; its entropy bonus over the kept ids, one run of {n} stuck there)",
+        f"and {n} seeds of the replay there put the cost on the truncated sampling, not the mismatch (the replay behind "
+        f"the reference, {_quoted(q1)}), with the entropy bonus over the kept ids;",
+        f"{sum(x.walls) / 3600:.1f} for the {len(x.walls)} runs of the replay at top-k 16 (Zen 4 VM, "
+        f"{np.median(x.walls) / 60:.1f} min per run) |",
+        f"replay at top-k 16: none x {n} there, the reference copied (MDE {min(mde1, mde2):.3f}-{max(mde1, mde2):.3f}: "
+        "**resolved**, the cost is the truncated sampling's, the entropy bonus over the kept ids; \"The support "
+        "replayed at top-k 16\") |",
+        f"`long-tail-top-k-replay` k16's none ({n} seeds; slime's replay, `long-tail-top-k-replay-full-entropy`, "
+        f"{len(_TOP_K_REPLAY_CHECK[1])}), `long-tail-stale-128` k2's"], _prose(_STUDY_DOCS.parent / "study.md"))
+    _assert_quoted([f"removes the mismatch, not the top-k 16 cost: {_quoted(q1)} against the reference ({n} seeds, MDE "
+                    f"{mde1:.3f}; the entropy bonus over the kept ids)"], _prose(_STUDY_DOCS.parents[1] / "README.md"))
+    from megatron_mis.analysis.recommend import TRUNCATION_BASIS
+
+    assert (f"replaying the support there ({n} seeds, {_TOP_K_REPLAY[0]}, the entropy bonus over the kept ids) removed "
+            f"the mismatch (mean K3 {k3}) but not the cost: {_quoted(q1)} against the reference, {_quoted(q2)} against "
+            "none") in " ".join(TRUNCATION_BASIS.split())
+
+
+def test_slime_s_replay_on_the_seed_stuck_at_the_kept_ids_entropy_comes_from_the_archive():
+    """docs/study.md's check after the replay's cut (:data:`_TOP_K_REPLAY_CHECK`): slime's replay, the entropy bonus
+    over the whole softmax, on the seeds whose replay run ended at ln 16 (fixed before it ran), its run the replay's
+    but for the entropy, its reference a copy of the archived one; the take-off, the greedy rewards beside the other
+    runs of that seed, the entropy, K3 and the run's time as the section quotes them."""
+    from megatron_mis.testbed.demo.config import DemoConfig
+    from megatron_mis.testbed.study.runner import _comparable
+
+    archive = "sweep-long-tail-truncation"
+    report, seeds = _TOP_K_REPLAY_CHECK
+    x = _top_k_replay()
+    runs, headers = _archive_runs(archive), _archive_headers(archive)
+    stuck = [s for s in x.seeds if abs(runs["long-tail-top-k-replay-k16", "none", s][0][-1]["entropy"] - math.log(16))
+             < 1e-3]
+    assert list(seeds) == stuck[:2]  # the first two such seeds in seed order (one here)
+    summary = _summary(archive, report)
+    arms, _, _, setting, _, study = _one_vm_report(report, {"none", "ref_fp32"}, seeds, _ZEN4, archive)
+    assert setting == "long-tail-top-k-replay-full-entropy-k16" and summary["threshold"] == x.summary["threshold"]
+    defaults = DemoConfig().to_dict()
+    (s,) = seeds
+    config, kept = headers[setting, "none", s]["config"], headers["long-tail-top-k-replay-k16", "none", s]["config"]
+    assert config["replay_entropy"] == "full" and not headers[setting, "none", s].get("copied_from")
+    assert _comparable({**defaults, **kept, "replay_entropy": "full"}) == _comparable({**defaults, **config})
+    assert runs[setting, "ref_fp32", s] == runs["long-tail-top-k-processed-k16", "ref_fp32", s]
+    records, end = runs[setting, "none", s]
+    metrics = _committed_metrics(archive, summary)
+    took, ref_took = metrics["none", s]["steps_to_threshold"], metrics["ref_fp32", s]["steps_to_threshold"]
+    greedy = {name: _greedy(runs[key, arm, s][1]) for name, key, arm in (
+        ("full", setting, "none"), ("ref", setting, "ref_fp32"), ("none", "long-tail-top-k-processed-k16", "none"),
+        ("kept", "long-tail-top-k-replay-k16", "none"))}
+    section = " ".join(_section("The support replayed at top-k 16").split())
+    _assert_quoted([
+        f"one replay run ended with its entropy at ln 16, seed {s}", f"--first-seed {s} --seeds 1",
+        f"Report: [{report}/](study/sweep-long-tail-truncation/{report}/report.md) (1 run made on the Zen 4 VM, "
+        f"{end['wall_s'] / 60:.1f} min)",
+        f"seed {s} took off at step {took}, {ref_took - took} steps before the reference, and ended with a greedy "
+        f"reward of {greedy['full']:.3f} (the reference {greedy['ref']:.3f}, none without the replay "
+        f"{greedy['none']:.3f}, the replay with the kept ids' entropy {greedy['kept']:.3f})",
+        f"its entropy stayed between {min(r['entropy'] for r in records):.1f} and "
+        f"{max(r['entropy'] for r in records):.1f} ({records[-1]['entropy']:.2f} at the end; ln 512 = "
+        f"{math.log(512):.2f}, and {math.log(16):.2f} = ln 16 with the kept ids') and its mean K3 was "
+        f"{_e(arms['none']['k3_mean'][0], 1)}"], section)
+    assert greedy["kept"] == 0.0 < greedy["ref"] < greedy["full"]
