@@ -5770,6 +5770,9 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
     (made_on,) = summary["runs_made_on"]
     family, model = summary["machine"]["cpu_family_model"].split("/")
     python, torch_version = summary["machine"]["python"], summary["machine"]["torch"].split("+")[0]
+    top_k = summary["doses"][0]["label"].removeprefix("k")  # the dose k16 (its setting checked in _top_k_replay)
+    vocab = _archive_headers("sweep-long-tail-truncation")["long-tail-top-k-replay-k16", "none", 0]["config"][
+        "vocab_size"]
     quotes += [
         f"the replay took off {back['replay - reference']} steps before the reference ({t['replay - reference']['n']} "
         f"seeds where both did) and {back['replay - none']} before none without it, then ended lower",
@@ -5787,6 +5790,13 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
         + ", ".join(map(str, stuck)) + ")",
         f"Report: [{_TOP_K_REPLAY[0]}/](study/sweep-long-tail-truncation/{_TOP_K_REPLAY[0]}/report.md)",
         f"into {_TOP_K_REPLAY[0]}/)",
+        # the dose, the seeds and the question numbers as the section names them
+        f"against the reference, on the same seeds {seeds.start}-{seeds.stop - 1}, paired per seed:",
+        "| comparison | greedy reward | paired SD | MDE | seeds for 0.05 | take-off, steps (seeds where both reached it) |",
+        f"Sampling from the top {top_k} ids with the support replayed", f"what remains is sampling from the top {top_k} of {vocab} ids itself",
+        "**The take-off, ended low and K3** (question 3)", f"seed {stuck[0]}, greedy reward 0);",
+        f"Without seed {stuck[0]} (a look not fixed before the runs)", f"**What it changes**: at top-k {top_k} on this",
+        f"whether slime's replay also leaves the cost of top-k {top_k} in place",
         f"The replay runs, on the Zen 4 VM (AMD EPYC family {family} model {model}, AVX-512 kernels, Python {python}, "
         f"torch {torch_version}, {summary['threads_per_run']} thread each)",
     ]
@@ -5855,7 +5865,10 @@ def test_slime_s_replay_on_the_seed_stuck_at_the_kept_ids_entropy_comes_from_the
         ("kept", "long-tail-top-k-replay-k16", "none"))}
     section = " ".join(_section("The support replayed at top-k 16").split())
     _assert_quoted([
-        f"one replay run ended with its entropy at ln 16, seed {s}", f"--first-seed {s} --seeds 1",
+        f"one replay run ended with its entropy at ln 16, seed {s}",
+        f"--doses k16 \\ --arms none,ref_fp32 --first-seed {s} --seeds 1 \\ --jobs 1 --threads "
+        f"{summary['threads_per_run']} --out-dir",
+        f"ran on seed {s} alone, {summary['steps']} steps, the reference copied",
         f"Report: [{report}/](study/sweep-long-tail-truncation/{report}/report.md) (1 run made on the Zen 4 VM, "
         f"{end['wall_s'] / 60:.1f} min)",
         f"seed {s} took off at step {took}, {ref_took - took} steps before the reference, and ended with a greedy "
