@@ -118,7 +118,7 @@ TRUNCATION_BASIS = (
     "the reference (-0.013 [-0.027, -0.001] with the 5% split over the three looks; MDE 0.015); replaying the "
     "support there (42 seeds, long-tail-top-k-replay-k16, the entropy bonus over the kept ids) removed the mismatch "
     "(mean K3 8.9e-13) but not the cost: -0.027 [-0.052, -0.007] against the reference, -0.013 [-0.041, +0.010] "
-    "against none (a small sampling support costs reward whatever the trainer does)"
+    "against none (the cost is the small sampling support's, not the mismatch's)"
 )
 
 

@@ -5803,6 +5803,12 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
     assert made_on == (f"{summary['machine']['cpu']} (family {family} model {model}) [AVX512], Python {python}, "
                        f"torch {summary['machine']['torch']}") and summary["runs_made_on"][made_on] == len(x.walls) + n  # + the copies
     assert q2["high"] < -scale["mean"]  # "the replay did not win all of it back"
+    # "none was not measurably behind at top-k 64 or 256": the wider supports' own looks
+    k64 = _top_k_more("k64").reward["none - reference"].pooled
+    k256 = _dose("sweep-long-tail-truncation", "long-tail-top-k-processed", "k256")["arms"]["none"]
+    k256_ref = k256["vs_reference"]["greedy_reward"]
+    assert k64["low"] < 0 < k64["high"] and k256_ref["low"] < 0 < k256_ref["high"]
+    quotes.append(f"(none was not measurably behind at top-k 64 or 256, {k64['n']} and {k256['n']} seeds)")
     assert without["replay - reference"]["high"] < 0  # "the finding does not hang on the one run that never learned"
     assert len(stuck) == 1 and x.greedy["replay", stuck[0]] == 0.0  # "greedy reward 0"
     _assert_quoted([" ".join(q.split()) for q in quotes], " ".join(section.split()))
