@@ -5197,7 +5197,8 @@ def _top_k_replay() -> SimpleNamespace:
     (:func:`_mean_ci` result, paired SD, MDE, seeds for 0.05)}`` for replay - reference, replay - none (processed) and
     none (processed) - reference; ``greedy`` ``{(arm, seed): greedy reward}`` with the replay's runs as ``"replay"``;
     the report's rows (``arms``), the runs ended low, collapsed and never taking off, and the wall times of the runs made
-    here. Checks that the report quotes exactly these seeds with the top-k 16 sections' study settings, its figures are
+    here; ``stuck``: the seeds whose replay run ended with its entropy within 1e-3 of ln 16, the most the kept ids'
+    entropy can be (every kept distribution uniform). Checks that the report quotes exactly these seeds with the top-k 16 sections' study settings, its figures are
     the recomputed ones, every replay run was made on the Zen 4 VM at one thread with the truncated log-probs recorded
     and the support replayed, and every reference run is a copy of the processed sweep's reference at that seed (the
     untruncated reference is one run at every dose)."""
@@ -5248,7 +5249,8 @@ def _top_k_replay() -> SimpleNamespace:
     assert _quoted(steps["replay - reference"], "{:+.0f}") == _quoted(row["steps_to_threshold"], "{:+.0f}")
     return SimpleNamespace(
         seeds=seeds, none=x, summary=summary, arms=arms, study=study, metrics=metrics, greedy=greedy, reward=reward,
-        steps=steps, low={a: arms[a]["ended_low"]["k"] for a in arms},
+        steps=steps, stuck=[s for s in seeds if abs(runs[setting, "none", s][0][-1]["entropy"] - math.log(16)) < 1e-3],
+        low={a: arms[a]["ended_low"]["k"] for a in arms},
         collapsed={a: arms[a]["collapse"]["k"] for a in arms}, never={a: _never(arms[a]) for a in arms},
         walls=[runs[setting, "none", s][1]["wall_s"] for s in seeds])
 
@@ -5692,23 +5694,11 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
             f"MDE {r.mde:.3f})") in " ".join(TRUNCATION_BASIS.split())
 
 
-def _verdict(d: dict, subject: str, other: str) -> str:
-    """How a section reads a first look at a paired difference ``subject - other`` (``d``: its paired-differences
-    result): behind or ahead where the interval excludes 0, else not measurably different."""
-    if d["high"] < 0:
-        return f"**{subject} is behind {other}**"
-    if d["low"] > 0:
-        return f"**{subject} is ahead of {other}**"
-    return f"**{subject} is not measurably different from {other}**"
-
-
 def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
     """docs/study.md's section on the replay's none at top-k 16 (:func:`_top_k_replay`): its two tables, the runs made
     and their times, the runs ended low, collapsed, never taking off, below the plateau and stuck at the kept ids'
     entropy, each question's outcome from its rule and the reading fixed with them before the runs; recomputed from
     the archive and the reports."""
-    import math
-
     import numpy as np
 
     from megatron_mis.testbed.study.report import _fmt_ci, _fmt_diff
@@ -5735,9 +5725,7 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
         reading = "the cost is the mismatch's"
     else:
         reading = f"not separated at {n} seeds"
-    runs = _archive_runs("sweep-long-tail-truncation")
-    records = {s: runs["long-tail-top-k-replay-k16", "none", s][0] for s in seeds}
-    stuck = [s for s in seeds if abs(records[s][-1]["entropy"] - math.log(16)) < 1e-3]
+    stuck = x.stuck
     below = {a: [s for s in seeds if x.greedy[a, s] < 0.3] for a in ("replay", "none", "ref_fp32")}
     never = [s for s in seeds if x.metrics["none", s]["steps_to_threshold"] is None]
     assert len(never) == x.never["none"]
@@ -5745,9 +5733,9 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
         f"{len(x.walls)} runs made here, the reference's {n} copied, {sum(x.walls) / 3600:.1f} CPU-hours, "
         f"{np.median(x.walls) / 60:.1f} min per run (median)",
         f"--first-seed {seeds.start} --seeds 50", "up to 50 seeds (0-49)",  # the pre-registered count, cut by the clock
-        _verdict(q1, "The replay", "the reference") + f" (question 1): {_quoted(q1)} over {n} seeds (MDE "
+        _look_verdict(q1, q1, "The replay", "the reference") + f" (question 1): {_quoted(q1)} over {n} seeds (MDE "
         f"{r['replay - reference'][2]:.3f})",
-        _verdict(q2, "The replay", "none without it") + f" (question 2): {_quoted(q2)} (MDE "
+        _look_verdict(q2, q2, "The replay", "none without it") + f" (question 2): {_quoted(q2)} (MDE "
         f"{r['replay - none'][2]:.3f}); none without it - reference on the same seeds {_quoted(scale)} (MDE "
         f"{r['none - reference'][2]:.3f})",
         f"**Reading** (the rule fixed before the runs): {reading}",
@@ -5851,9 +5839,7 @@ def test_slime_s_replay_on_the_seed_stuck_at_the_kept_ids_entropy_comes_from_the
     report, seeds = _TOP_K_REPLAY_CHECK
     x = _top_k_replay()
     runs, headers = _archive_runs(archive), _archive_headers(archive)
-    stuck = [s for s in x.seeds if abs(runs["long-tail-top-k-replay-k16", "none", s][0][-1]["entropy"] - math.log(16))
-             < 1e-3]
-    assert list(seeds) == stuck[:2]  # the first two such seeds in seed order (one here)
+    assert list(seeds) == x.stuck[:2]  # the first two such seeds in seed order (one here)
     summary = _summary(archive, report)
     arms, _, _, setting, _, study = _one_vm_report(report, {"none", "ref_fp32"}, seeds, _ZEN4, archive)
     assert setting == "long-tail-top-k-replay-full-entropy-k16" and summary["threshold"] == x.summary["threshold"]
