@@ -5198,10 +5198,10 @@ def _top_k_replay() -> SimpleNamespace:
     none (processed) - reference; ``greedy`` ``{(arm, seed): greedy reward}`` with the replay's runs as ``"replay"``;
     the report's rows (``arms``), the runs ended low, collapsed and never taking off, and the wall times of the runs made
     here; ``stuck``: the seeds whose replay run ended with its entropy within 1e-3 of ln 16, the most the kept ids'
-    entropy can be (every kept distribution uniform). Checks that the report quotes exactly these seeds with the top-k 16 sections' study settings, its figures are
-    the recomputed ones, every replay run was made on the Zen 4 VM at one thread with the truncated log-probs recorded
-    and the support replayed, and every reference run is a copy of the processed sweep's reference at that seed (the
-    untruncated reference is one run at every dose)."""
+    entropy can be (every kept distribution uniform). Checks that the report quotes exactly these seeds with the top-k
+    16 sections' study settings, its figures are the recomputed ones, every replay run was made on the Zen 4 VM at one
+    thread with the truncated log-probs recorded and the support replayed, and every reference run is a copy of the
+    processed sweep's reference at that seed (the untruncated reference is one run at every dose)."""
     import numpy as np
 
     from megatron_mis.testbed.demo.config import DemoConfig
@@ -5534,6 +5534,19 @@ def test_top_k_16_over_processed_log_probs_on_more_seeds_comes_from_the_archive(
             f"{_quoted(none_ref.pooled)}") in " ".join(TRUNCATION_BASIS.split())
 
 
+def _one_machine(summary: dict, runs_made: int) -> SimpleNamespace:
+    """The one machine kind a report's runs were made on, as the sections name it (``cpu``, ``family``, ``model``,
+    ``python``, ``torch``: the version without its build suffix), checked against the report's ``runs_made_on``: one
+    kind, AVX-512 kernels, ``runs_made`` runs (a copied run counts on its source's machine)."""
+    machine = summary["machine"]
+    (made_on,) = summary["runs_made_on"]
+    family, model = machine["cpu_family_model"].split("/")
+    assert made_on == (f"{machine['cpu']} (family {family} model {model}) [AVX512], Python {machine['python']}, "
+                       f"torch {machine['torch']}") and summary["runs_made_on"][made_on] == runs_made
+    return SimpleNamespace(cpu=machine["cpu"], family=family, model=model, python=machine["python"],
+                           torch=machine["torch"].split("+")[0])
+
+
 def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive():
     """docs/study.md's section on none and the reference at processed top-k 16 past seed 29 (:func:`_top_k_none`): its
     three tables, the runs made and their times, the runs ended low, collapsed and below the plateau, and the outcome
@@ -5624,16 +5637,14 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
     ]
     # the machine, the report, the take-off's threshold and the other doses' seeds, as the runs and reports give them
     summary = x.summary
-    (made_on,) = summary["runs_made_on"]
-    family, model = summary["machine"]["cpu_family_model"].split("/")
+    vm = _one_machine(summary, len(x.walls))
     replay = _dose("sweep-long-tail-truncation", "long-tail-top-k-replay", "k64")["arms"]["none"]["n"]
     others = [_dose("sweep-long-tail-truncation", f"long-tail-{kind}-processed", label)["arms"]["none"]["n"]
               for kind, label in (("top-k", "k256"), ("top-p", "p0.95"), ("top-p", "p0.8"))]
-    python, torch_version = summary["machine"]["python"], summary["machine"]["torch"].split("+")[0]
     top_k = summary["doses"][0]["label"].removeprefix("k")  # the dose k16 (its setting checked in _top_k_none)
     quotes += [
-        f"The added runs, on the Zen 4 VM (AMD EPYC family {family} model {model}, AVX-512 kernels, Python {python}, "
-        f"torch {torch_version}, {summary['threads_per_run']} thread each)",
+        f"The added runs, on the Zen 4 VM (AMD EPYC family {vm.family} model {vm.model}, AVX-512 kernels, Python "
+        f"{vm.python}, torch {vm.torch}, {summary['threads_per_run']} thread each)",
         f"Report: [{_TOP_K_NONE[0]}/](study/sweep-long-tail-truncation/{_TOP_K_NONE[0]}/report.md)",
         f"into {_TOP_K_NONE[0]}/)", f"archive beside seeds 0-{seeds.start - 1};",
         f"(the {x.study['last_k']}-step mean training reward reaching {summary['threshold']})",
@@ -5642,10 +5653,8 @@ def test_none_and_the_reference_at_top_k_16_on_more_seeds_come_from_the_archive(
         "| seeds for 0.05 | pooled, 5% split over three looks |",
         "Below a greedy reward of 0.3 over", f"**What it changes**: top-k {top_k}, the smallest kept mass run",
         f"the support in the trainer at top-k {top_k} would",
-        f"({summary['machine']['cpu']} family {family} model {model}, Zen 4, torch kernels AVX-512, Python {python}, "
-        f"torch {torch_version})"]
-    assert made_on == (f"{summary['machine']['cpu']} (family {family} model {model}) [AVX512], Python {python}, "
-                       f"torch {summary['machine']['torch']}") and summary["runs_made_on"][made_on] == len(x.walls)
+        f"({vm.cpu} family {vm.family} model {vm.model}, Zen 4, torch kernels AVX-512, Python {vm.python}, "
+        f"torch {vm.torch})"]
     assert first.pooled["n"] == 30 and len(k16.seeds) == 14 and (k16.seeds.start, k16.seeds.stop) == (16, seeds.start)
     _assert_quoted([" ".join(q.split()) for q in quotes], " ".join(section.split()))
     # the quotes elsewhere: the sections before, the answers' row, the summary, "Not yet measured", the plan, README,
@@ -5755,9 +5764,7 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
                for name, b in (("replay - reference", "ref_fp32"), ("replay - none", "none"))}
     pooled = x.none.reward.pooled
     summary = x.summary
-    (made_on,) = summary["runs_made_on"]
-    family, model = summary["machine"]["cpu_family_model"].split("/")
-    python, torch_version = summary["machine"]["python"], summary["machine"]["torch"].split("+")[0]
+    vm = _one_machine(summary, len(x.walls) + n)  # the replay runs made here and the reference's copies
     top_k = summary["doses"][0]["label"].removeprefix("k")  # the dose k16 (its setting checked in _top_k_replay)
     vocab = _archive_headers("sweep-long-tail-truncation")["long-tail-top-k-replay-k16", "none", 0]["config"][
         "vocab_size"]
@@ -5781,15 +5788,14 @@ def test_the_support_replayed_at_top_k_16_comes_from_the_archive():
         # the dose, the seeds and the question numbers as the section names them
         f"against the reference, on the same seeds {seeds.start}-{seeds.stop - 1}, paired per seed:",
         "| comparison | greedy reward | paired SD | MDE | seeds for 0.05 | take-off, steps (seeds where both reached it) |",
-        f"Sampling from the top {top_k} ids with the support replayed", f"what remains is sampling from the top {top_k} of {vocab} ids itself",
+        f"Sampling from the top {top_k} ids with the support replayed",
+        f"what remains is sampling from the top {top_k} of {vocab} ids itself",
         "**The take-off, ended low and K3** (question 3)", f"seed {stuck[0]}, greedy reward 0);",
         f"Without seed {stuck[0]} (a look not fixed before the runs)", f"**What it changes**: at top-k {top_k} on this",
         f"whether slime's replay also leaves the cost of top-k {top_k} in place",
-        f"The replay runs, on the Zen 4 VM (AMD EPYC family {family} model {model}, AVX-512 kernels, Python {python}, "
-        f"torch {torch_version}, {summary['threads_per_run']} thread each)",
+        f"The replay runs, on the Zen 4 VM (AMD EPYC family {vm.family} model {vm.model}, AVX-512 kernels, Python "
+        f"{vm.python}, torch {vm.torch}, {summary['threads_per_run']} thread each)",
     ]
-    assert made_on == (f"{summary['machine']['cpu']} (family {family} model {model}) [AVX512], Python {python}, "
-                       f"torch {summary['machine']['torch']}") and summary["runs_made_on"][made_on] == len(x.walls) + n  # + the copies
     assert q2["high"] < -scale["mean"]  # "the replay did not win all of it back"
     # "none was not measurably behind at top-k 64 or 256": the wider supports' own looks
     k64 = _top_k_more("k64").reward["none - reference"].pooled
